@@ -1,0 +1,586 @@
+"""Caffe pooling (MAX, AVE, STOCHASTIC) forward/backward, numpy and CuPy.
+
+All arrays are NCHW.  ``kernel``, ``stride`` and ``pad`` are ints or
+``(h, w)`` pairs.  Semantics follow Caffe's ``pooling_layer.cpp/.cu``:
+
+Output size (CEIL rounding, then the padding correction)::
+
+    PH = ceil((H + 2*pad_h - kernel_h) / stride_h) + 1
+    if pad_h > 0 and (PH - 1) * stride_h >= H + pad_h: PH -= 1     (same for W)
+
+Window of output ``(ph, pw)``: ``hstart = ph*stride_h - pad_h``.
+
+* MAX: ``hend = min(hstart + kernel_h, H)``, ``hstart = max(hstart, 0)``;
+  scanned ``h`` then ``w`` ascending, a value replaces the running maximum
+  (initialised to ``-FLT_MAX``) only if it is STRICTLY greater, so ties go to
+  the first maximum and NaNs are never selected.  ``mask`` (int32, same shape
+  as ``y``) holds the argmax's flat index ``h*W + w`` inside its ``(n, c)``
+  plane (``-1`` for a window with no value above ``-FLT_MAX``).  A Caffe
+  ``top_mask`` is ``mask.astype(y.dtype)``.
+* AVE: ``hend = min(hstart + kernel_h, H + pad_h)``;
+  ``pool_size = (hend - hstart) * (wend - wstart)`` is taken BEFORE clipping
+  to the image; the window is then clipped to ``[0, H) x [0, W)`` and
+  ``y = sum(x in window) / pool_size`` (padding counts in the divisor only
+  up to ``H + pad``, unlike torch's ``count_include_pad`` with ``ceil_mode``).
+* STOCHASTIC (pad must be 0): window ``[ph*stride, min(ph*stride + k, H))``.
+  Train: ``thres = u * sum(window)`` with ``u`` from ``rand_uniform`` (shape of
+  ``y``, values in ``[0, 1]``); the first element (row-major) whose running
+  sum is ``>= thres`` is selected: ``y`` = its value, ``idx`` = its flat index
+  ``h*W + w`` in the plane (int32; Caffe stores the global index as float in
+  ``rand_idx_`` -- we keep the plane index, like ``mask``).  If no element
+  qualifies (only possible with negative inputs) the last window element is
+  taken; an empty window gives ``y = 0, idx = -1``.  Test:
+  ``y = sum(x^2) / (FLT_MIN + sum(x))`` (Caffe's ``cumsum`` starts at
+  ``FLT_MIN``).  Caffe computes ``thres`` in float also for double; here it is
+  computed in the array's dtype.
+
+Global pooling is ``kernel = (H, W)``, ``stride = 1``, ``pad = 0``.
+
+Backward functions return ``dx`` of shape ``x_shape``.  The numpy bodies are
+vectorised over N and C and loop only over the kernel window offsets; the
+CuPy bodies are RawKernels mirroring Caffe's (one thread per output element
+forward, one thread per input element backward: deterministic gathers, no
+atomics, unless the window geometry is not given to max/stochastic backward,
+when a scatter-add is used).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._backend import (FLT_MAX, FLT_MIN, _cupy, as_pair, cuda_type,
+                       is_cupy_array, launch, raw_kernel)
+
+__all__ = [
+    "pool_output_shape", "max_pool_forward", "max_pool_backward",
+    "ave_pool_forward", "ave_pool_backward", "stochastic_pool_forward_train",
+    "stochastic_pool_forward_test", "stochastic_pool_backward",
+]
+
+
+# --------------------------------------------------------------------------
+# geometry
+# --------------------------------------------------------------------------
+def _pooled(size, k, s, p):
+    out = int(math.ceil(float(size + 2 * p - k) / s)) + 1
+    if p > 0 and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def pool_output_shape(H, W, kernel, stride=1, pad=0):
+    """``(PH, PW)`` with Caffe's CEIL rounding and padding correction."""
+    kh, kw = as_pair(kernel, "kernel")
+    sh, sw = as_pair(stride, "stride")
+    ph, pw = as_pair(pad, "pad")
+    return _pooled(H, kh, sh, ph), _pooled(W, kw, sw, pw)
+
+
+def _geom(x_shape, kernel, stride, pad):
+    if len(x_shape) != 4:
+        raise ValueError(f"pooling expects (N, C, H, W), got shape {tuple(x_shape)}")
+    N, C, H, W = (int(v) for v in x_shape)
+    kh, kw = as_pair(kernel, "kernel")
+    sh, sw = as_pair(stride, "stride")
+    ph, pw = as_pair(pad, "pad")
+    if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0:
+        raise ValueError("kernel/stride must be >= 1 and pad >= 0")
+    PH, PW = _pooled(H, kh, sh, ph), _pooled(W, kw, sw, pw)
+    if PH <= 0 or PW <= 0:
+        raise ValueError(f"empty pooling output ({PH}, {PW}) for input {tuple(x_shape)}")
+    return N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW
+
+
+def _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, fill):
+    """x embedded at offset (ph, pw) in an array covering every window."""
+    N, C = x.shape[:2]
+    Hp = max(ph + H, (PH - 1) * sh + kh)
+    Wp = max(pw + W, (PW - 1) * sw + kw)
+    if fill == 0:
+        xp = np.zeros((N, C, Hp, Wp), dtype=x.dtype)
+    else:
+        xp = np.full((N, C, Hp, Wp), fill, dtype=x.dtype)
+    xp[:, :, ph:ph + H, pw:pw + W] = x
+    return xp
+
+
+def _win(i, j, sh, sw, PH, PW):
+    return (slice(None), slice(None),
+            slice(i, i + sh * (PH - 1) + 1, sh), slice(j, j + sw * (PW - 1) + 1, sw))
+
+
+def _ave_pool_size(H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+    hs = np.arange(PH) * sh - ph
+    ws = np.arange(PW) * sw - pw
+    he = np.minimum(hs + kh, H + ph)
+    we = np.minimum(ws + kw, W + pw)
+    return (he - hs)[:, None] * (we - ws)[None, :]          # (PH, PW) int
+
+
+def _dtype_const(v, dtype):
+    with np.errstate(over="ignore"):
+        return np.asarray(v, dtype=np.float64).astype(dtype)[()]
+
+
+def _i32(*vals):
+    return tuple(np.int32(v) for v in vals)
+
+
+# --------------------------------------------------------------------------
+# MAX
+# --------------------------------------------------------------------------
+def max_pool_forward(x, kernel, stride=1, pad=0):
+    """MAX pooling -> ``(y, mask)``; ``mask`` int32 plane index ``h*W+w``."""
+    g = _geom(x.shape, kernel, stride, pad)
+    if is_cupy_array(x):
+        return _max_fwd_cupy(x, *g)
+    N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
+    xp = _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, -np.inf)
+    y = np.full((N, C, PH, PW), _dtype_const(-FLT_MAX, x.dtype), dtype=x.dtype)
+    mask = np.full((N, C, PH, PW), -1, dtype=np.int32)
+    base = ((np.arange(PH) * sh - ph)[:, None] * W
+            + (np.arange(PW) * sw - pw)[None, :]).astype(np.int32)
+    for i in range(kh):                    # Caffe's scan order: h, then w
+        for j in range(kw):
+            v = xp[_win(i, j, sh, sw, PH, PW)]
+            upd = v > y                     # strictly greater: first max wins
+            np.copyto(y, v, where=upd)
+            np.copyto(mask, np.broadcast_to(base + np.int32(i * W + j), mask.shape),
+                      where=upd)
+    return y, mask
+
+
+def _index_backward_numpy(dy, idx, x_shape):
+    N, C, H, W = (int(v) for v in x_shape)
+    dx = np.zeros(N * C * H * W, dtype=dy.dtype)
+    idx = np.asarray(idx).astype(np.int64, copy=False)
+    plane = (np.arange(N * C, dtype=np.int64) * (H * W)).reshape(N, C, 1, 1)
+    valid = idx >= 0
+    flat = (idx + plane)[valid]
+    # np.add.at is unbuffered and runs in output order: for each input pixel
+    # the contributions are summed with (ph, pw) ascending, as on the GPU.
+    np.add.at(dx, flat, np.asarray(dy)[valid])
+    return dx.reshape(N, C, H, W)
+
+
+def max_pool_backward(dy, mask, x_shape, kernel=None, stride=None, pad=0):
+    """Route ``dy`` to the argmax positions in ``mask``.
+
+    ``kernel``/``stride``/``pad`` (the forward geometry) are optional: the
+    numpy body does not need them; the CuPy body uses Caffe's deterministic
+    gather kernel when they are given and a scatter-add otherwise.
+    """
+    if is_cupy_array(dy):
+        return _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad)
+    return _index_backward_numpy(dy, mask, x_shape)
+
+
+# --------------------------------------------------------------------------
+# AVE
+# --------------------------------------------------------------------------
+def ave_pool_forward(x, kernel, stride=1, pad=0):
+    """AVE pooling with Caffe's divisor (see module docstring) -> ``y``."""
+    g = _geom(x.shape, kernel, stride, pad)
+    if is_cupy_array(x):
+        return _ave_fwd_cupy(x, *g)
+    N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
+    xp = _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, 0)
+    acc = np.zeros((N, C, PH, PW), dtype=x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            acc += xp[_win(i, j, sh, sw, PH, PW)]
+    psize = _ave_pool_size(H, W, kh, kw, sh, sw, ph, pw, PH, PW).astype(x.dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return acc / psize
+
+
+def ave_pool_backward(dy, x_shape, kernel, stride=1, pad=0):
+    """Adjoint of :func:`ave_pool_forward` -> ``dx`` of shape ``x_shape``."""
+    g = _geom(x_shape, kernel, stride, pad)
+    if is_cupy_array(dy):
+        return _ave_bwd_cupy(dy, *g)
+    N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
+    if tuple(dy.shape) != (N, C, PH, PW):
+        raise ValueError(f"dy has shape {dy.shape}, expected {(N, C, PH, PW)}")
+    psize = _ave_pool_size(H, W, kh, kw, sh, sw, ph, pw, PH, PW).astype(dy.dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gdiv = dy / psize
+    Hp = max(ph + H, (PH - 1) * sh + kh)
+    Wp = max(pw + W, (PW - 1) * sw + kw)
+    dxp = np.zeros((N, C, Hp, Wp), dtype=dy.dtype)
+    # offsets descending <=> (ph, pw) ascending per pixel: the GPU's order
+    for i in range(kh - 1, -1, -1):
+        for j in range(kw - 1, -1, -1):
+            dxp[_win(i, j, sh, sw, PH, PW)] += gdiv
+    return np.ascontiguousarray(dxp[:, :, ph:ph + H, pw:pw + W])
+
+
+# --------------------------------------------------------------------------
+# STOCHASTIC
+# --------------------------------------------------------------------------
+def _check_no_pad(pad):
+    if as_pair(pad, "pad") != (0, 0):
+        raise ValueError("stochastic pooling supports pad = 0 only (as Caffe)")
+
+
+def stochastic_pool_forward_train(x, rand_uniform, kernel, stride=1, pad=0):
+    """Stochastic pooling, training -> ``(y, idx)`` (idx int32 ``h*W+w``)."""
+    _check_no_pad(pad)
+    g = _geom(x.shape, kernel, stride, 0)
+    N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
+    if tuple(rand_uniform.shape) != (N, C, PH, PW):
+        raise ValueError(f"rand_uniform has shape {rand_uniform.shape}, "
+                         f"expected {(N, C, PH, PW)}")
+    if is_cupy_array(x):
+        return _sto_train_cupy(x, rand_uniform, *g)
+    xp = _padded(x, H, W, kh, kw, sh, sw, 0, 0, PH, PW, 0)
+    hs = np.arange(PH) * sh
+    ws = np.arange(PW) * sw
+    total = np.zeros((N, C, PH, PW), dtype=x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            total += xp[_win(i, j, sh, sw, PH, PW)]
+    thres = np.asarray(rand_uniform).astype(x.dtype, copy=False) * total
+    cum = np.zeros_like(total)
+    y = np.zeros_like(total)
+    idx = np.full((N, C, PH, PW), -1, dtype=np.int32)
+    found = np.zeros((N, C, PH, PW), dtype=bool)
+    for i in range(kh):
+        hin = (hs + i) < H
+        for j in range(kw):
+            inside = hin[:, None] & ((ws + j) < W)[None, :]      # (PH, PW)
+            v = xp[_win(i, j, sh, sw, PH, PW)]
+            cum += v
+            pos = ((hs + i)[:, None] * W + (ws + j)[None, :]).astype(np.int32)
+            # fallback candidate: latest element inside the image
+            last = inside & ~found
+            np.copyto(y, v, where=last)
+            np.copyto(idx, np.broadcast_to(pos, idx.shape), where=last)
+            found |= inside & (cum >= thres)
+    return y, idx
+
+
+def stochastic_pool_forward_test(x, kernel, stride=1, pad=0):
+    """Stochastic pooling, test: ``sum(x^2) / (FLT_MIN + sum(x))`` per window."""
+    _check_no_pad(pad)
+    g = _geom(x.shape, kernel, stride, 0)
+    if is_cupy_array(x):
+        return _sto_test_cupy(x, *g)
+    N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
+    xp = _padded(x, H, W, kh, kw, sh, sw, 0, 0, PH, PW, 0)
+    cumsum = np.full((N, C, PH, PW), _dtype_const(FLT_MIN, x.dtype), dtype=x.dtype)
+    cumval = np.zeros((N, C, PH, PW), dtype=x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            v = xp[_win(i, j, sh, sw, PH, PW)]
+            cumsum += v
+            cumval += v * v
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return cumval / cumsum
+
+
+def stochastic_pool_backward(dy, idx, x_shape, kernel=None, stride=None, pad=0):
+    """Route ``dy`` to the sampled positions ``idx`` (like max backward)."""
+    _check_no_pad(pad)
+    if is_cupy_array(dy):
+        return _index_bwd_cupy(dy, idx, x_shape, kernel, stride, 0)
+    return _index_backward_numpy(dy, idx, x_shape)
+
+
+# --------------------------------------------------------------------------
+# CuPy bodies (mirror Caffe's pooling_layer.cu)
+# --------------------------------------------------------------------------
+_HDR = r"""
+#define MC_DECODE_TOP(index)                                   \
+  const int pw_ = (int)(index % PW);                           \
+  const int ph_ = (int)((index / PW) % PH);                    \
+  const long long nc_ = index / ((long long)PW * PH);
+#define MC_DECODE_BOTTOM(index)                                \
+  const int w_ = (int)(index % W);                             \
+  const int h_ = (int)((index / W) % H);                       \
+  const long long nc_ = index / ((long long)W * H);
+"""
+
+_MAX_FWD_SRC = _HDR + r"""
+extern "C" __global__ void mc_max_pool_fwd(
+    const long long nthreads, const T* __restrict__ bottom,
+    const int H, const int W, const int PH, const int PW,
+    const int kh, const int kw, const int sh, const int sw,
+    const int ph, const int pw, T* __restrict__ top, int* __restrict__ mask) {
+  CUDA_KERNEL_LOOP(index, nthreads) {
+    MC_DECODE_TOP(index)
+    int hstart = ph_ * sh - ph;
+    int wstart = pw_ * sw - pw;
+    const int hend = min(hstart + kh, H);
+    const int wend = min(wstart + kw, W);
+    hstart = max(hstart, 0);
+    wstart = max(wstart, 0);
+    T maxval = -MC_FLT_MAX;
+    int maxidx = -1;
+    const T* slice = bottom + nc_ * H * W;
+    for (int h = hstart; h < hend; ++h) {
+      for (int w = wstart; w < wend; ++w) {
+        if (slice[h * W + w] > maxval) {
+          maxidx = h * W + w;
+          maxval = slice[maxidx];
+        }
+      }
+    }
+    top[index] = maxval;
+    mask[index] = maxidx;
+  }
+}
+"""
+
+_AVE_FWD_SRC = _HDR + r"""
+extern "C" __global__ void mc_ave_pool_fwd(
+    const long long nthreads, const T* __restrict__ bottom,
+    const int H, const int W, const int PH, const int PW,
+    const int kh, const int kw, const int sh, const int sw,
+    const int ph, const int pw, T* __restrict__ top) {
+  CUDA_KERNEL_LOOP(index, nthreads) {
+    MC_DECODE_TOP(index)
+    int hstart = ph_ * sh - ph;
+    int wstart = pw_ * sw - pw;
+    int hend = min(hstart + kh, H + ph);
+    int wend = min(wstart + kw, W + pw);
+    const int pool_size = (hend - hstart) * (wend - wstart);
+    hstart = max(hstart, 0);
+    wstart = max(wstart, 0);
+    hend = min(hend, H);
+    wend = min(wend, W);
+    T aveval = 0;
+    const T* slice = bottom + nc_ * H * W;
+    for (int h = hstart; h < hend; ++h) {
+      for (int w = wstart; w < wend; ++w) {
+        aveval += slice[h * W + w];
+      }
+    }
+    top[index] = aveval / (T)pool_size;
+  }
+}
+"""
+
+_STO_TRAIN_SRC = _HDR + r"""
+extern "C" __global__ void mc_sto_pool_fwd_train(
+    const long long nthreads, const T* __restrict__ bottom,
+    const T* __restrict__ rand_u,
+    const int H, const int W, const int PH, const int PW,
+    const int kh, const int kw, const int sh, const int sw,
+    T* __restrict__ top, int* __restrict__ idx) {
+  CUDA_KERNEL_LOOP(index, nthreads) {
+    MC_DECODE_TOP(index)
+    const int hstart = ph_ * sh;
+    const int hend = min(hstart + kh, H);
+    const int wstart = pw_ * sw;
+    const int wend = min(wstart + kw, W);
+    const T* slice = bottom + nc_ * H * W;
+    T cumsum = 0;
+    // First pass: get sum
+    for (int h = hstart; h < hend; ++h)
+      for (int w = wstart; w < wend; ++w)
+        cumsum += slice[h * W + w];
+    const T thres = rand_u[index] * cumsum;
+    // Second pass: get value, and set index.
+    cumsum = 0;
+    T val = 0;
+    int sel = -1;
+    for (int h = hstart; h < hend && !(sel >= 0 && cumsum >= thres); ++h) {
+      for (int w = wstart; w < wend; ++w) {
+        cumsum += slice[h * W + w];
+        sel = h * W + w;
+        val = slice[sel];
+        if (cumsum >= thres) break;
+      }
+    }
+    top[index] = val;
+    idx[index] = sel;
+  }
+}
+"""
+
+_STO_TEST_SRC = _HDR + r"""
+extern "C" __global__ void mc_sto_pool_fwd_test(
+    const long long nthreads, const T* __restrict__ bottom,
+    const int H, const int W, const int PH, const int PW,
+    const int kh, const int kw, const int sh, const int sw,
+    T* __restrict__ top) {
+  CUDA_KERNEL_LOOP(index, nthreads) {
+    MC_DECODE_TOP(index)
+    const int hstart = ph_ * sh;
+    const int hend = min(hstart + kh, H);
+    const int wstart = pw_ * sw;
+    const int wend = min(wstart + kw, W);
+    // We set cumsum to be 0 to avoid divide-by-zero problems
+    T cumsum = (T)MC_FLT_MIN;
+    T cumvalues = 0;
+    const T* slice = bottom + nc_ * H * W;
+    for (int h = hstart; h < hend; ++h) {
+      for (int w = wstart; w < wend; ++w) {
+        const T v = slice[h * W + w];
+        cumsum += v;
+        cumvalues += v * v;
+      }
+    }
+    top[index] = cumvalues / cumsum;
+  }
+}
+"""
+
+# Max and stochastic backward share one gather kernel: mask/idx hold the
+# plane index of the selected input; (ph, pw) ascending like Caffe.
+_INDEX_BWD_SRC = _HDR + r"""
+extern "C" __global__ void mc_index_pool_bwd(
+    const long long nthreads, const T* __restrict__ top_diff,
+    const int* __restrict__ mask,
+    const int H, const int W, const int PH, const int PW,
+    const int kh, const int kw, const int sh, const int sw,
+    const int ph, const int pw, T* __restrict__ bottom_diff) {
+  CUDA_KERNEL_LOOP(index, nthreads) {
+    MC_DECODE_BOTTOM(index)
+    const int phstart = (h_ + ph < kh) ? 0 : (h_ + ph - kh) / sh + 1;
+    const int phend = min((h_ + ph) / sh + 1, PH);
+    const int pwstart = (w_ + pw < kw) ? 0 : (w_ + pw - kw) / sw + 1;
+    const int pwend = min((w_ + pw) / sw + 1, PW);
+    T gradient = 0;
+    const long long offset = nc_ * PH * PW;
+    const T* td = top_diff + offset;
+    const int* m = mask + offset;
+    const int me = h_ * W + w_;
+    for (int p = phstart; p < phend; ++p) {
+      for (int q = pwstart; q < pwend; ++q) {
+        if (m[p * PW + q] == me) gradient += td[p * PW + q];
+      }
+    }
+    bottom_diff[index] = gradient;
+  }
+}
+"""
+
+# Scatter fallback when the window geometry is unknown (atomics: the
+# summation order of coinciding contributions is not deterministic).
+_INDEX_SCATTER_SRC = r"""
+extern "C" __global__ void mc_index_pool_scatter(
+    const long long nthreads, const T* __restrict__ top_diff,
+    const int* __restrict__ mask, const int HW, const int PHW,
+    T* __restrict__ bottom_diff) {
+  CUDA_KERNEL_LOOP(index, nthreads) {
+    const int m = mask[index];
+    if (m >= 0) atomicAdd(bottom_diff + (index / PHW) * HW + m, top_diff[index]);
+  }
+}
+"""
+
+_AVE_BWD_SRC = _HDR + r"""
+extern "C" __global__ void mc_ave_pool_bwd(
+    const long long nthreads, const T* __restrict__ top_diff,
+    const int H, const int W, const int PH, const int PW,
+    const int kh, const int kw, const int sh, const int sw,
+    const int ph, const int pw, T* __restrict__ bottom_diff) {
+  CUDA_KERNEL_LOOP(index, nthreads) {
+    // find out the local index; compute in the padded coordinates
+    MC_DECODE_BOTTOM(index)
+    const int w = w_ + pw;
+    const int h = h_ + ph;
+    const int phstart = (h < kh) ? 0 : (h - kh) / sh + 1;
+    const int phend = min(h / sh + 1, PH);
+    const int pwstart = (w < kw) ? 0 : (w - kw) / sw + 1;
+    const int pwend = min(w / sw + 1, PW);
+    T gradient = 0;
+    const T* td = top_diff + nc_ * PH * PW;
+    for (int p = phstart; p < phend; ++p) {
+      for (int q = pwstart; q < pwend; ++q) {
+        // figure out the pooling size
+        const int hstart = p * sh - ph;
+        const int wstart = q * sw - pw;
+        const int hend = min(hstart + kh, H + ph);
+        const int wend = min(wstart + kw, W + pw);
+        const int pool_size = (hend - hstart) * (wend - wstart);
+        gradient += td[p * PW + q] / (T)pool_size;
+      }
+    }
+    bottom_diff[index] = gradient;
+  }
+}
+"""
+
+
+def _max_fwd_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+    cp = _cupy()
+    x = cp.ascontiguousarray(x)
+    y = cp.empty((N, C, PH, PW), dtype=x.dtype)
+    mask = cp.empty((N, C, PH, PW), dtype=cp.int32)
+    k = raw_kernel(_MAX_FWD_SRC, "mc_max_pool_fwd", cuda_type(x.dtype))
+    launch(k, y.size, (np.int64(y.size), x) + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw)
+           + (y, mask))
+    return y, mask
+
+
+def _ave_fwd_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+    cp = _cupy()
+    x = cp.ascontiguousarray(x)
+    y = cp.empty((N, C, PH, PW), dtype=x.dtype)
+    k = raw_kernel(_AVE_FWD_SRC, "mc_ave_pool_fwd", cuda_type(x.dtype))
+    launch(k, y.size, (np.int64(y.size), x) + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw)
+           + (y,))
+    return y
+
+
+def _ave_bwd_cupy(dy, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+    cp = _cupy()
+    if tuple(dy.shape) != (N, C, PH, PW):
+        raise ValueError(f"dy has shape {dy.shape}, expected {(N, C, PH, PW)}")
+    dy = cp.ascontiguousarray(dy)
+    dx = cp.empty((N, C, H, W), dtype=dy.dtype)
+    k = raw_kernel(_AVE_BWD_SRC, "mc_ave_pool_bwd", cuda_type(dy.dtype))
+    launch(k, dx.size, (np.int64(dx.size), dy) + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw)
+           + (dx,))
+    return dx
+
+
+def _sto_train_cupy(x, u, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+    cp = _cupy()
+    x = cp.ascontiguousarray(x)
+    u = cp.ascontiguousarray(u, dtype=x.dtype)
+    y = cp.empty((N, C, PH, PW), dtype=x.dtype)
+    idx = cp.empty((N, C, PH, PW), dtype=cp.int32)
+    k = raw_kernel(_STO_TRAIN_SRC, "mc_sto_pool_fwd_train", cuda_type(x.dtype))
+    launch(k, y.size, (np.int64(y.size), x, u) + _i32(H, W, PH, PW, kh, kw, sh, sw)
+           + (y, idx))
+    return y, idx
+
+
+def _sto_test_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+    cp = _cupy()
+    x = cp.ascontiguousarray(x)
+    y = cp.empty((N, C, PH, PW), dtype=x.dtype)
+    k = raw_kernel(_STO_TEST_SRC, "mc_sto_pool_fwd_test", cuda_type(x.dtype))
+    launch(k, y.size, (np.int64(y.size), x) + _i32(H, W, PH, PW, kh, kw, sh, sw) + (y,))
+    return y
+
+
+def _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad):
+    cp = _cupy()
+    N, C, H, W = (int(v) for v in x_shape)
+    dy = cp.ascontiguousarray(dy)
+    mask = cp.ascontiguousarray(mask, dtype=cp.int32)
+    if dy.ndim != 4 or dy.shape[:2] != (N, C) or mask.shape != dy.shape:
+        raise ValueError(f"dy {dy.shape} / mask {mask.shape} do not match x_shape {x_shape}")
+    PH, PW = int(dy.shape[2]), int(dy.shape[3])
+    ctype = cuda_type(dy.dtype)
+    if kernel is None:
+        dx = cp.zeros((N, C, H, W), dtype=dy.dtype)
+        k = raw_kernel(_INDEX_SCATTER_SRC, "mc_index_pool_scatter", ctype)
+        launch(k, dy.size, (np.int64(dy.size), dy, mask) + _i32(H * W, PH * PW) + (dx,))
+        return dx
+    kh, kw = as_pair(kernel, "kernel")
+    sh, sw = as_pair(1 if stride is None else stride, "stride")
+    ph, pw = as_pair(pad, "pad")
+    if (PH, PW) != (_pooled(H, kh, sh, ph), _pooled(W, kw, sw, pw)):
+        raise ValueError("dy's spatial shape does not match the pooling geometry")
+    dx = cp.empty((N, C, H, W), dtype=dy.dtype)
+    k = raw_kernel(_INDEX_BWD_SRC, "mc_index_pool_bwd", ctype)
+    launch(k, dx.size, (np.int64(dx.size), dy, mask)
+           + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw) + (dx,))
+    return dx

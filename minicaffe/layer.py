@@ -1,0 +1,203 @@
+"""The Layer base class: Caffe's lifecycle (layer.hpp).
+
+``setup`` checks the declared blob counts, calls ``layer_setup`` once (read
+parameters, create and fill ``self.blobs``), then ``reshape``, then records the
+loss weights.  ``forward`` reshapes, runs the CPU or GPU body for this thread's
+mode and returns the weighted loss.  ``backward`` runs the body with
+``propagate_down``.  Parameter diffs accumulate; bottom diffs are overwritten.
+
+A layer writes its math once for numpy and cupy as ``forward_xp(xp, bottom, top)``
+and ``backward_xp(xp, top, propagate_down, bottom)``, or as separate
+``forward_cpu``/``forward_gpu`` bodies.  A layer with no GPU body runs its CPU
+body in GPU mode (the SyncedMemory moves the data).
+"""
+import numpy as np
+
+from . import backend, context
+from .blob import Blob
+from .errors import LayerError
+
+
+class Layer:
+    type = None
+    exact_num_bottom_blobs = -1
+    min_bottom_blobs = -1
+    max_bottom_blobs = -1
+    exact_num_top_blobs = -1
+    min_top_blobs = -1
+    max_top_blobs = -1
+    equal_num_bottom_top_blobs = False
+    auto_top_blobs = False
+
+    def __init__(self, param):
+        self.layer_param = param
+        self.phase = param.phase
+        self.blobs = []
+        for bp in param.blobs:
+            b = Blob()
+            b.from_proto(bp)
+            self.blobs.append(b)
+        self.param_propagate_down = []
+        self._loss = []
+
+    # -- names -------------------------------------------------------------
+    @property
+    def name(self):
+        return self.layer_param.name
+
+    def error(self, message):
+        """A LayerError naming this layer, to raise."""
+        return LayerError(self.layer_param.name, self.type, message)
+
+    # -- lifecycle -----------------------------------------------------------
+    def setup(self, bottom, top):
+        self.check_blob_counts(bottom, top)
+        self.layer_setup(bottom, top)
+        self.reshape(bottom, top)
+        self.set_loss_weights(top)
+
+    def layer_setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        raise NotImplementedError(f"{type(self).__name__}.reshape")
+
+    def check_blob_counts(self, bottom, top):
+        nb, nt = len(bottom), len(top)
+        if self.exact_num_bottom_blobs >= 0 and nb != self.exact_num_bottom_blobs:
+            raise self.error(f"takes exactly {self.exact_num_bottom_blobs} bottom blob(s), got {nb}")
+        if self.min_bottom_blobs >= 0 and nb < self.min_bottom_blobs:
+            raise self.error(f"takes at least {self.min_bottom_blobs} bottom blob(s), got {nb}")
+        if self.max_bottom_blobs >= 0 and nb > self.max_bottom_blobs:
+            raise self.error(f"takes at most {self.max_bottom_blobs} bottom blob(s), got {nb}")
+        if self.exact_num_top_blobs >= 0 and nt != self.exact_num_top_blobs:
+            raise self.error(f"produces exactly {self.exact_num_top_blobs} top blob(s), got {nt}")
+        if self.min_top_blobs >= 0 and nt < self.min_top_blobs:
+            raise self.error(f"produces at least {self.min_top_blobs} top blob(s), got {nt}")
+        if self.max_top_blobs >= 0 and nt > self.max_top_blobs:
+            raise self.error(f"produces at most {self.max_top_blobs} top blob(s), got {nt}")
+        if self.equal_num_bottom_top_blobs and nb != nt:
+            raise self.error(f"needs as many top blobs as bottom blobs, got {nb} bottom and {nt} top")
+
+    def set_loss_weights(self, top):
+        weights = self.layer_param.loss_weight
+        if len(weights) == 0:
+            return
+        if len(weights) != len(top):
+            raise self.error(f"loss_weight must be given once per top blob "
+                             f"({len(weights)} given, {len(top)} tops)")
+        for i, w in enumerate(weights):
+            self.set_loss(i, w)
+            if w != 0:
+                top[i].mutable_cpu_diff()[...] = w
+
+    def loss(self, top_index):
+        return self._loss[top_index] if top_index < len(self._loss) else 0.0
+
+    def set_loss(self, top_index, value):
+        while len(self._loss) <= top_index:
+            self._loss.append(0.0)
+        self._loss[top_index] = float(value)
+
+    # -- forward/backward -------------------------------------------------------
+    def forward(self, bottom, top):
+        self.reshape(bottom, top)
+        if context.is_gpu():
+            self.forward_gpu(bottom, top)
+            xp = backend.cp
+        else:
+            self.forward_cpu(bottom, top)
+            xp = np
+        loss = 0.0
+        for i, t in enumerate(top):
+            if self.loss(i):
+                loss += float((t.data_for(xp) * t.diff_for(xp)).sum())
+        return loss
+
+    def backward(self, top, propagate_down, bottom):
+        if context.is_gpu():
+            self.backward_gpu(top, propagate_down, bottom)
+        else:
+            self.backward_cpu(top, propagate_down, bottom)
+
+    def forward_xp(self, xp, bottom, top):
+        raise NotImplementedError
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        raise NotImplementedError
+
+    def forward_cpu(self, bottom, top):
+        if type(self).forward_xp is Layer.forward_xp:
+            raise NotImplementedError(f"{type(self).__name__} has no forward body")
+        self.forward_xp(np, bottom, top)
+
+    def forward_gpu(self, bottom, top):
+        if type(self).forward_xp is not Layer.forward_xp:
+            self.forward_xp(backend.cp, bottom, top)
+        else:
+            self.forward_cpu(bottom, top)
+
+    def backward_cpu(self, top, propagate_down, bottom):
+        if type(self).backward_xp is Layer.backward_xp:
+            return  # layers with nothing to propagate (data, accuracy...)
+        self.backward_xp(np, top, propagate_down, bottom)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if type(self).backward_xp is not Layer.backward_xp:
+            self.backward_xp(backend.cp, top, propagate_down, bottom)
+        else:
+            self.backward_cpu(top, propagate_down, bottom)
+
+    # -- flags -------------------------------------------------------------------
+    def allow_force_backward(self, bottom_index):
+        return True
+
+    def set_param_propagate_down(self, index, value):
+        while len(self.param_propagate_down) <= index:
+            self.param_propagate_down.append(True)
+        self.param_propagate_down[index] = bool(value)
+
+    def get_param_propagate_down(self, index):
+        return self.param_propagate_down[index] if index < len(self.param_propagate_down) else True
+
+    def to_proto(self, write_diff=False):
+        from .proto import caffe_pb2
+        p = caffe_pb2.LayerParameter()
+        p.CopyFrom(self.layer_param)
+        del p.blobs[:]
+        for b in self.blobs:
+            b.to_proto(p.blobs.add(), write_diff)
+        return p
+
+    def __repr__(self):
+        return f"<{type(self).__name__} '{self.name}'>"
+
+
+class NeuronLayer(Layer):
+    """One bottom, one top of the same shape (may be computed in place)."""
+    exact_num_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].shape)
+
+
+class LossLayer(Layer):
+    """Predictions and targets in, a scalar loss out (weight 1 unless given)."""
+    exact_num_bottom_blobs = 2
+    exact_num_top_blobs = 1
+    auto_top_blobs = True
+
+    def setup(self, bottom, top):
+        if len(self.layer_param.loss_weight) == 0:
+            self.layer_param.loss_weight.append(1.0)
+        super().setup(bottom, top)
+
+    def reshape(self, bottom, top):
+        if bottom[0].shape[0] != bottom[1].shape[0]:
+            raise self.error(f"the data and label should have the same first dimension "
+                             f"(got {bottom[0].shape} and {bottom[1].shape})")
+        top[0].reshape(())
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != 1

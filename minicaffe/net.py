@@ -1,0 +1,752 @@
+"""Net: a graph of layers built from a NetParameter (Caffe's net.cpp).
+
+Building a Net filters layers by the NetState (phase, level, stages), inserts
+Split layers where one top feeds several bottoms (Caffe's names), creates and
+sets up each layer, works out which layers and blobs need backward, and shares
+parameters by ParamSpec name.  The Net never touches numpy or cupy itself: the
+layers do, in this thread's mode.
+
+The Python surface uses pycaffe's names: ``Net(file, phase, weights=...)``,
+``blobs``/``params`` (ordered dicts), ``forward()`` returning the outputs,
+``backward()``, ``reshape()``.
+"""
+import collections
+import os
+
+import numpy as np
+
+from . import context, log, protoio
+from .blob import Blob
+from .errors import ConfigError, MinicaffeError
+from .proto import caffe_pb2
+from .registry import create_layer
+from .upgrade import upgrade_net_as_needed
+
+TRAIN = caffe_pb2.TRAIN
+TEST = caffe_pb2.TEST
+
+
+# -- reading definitions -------------------------------------------------------------
+def read_net_param(source):
+    """A NetParameter from a path (prototxt, YAML or binary), text, bytes or a message."""
+    if isinstance(source, caffe_pb2.NetParameter):
+        p = caffe_pb2.NetParameter()
+        p.CopyFrom(source)
+        upgrade_net_as_needed(p)
+        return p
+    p = caffe_pb2.NetParameter()
+    if isinstance(source, bytes):
+        p.ParseFromString(source)
+    elif isinstance(source, (str, os.PathLike)) and (os.path.exists(source) or
+                                                     not ("{" in str(source) or ":" in str(source))):
+        protoio.read_any(source, p)
+    else:
+        protoio.parse_text(str(source), p)
+    upgrade_net_as_needed(p, str(source) if not isinstance(source, bytes) else "<bytes>")
+    return p
+
+
+def read_weights(path):
+    """A NetParameter of trained weights from a binary .caffemodel (upgraded as needed)."""
+    p = caffe_pb2.NetParameter()
+    protoio.read_binary(path, p)
+    upgrade_net_as_needed(p, str(path))
+    return p
+
+
+# -- NetState filtering -----------------------------------------------------------------
+def state_meets_rule(state, rule, layer_name=""):
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    for s in rule.stage:
+        if s not in state.stage:
+            return False
+    for s in rule.not_stage:
+        if s in state.stage:
+            return False
+    return True
+
+
+def filter_net(param):
+    """A copy of ``param`` holding only the layers its state includes."""
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(param)
+    del out.layer[:]
+    for lp in param.layer:
+        if len(lp.include) and len(lp.exclude):
+            raise ConfigError(f"layer '{lp.name}': specify either include rules or exclude rules; not both")
+        included = len(lp.include) == 0
+        for rule in lp.exclude:
+            if state_meets_rule(param.state, rule, lp.name):
+                included = False
+        for rule in lp.include:
+            if state_meets_rule(param.state, rule, lp.name):
+                included = True
+        if included:
+            out.layer.add().CopyFrom(lp)
+    return out
+
+
+# -- Split insertion ----------------------------------------------------------------------
+def split_layer_name(layer_name, blob_name, blob_idx):
+    return f"{blob_name}_{layer_name}_{blob_idx}_split"
+
+
+def split_blob_name(layer_name, blob_name, blob_idx, split_idx):
+    return f"{blob_name}_{layer_name}_{blob_idx}_split_{split_idx}"
+
+
+def insert_splits(param):
+    """Caffe's InsertSplits: a Split layer wherever a top feeds more than one consumer
+    (a loss weight on a top counts as a consumer)."""
+    last_top = {}
+    source_of_bottom = {}
+    bottom_count = collections.Counter()
+    loss_weight = {}
+    for i, lp in enumerate(param.layer):
+        for j, name in enumerate(lp.bottom):
+            if name not in last_top:
+                raise ConfigError(f"layer '{lp.name}': unknown bottom blob '{name}' "
+                                  f"(bottom index {j}; no earlier layer produces it)")
+            source_of_bottom[(i, j)] = last_top[name]
+            bottom_count[last_top[name]] += 1
+        for j, name in enumerate(lp.top):
+            last_top[name] = (i, j)
+        for j in range(min(len(lp.loss_weight), len(lp.top))):
+            idx = last_top[lp.top[j]]
+            loss_weight[idx] = lp.loss_weight[j]
+            if loss_weight[idx]:
+                bottom_count[idx] += 1
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(param)
+    del out.layer[:]
+    split_idx = collections.Counter()
+    for i, lp in enumerate(param.layer):
+        nl = out.layer.add()
+        nl.CopyFrom(lp)
+        for j, name in enumerate(lp.bottom):
+            src = source_of_bottom[(i, j)]
+            if bottom_count[src] > 1:
+                src_layer = param.layer[src[0]].name
+                nl.bottom[j] = split_blob_name(src_layer, name, src[1], split_idx[src])
+                split_idx[src] += 1
+        for j, name in enumerate(lp.top):
+            idx = (i, j)
+            n = bottom_count[idx]
+            if n > 1:
+                lw = loss_weight.get(idx, 0.0)
+                sp = out.layer.add()
+                sp.name = split_layer_name(lp.name, name, j)
+                sp.type = "Split"
+                sp.bottom.append(name)
+                for k in range(n):
+                    sp.top.append(split_blob_name(lp.name, name, j, k))
+                    if lw:
+                        sp.loss_weight.append(lw if k == 0 else 0.0)
+                if lw:
+                    del nl.loss_weight[:]
+                    split_idx[idx] += 1
+    return out
+
+
+class Net:
+    """A network of layers.  ``Net(network_file, phase, level=0, stages=None, weights=None)``
+    or the legacy ``Net(network_file, weights, phase)``; ``network_file`` may also be a
+    NetParameter or prototxt text."""
+
+    def __init__(self, network, phase=None, weights=None, level=0, stages=None, *legacy):
+        if isinstance(phase, (str, os.PathLike)) and not isinstance(weights, (str, os.PathLike)):
+            # legacy pycaffe signature Net(file, weights, phase)
+            phase, weights = weights, phase
+        if legacy:
+            raise TypeError("Net() takes (network, phase, weights=None, level=0, stages=None)")
+        param = read_net_param(network)
+        self._source = str(network) if isinstance(network, (str, os.PathLike)) else "<net>"
+        if phase is not None:
+            param.state.phase = phase
+            param.state.level = level
+            del param.state.stage[:]
+            param.state.stage.extend(stages or [])
+        elif stages:
+            param.state.stage.extend(stages)
+        self._init(param)
+        if weights:
+            self.copy_from(weights)
+
+    # -- construction ------------------------------------------------------------
+    def _init(self, in_param):
+        self.phase = in_param.state.phase
+        filtered = filter_net(in_param)
+        log.info("Initializing net from parameters: \n%s", _short_text(filtered))
+        param = insert_splits(filtered)
+        self.net_param = param
+        self.name = param.name
+        self.layers = []
+        self.layer_names = []
+        self._blobs = []
+        self.blob_names = []
+        self._blob_need_backward = []
+        self.bottom_vecs, self.bottom_id_vecs, self.bottom_need_backward = [], [], []
+        self.top_vecs, self.top_id_vecs = [], []
+        self.param_id_vecs = []
+        self.params_ = []  # every param blob, shared ones included
+        self.param_owners = []
+        self.param_display_names = []
+        self.param_layer_indices = []
+        self.param_names_index = {}
+        self.learnable_params = []
+        self.learnable_param_ids = []
+        self.params_lr = []
+        self.params_weight_decay = []
+        self.has_params_lr = []
+        self.has_params_decay = []
+        self.blob_loss_weights = []
+        self.layer_need_backward = []
+        self.input_blob_indices = []
+        self.output_blob_indices = []
+        self.debug_info = param.debug_info
+        self._before_forward, self._after_forward = [], []
+        self._before_backward, self._after_backward = [], []
+        available = []  # insertion-ordered set of blobs not yet consumed
+        name_to_idx = {}
+        memory_used = 0
+        for layer_id, lp in enumerate(param.layer):
+            if not lp.HasField("phase"):
+                lp.phase = self.phase
+            if len(lp.propagate_down) and len(lp.propagate_down) != len(lp.bottom):
+                raise ConfigError(f"layer '{lp.name}': propagate_down param must be specified "
+                                  f"either 0 or bottom_size times ({len(lp.bottom)})")
+            layer = create_layer(lp)
+            self.layers.append(layer)
+            self.layer_names.append(lp.name)
+            log.info("Creating Layer %s", lp.name)
+            need_backward = False
+            self.bottom_vecs.append([])
+            self.bottom_id_vecs.append([])
+            self.bottom_need_backward.append([])
+            self.top_vecs.append([])
+            self.top_id_vecs.append([])
+            self.param_id_vecs.append([])
+            for bottom_id, bname in enumerate(lp.bottom):
+                if bname not in available:
+                    raise ConfigError(f"layer '{lp.name}': unknown bottom blob '{bname}' "
+                                      f"(bottom index {bottom_id})")
+                blob_id = name_to_idx[bname]
+                log.info("%s <- %s", lp.name, bname)
+                self.bottom_vecs[-1].append(self._blobs[blob_id])
+                self.bottom_id_vecs[-1].append(blob_id)
+                available.remove(bname)
+                nb = self._blob_need_backward[blob_id]
+                if len(lp.propagate_down):
+                    nb = bool(lp.propagate_down[bottom_id])
+                self.bottom_need_backward[-1].append(nb)
+                need_backward |= nb
+            for top_id, tname in enumerate(lp.top):
+                self._append_top(lp, layer_id, top_id, tname, available, name_to_idx)
+                if lp.type == "Input":
+                    self.input_blob_indices.append(self.top_id_vecs[-1][-1])
+            if layer.auto_top_blobs:
+                needed = max(layer.min_top_blobs, layer.exact_num_top_blobs)
+                for top_id in range(len(lp.top), needed):
+                    self._append_top(lp, layer_id, top_id, "(automatic)", None, None)
+            layer.setup(self.bottom_vecs[-1], self.top_vecs[-1])
+            log.info("Setting up %s", lp.name)
+            for top_id, blob_id in enumerate(self.top_id_vecs[-1]):
+                while len(self.blob_loss_weights) <= blob_id:
+                    self.blob_loss_weights.append(0.0)
+                self.blob_loss_weights[blob_id] = layer.loss(top_id)
+                top = self._blobs[blob_id]
+                log.info("Top shape: %s", top.shape_string())
+                if layer.loss(top_id):
+                    log.info("    with loss weight %g", layer.loss(top_id))
+                memory_used += top.count()
+            log.info("Memory required for data: %d", memory_used * 4)
+            n_specs, n_blobs = len(lp.param), len(layer.blobs)
+            if n_specs > n_blobs:
+                raise ConfigError(f"layer '{lp.name}': too many params specified "
+                                  f"({n_specs} param specs, the layer has {n_blobs} blobs)")
+            default_spec = caffe_pb2.ParamSpec()
+            for param_id in range(n_blobs):
+                spec = lp.param[param_id] if param_id < n_specs else default_spec
+                pnb = spec.lr_mult != 0
+                need_backward |= pnb
+                layer.set_param_propagate_down(param_id, pnb)
+            for param_id in range(n_blobs):
+                self._append_param(layer_id, param_id)
+            self.layer_need_backward.append(need_backward)
+            if need_backward:
+                for blob_id in self.top_id_vecs[-1]:
+                    self._blob_need_backward[blob_id] = True
+        self._analyse_backward(param)
+        self.output_blob_indices = [name_to_idx[n] for n in sorted(available)]
+        for i in self.output_blob_indices:
+            log.info("This network produces output %s", self.blob_names[i])
+        self.blob_names_index = {n: i for i, n in enumerate(self.blob_names)}
+        self.layer_names_index = {n: i for i, n in enumerate(self.layer_names)}
+        self.share_weights()
+        log.info("Network initialization done.")
+
+    def _append_top(self, lp, layer_id, top_id, name, available, name_to_idx):
+        if name_to_idx is not None and top_id < len(lp.bottom) and name == lp.bottom[top_id]:
+            log.info("%s -> %s (in-place)", lp.name, name)
+            blob_id = name_to_idx[name]
+        elif name_to_idx is not None and name in name_to_idx:
+            raise ConfigError(f"layer '{lp.name}': top blob '{name}' produced by multiple sources")
+        else:
+            log.info("%s -> %s", lp.name, name)
+            blob_id = len(self._blobs)
+            self._blobs.append(Blob())
+            self.blob_names.append(name)
+            self._blob_need_backward.append(False)
+            if name_to_idx is not None:
+                name_to_idx[name] = blob_id
+        self.top_vecs[layer_id].append(self._blobs[blob_id])
+        self.top_id_vecs[layer_id].append(blob_id)
+        if available is not None and name not in available:
+            available.append(name)
+
+    def _append_param(self, layer_id, param_id):
+        lp = self.layers[layer_id].layer_param
+        spec = lp.param[param_id] if param_id < len(lp.param) else caffe_pb2.ParamSpec()
+        pname = spec.name
+        self.param_display_names.append(pname if pname else str(param_id))
+        net_param_id = len(self.params_)
+        blob = self.layers[layer_id].blobs[param_id]
+        self.params_.append(blob)
+        self.param_id_vecs[layer_id].append(net_param_id)
+        self.param_layer_indices.append((layer_id, param_id))
+        if not pname or pname not in self.param_names_index:
+            self.param_owners.append(-1)
+            if pname:
+                self.param_names_index[pname] = net_param_id
+            self.learnable_param_ids.append(len(self.learnable_params))
+            self.learnable_params.append(blob)
+            self.has_params_lr.append(spec.HasField("lr_mult"))
+            self.has_params_decay.append(spec.HasField("decay_mult"))
+            self.params_lr.append(spec.lr_mult)
+            self.params_weight_decay.append(spec.decay_mult)
+            return
+        owner_id = self.param_names_index[pname]
+        self.param_owners.append(owner_id)
+        owner_layer, owner_param = self.param_layer_indices[owner_id]
+        log.info("Sharing parameters '%s' owned by layer '%s', param index %d",
+                 pname, self.layer_names[owner_layer], owner_param)
+        owner_blob = self.layers[owner_layer].blobs[owner_param]
+        if spec.share_mode == caffe_pb2.ParamSpec.PERMISSIVE:
+            if blob.count() != owner_blob.count():
+                raise ConfigError(f"layer '{lp.name}': cannot share param '{pname}' owned by layer "
+                                  f"'{self.layer_names[owner_layer]}'; count mismatch. Owner layer "
+                                  f"param shape is {owner_blob.shape_string()}; sharing layer shape "
+                                  f"is {blob.shape_string()}")
+        elif blob.shape != owner_blob.shape:
+            raise ConfigError(f"layer '{lp.name}': cannot share param '{pname}' owned by layer "
+                              f"'{self.layer_names[owner_layer]}'; shape mismatch. Owner layer param "
+                              f"shape is {owner_blob.shape_string()}; sharing layer expects shape "
+                              f"{blob.shape_string()}")
+        lid = self.learnable_param_ids[owner_id]
+        self.learnable_param_ids.append(lid)
+        if spec.HasField("lr_mult"):
+            if self.has_params_lr[lid] and spec.lr_mult != self.params_lr[lid]:
+                raise ConfigError(f"layer '{lp.name}': shared param '{pname}' has mismatched lr_mult")
+            self.has_params_lr[lid] = True
+            self.params_lr[lid] = spec.lr_mult
+        if spec.HasField("decay_mult"):
+            if self.has_params_decay[lid] and spec.decay_mult != self.params_weight_decay[lid]:
+                raise ConfigError(f"layer '{lp.name}': shared param '{pname}' has mismatched decay_mult")
+            self.has_params_decay[lid] = True
+            self.params_weight_decay[lid] = spec.decay_mult
+
+    def _analyse_backward(self, param):
+        under_loss, skip_backp = set(), set()
+        for layer_id in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[layer_id]
+            contributes, skip_pd = False, True
+            for top_id, blob_id in enumerate(self.top_id_vecs[layer_id]):
+                name = self.blob_names[blob_id]
+                if layer.loss(top_id) or name in under_loss:
+                    contributes = True
+                if name not in skip_backp:
+                    skip_pd = False
+                if contributes and not skip_pd:
+                    break
+            if self.layer_need_backward[layer_id] and skip_pd:
+                self.layer_need_backward[layer_id] = False
+                self.bottom_need_backward[layer_id] = [False] * len(self.bottom_need_backward[layer_id])
+            if not contributes:
+                self.layer_need_backward[layer_id] = False
+            log.info("%s %s backward computation.", self.layer_names[layer_id],
+                     "needs" if self.layer_need_backward[layer_id] else "does not need")
+            for bottom_id, blob_id in enumerate(self.bottom_id_vecs[layer_id]):
+                name = self.blob_names[blob_id]
+                if contributes:
+                    under_loss.add(name)
+                else:
+                    self.bottom_need_backward[layer_id][bottom_id] = False
+                if not self.bottom_need_backward[layer_id][bottom_id]:
+                    skip_backp.add(name)
+        if param.force_backward:
+            for layer_id, layer in enumerate(self.layers):
+                self.layer_need_backward[layer_id] = True
+                for bottom_id, blob_id in enumerate(self.bottom_id_vecs[layer_id]):
+                    nb = self.bottom_need_backward[layer_id][bottom_id] or \
+                        layer.allow_force_backward(bottom_id)
+                    self.bottom_need_backward[layer_id][bottom_id] = nb
+                    self._blob_need_backward[blob_id] = self._blob_need_backward[blob_id] or nb
+                for param_id in range(len(layer.blobs)):
+                    layer.set_param_propagate_down(param_id, True)
+
+    def share_weights(self):
+        for i, owner in enumerate(self.param_owners):
+            if owner >= 0:
+                self.params_[i].share_data(self.params_[owner])
+                self.params_[i].share_diff(self.params_[owner])
+
+    # -- running ---------------------------------------------------------------------
+    def forward_from_to(self, start=0, end=None):
+        if end is None:
+            end = len(self.layers) - 1
+        loss = 0.0
+        for i in range(start, end + 1):
+            for cb in self._before_forward:
+                cb(i)
+            loss += self.layers[i].forward(self.bottom_vecs[i], self.top_vecs[i])
+            if self.debug_info:
+                self._forward_debug_info(i)
+            for cb in self._after_forward:
+                cb(i)
+        return loss
+
+    def forward_prefilled(self):
+        """Run every layer; return the total weighted loss (Caffe's ``Forward(&loss)``)."""
+        return self.forward_from_to(0, len(self.layers) - 1)
+
+    def backward_from_to(self, start=None, end=0):
+        if start is None:
+            start = len(self.layers) - 1
+        for i in range(start, end - 1, -1):
+            for cb in self._before_backward:
+                cb(i)
+            if self.layer_need_backward[i]:
+                self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
+                                        self.bottom_vecs[i])
+                if self.debug_info:
+                    self._backward_debug_info(i)
+            for cb in self._after_backward:
+                cb(i)
+
+    def forward_backward(self):
+        loss = self.forward_prefilled()
+        self.backward_from_to()
+        if self.debug_info:
+            self._update_norms_log()
+        return loss
+
+    def update(self):
+        for b in self.learnable_params:
+            b.update()
+
+    def clear_param_diffs(self):
+        xp = context.xp()
+        for b in self.learnable_params:
+            b.mutable_diff_for(xp)[...] = 0
+
+    def reshape(self):
+        for i, layer in enumerate(self.layers):
+            layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
+
+    # -- pycaffe surface -----------------------------------------------------------------
+    @property
+    def blobs(self):
+        return collections.OrderedDict(zip(self.blob_names, self._blobs))
+
+    @property
+    def params(self):
+        return collections.OrderedDict((name, layer.blobs) for name, layer in
+                                       zip(self.layer_names, self.layers) if layer.blobs)
+
+    @property
+    def layer_dict(self):
+        return collections.OrderedDict(zip(self.layer_names, self.layers))
+
+    @property
+    def inputs(self):
+        return [self.blob_names[i] for i in self.input_blob_indices]
+
+    @property
+    def outputs(self):
+        return [self.blob_names[i] for i in self.output_blob_indices]
+
+    @property
+    def output_blobs(self):
+        return [self._blobs[i] for i in self.output_blob_indices]
+
+    @property
+    def input_blobs(self):
+        return [self._blobs[i] for i in self.input_blob_indices]
+
+    def blob_by_name(self, name):
+        if name not in self.blob_names_index:
+            raise KeyError(f"unknown blob name '{name}'")
+        return self._blobs[self.blob_names_index[name]]
+
+    def layer_by_name(self, name):
+        if name not in self.layer_names_index:
+            raise KeyError(f"unknown layer name '{name}'")
+        return self.layers[self.layer_names_index[name]]
+
+    def has_blob(self, name):
+        return name in self.blob_names_index
+
+    def has_layer(self, name):
+        return name in self.layer_names_index
+
+    def forward(self, blobs=None, start=None, end=None, **kwargs):
+        """pycaffe's forward: set inputs from ``kwargs``, run [start, end], and return
+        {output name: data} (plus any ``blobs`` asked for)."""
+        start_ind = self.layer_names_index[start] if start is not None else 0
+        if end is not None:
+            end_ind = self.layer_names_index[end]
+            outputs = set(self.top_names_of(end) + list(blobs or []))
+        else:
+            end_ind = len(self.layers) - 1
+            outputs = set(self.outputs + list(blobs or []))
+        for name, value in kwargs.items():
+            if name not in self.inputs:
+                raise KeyError(f"'{name}' is not an input of this net (inputs: {self.inputs})")
+            b = self.blob_by_name(name)
+            value = np.asarray(value)
+            if value.shape[0] != b.shape[0]:
+                raise ValueError(f"input '{name}' is not batch sized: {value.shape[0]} vs {b.shape[0]}")
+            b.data[...] = value
+        self.forward_from_to(start_ind, end_ind)
+        return {out: self.blob_by_name(out).data for out in outputs}
+
+    def backward(self, diffs=None, start=None, end=None, **kwargs):
+        start_ind = self.layer_names_index[start] if start is not None else len(self.layers) - 1
+        end_ind = self.layer_names_index[end] if end is not None else 0
+        if end is not None:
+            outputs = set(self.bottom_names_of(end) + list(diffs or []))
+        else:
+            outputs = set(self.inputs + list(diffs or []))
+        for name, value in kwargs.items():
+            if name not in self.outputs:
+                raise KeyError(f"'{name}' is not an output of this net (outputs: {self.outputs})")
+            self.blob_by_name(name).diff[...] = value
+        self.backward_from_to(start_ind, end_ind)
+        return {out: self.blob_by_name(out).diff for out in outputs}
+
+    def top_names_of(self, layer_name):
+        i = self.layer_names_index[layer_name]
+        return [self.blob_names[b] for b in self.top_id_vecs[i]]
+
+    def bottom_names_of(self, layer_name):
+        i = self.layer_names_index[layer_name]
+        return [self.blob_names[b] for b in self.bottom_id_vecs[i]]
+
+    @property
+    def top_names(self):
+        return collections.OrderedDict((n, self.top_names_of(n)) for n in self.layer_names)
+
+    @property
+    def bottom_names(self):
+        return collections.OrderedDict((n, self.bottom_names_of(n)) for n in self.layer_names)
+
+    def add_hook(self, kind, fn):
+        """Callbacks ``fn(layer_index)``; kind is before/after_forward/backward."""
+        getattr(self, "_" + kind).append(fn)
+
+    # -- weights ------------------------------------------------------------------------
+    def copy_from(self, source):
+        """Copy trained layers from a .caffemodel, .caffemodel.h5, or a NetParameter."""
+        if isinstance(source, caffe_pb2.NetParameter):
+            return self.copy_trained_layers_from_param(source, "<NetParameter>")
+        for path in str(source).split(","):
+            if path.endswith(".h5"):
+                self.copy_trained_layers_from_hdf5(path)
+            else:
+                self.copy_trained_layers_from_param(read_weights(path), path)
+
+    copy_trained_layers_from = copy_from
+
+    def copy_trained_layers_from_param(self, param, source="<net>"):
+        for src in param.layer:
+            if src.name not in self.layer_names_index:
+                log.info("Ignoring source layer %s", src.name)
+                continue
+            target = self.layers[self.layer_names_index[src.name]].blobs
+            if len(target) != len(src.blobs):
+                raise MinicaffeError(f"{source}: incompatible number of blobs for layer "
+                                     f"'{src.name}' (file has {len(src.blobs)}, net has {len(target)})")
+            for j, bp in enumerate(src.blobs):
+                if not target[j].shape_equals(bp):
+                    raise MinicaffeError(
+                        f"{source}: cannot copy param {j} weights from layer '{src.name}'; shape "
+                        f"mismatch. Source param shape is {Blob.proto_shape(bp)}; target param "
+                        f"shape is {target[j].shape}. To learn this layer's parameters from "
+                        f"scratch rather than copying from a saved net, rename the layer.")
+                target[j].from_proto(bp, reshape=False)
+
+    def copy_trained_layers_from_hdf5(self, path):
+        try:
+            import h5py
+        except ImportError:
+            raise MinicaffeError(f"{path}: reading HDF5 weights needs h5py "
+                                 "(pip install minicaffe[data])") from None
+        if not os.path.exists(path):
+            raise MinicaffeError(f"{path}: no such file")
+        with h5py.File(path, "r") as f:
+            if "data" not in f:
+                raise MinicaffeError(f"{path}: not a Caffe HDF5 weights file (no 'data' group)")
+            data = f["data"]
+            for lname in data:
+                if lname not in self.layer_names_index:
+                    log.info("Ignoring source layer %s", lname)
+                    continue
+                lid = self.layer_names_index[lname]
+                target = self.layers[lid].blobs
+                group = data[lname]
+                if len(group) > len(target):
+                    raise MinicaffeError(f"{path}: incompatible number of blobs for layer '{lname}'")
+                for j, blob in enumerate(target):
+                    key = str(j)
+                    if key not in group:
+                        if self.param_owners[self.param_id_vecs[lid][j]] != -1:
+                            continue
+                        raise MinicaffeError(f"{path}: incompatible number of blobs for layer '{lname}'")
+                    arr = np.asarray(group[key])
+                    if arr.shape != blob.shape:
+                        raise MinicaffeError(
+                            f"{path}: cannot copy param {j} weights from layer '{lname}'; shape "
+                            f"mismatch. Source param shape is {arr.shape}; target param shape is "
+                            f"{blob.shape}")
+                    blob.mutable_cpu_data()[...] = arr
+
+    def to_proto(self, write_diff=False):
+        p = caffe_pb2.NetParameter()
+        p.CopyFrom(self.net_param)
+        del p.layer[:]
+        for layer in self.layers:
+            p.layer.add().CopyFrom(layer.to_proto(write_diff))
+        return p
+
+    def save(self, filename, write_diff=False):
+        """Write a binary .caffemodel (temporary file, then rename)."""
+        protoio.write_binary(filename, self.to_proto(write_diff))
+
+    def save_hdf5(self, filename, write_diff=False):
+        import h5py
+        import tempfile
+        d = os.path.dirname(os.path.abspath(filename))
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".h5", dir=d)
+        os.close(fd)
+        try:
+            with h5py.File(tmp, "w") as f:
+                groups = [("data", False)] + ([("diff", True)] if write_diff else [])
+                for gname, is_diff in groups:
+                    g = f.create_group(gname)
+                    for lid, layer in enumerate(self.layers):
+                        lg = g.create_group(self.layer_names[lid])
+                        for j, blob in enumerate(layer.blobs):
+                            if self.param_owners[self.param_id_vecs[lid][j]] != -1:
+                                continue
+                            lg.create_dataset(str(j), data=blob.cpu_diff() if is_diff else blob.cpu_data())
+            os.replace(tmp, filename)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    load_hdf5 = copy_trained_layers_from_hdf5
+
+    def share_trained_layers_with(self, other):
+        """Make this net's layers use ``other``'s parameter blobs (same names)."""
+        for src_name, src_layer in zip(other.layer_names, other.layers):
+            if src_name not in self.layer_names_index:
+                continue
+            target = self.layers[self.layer_names_index[src_name]].blobs
+            if len(target) != len(src_layer.blobs):
+                raise MinicaffeError(f"incompatible number of blobs for layer '{src_name}'")
+            for t, s in zip(target, src_layer.blobs):
+                if t.shape != s.shape:
+                    raise MinicaffeError(f"cannot share param of layer '{src_name}': shape "
+                                         f"{s.shape} vs {t.shape}")
+                t.share_data(s)
+
+    share_with = share_trained_layers_with
+
+    # -- diagnostics ---------------------------------------------------------------------
+    def memory_report(self):
+        """Bytes per layer: tops' data and diff, and params; with totals."""
+        rows = []
+        seen = set()
+        for lid, layer in enumerate(self.layers):
+            data = diff = 0
+            for bid in self.top_id_vecs[lid]:
+                if bid in seen:
+                    continue
+                seen.add(bid)
+                b = self._blobs[bid]
+                data += b.count() * b.dtype.itemsize
+                diff += b.count() * b.dtype.itemsize
+            params = sum(b.count() * b.dtype.itemsize for j, b in enumerate(layer.blobs)
+                         if self.param_owners[self.param_id_vecs[lid][j]] == -1)
+            rows.append({"layer": self.layer_names[lid], "type": layer.type,
+                         "data": data, "diff": diff, "params": params})
+        total = {k: sum(r[k] for r in rows) for k in ("data", "diff", "params")}
+        return {"layers": rows, "total": total}
+
+    def first_nonfinite(self):
+        """(layer name, blob name) of the first top holding NaN or inf, or None."""
+        for lid in range(len(self.layers)):
+            for bid in self.top_id_vecs[lid]:
+                b = self._blobs[bid]
+                xp = context.xp()
+                if b.count() and not bool(xp.isfinite(b.data_for(xp)).all()):
+                    return self.layer_names[lid], self.blob_names[bid]
+        return None
+
+    def _forward_debug_info(self, lid):
+        for bid in self.top_id_vecs[lid]:
+            b = self._blobs[bid]
+            log.info("    [Forward] Layer %s, top blob %s data: %g", self.layer_names[lid],
+                     self.blob_names[bid], b.asum_data() / max(b.count(), 1))
+        for j, pid in enumerate(self.param_id_vecs[lid]):
+            b = self.layers[lid].blobs[j]
+            log.info("    [Forward] Layer %s, param blob %s data: %g", self.layer_names[lid],
+                     self.param_display_names[pid], b.asum_data() / max(b.count(), 1))
+
+    def _backward_debug_info(self, lid):
+        for k, bid in enumerate(self.bottom_id_vecs[lid]):
+            if not self.bottom_need_backward[lid][k]:
+                continue
+            b = self._blobs[bid]
+            log.info("    [Backward] Layer %s, bottom blob %s diff: %g", self.layer_names[lid],
+                     self.blob_names[bid], b.asum_diff() / max(b.count(), 1))
+        for j, b in enumerate(self.layers[lid].blobs):
+            if not self.layers[lid].get_param_propagate_down(j):
+                continue
+            log.info("    [Backward] Layer %s, param blob %d diff: %g", self.layer_names[lid], j,
+                     b.asum_diff() / max(b.count(), 1))
+
+    def _update_norms_log(self):
+        asum_data = asum_diff = sumsq_data = sumsq_diff = 0.0
+        for b in self.learnable_params:
+            asum_data += b.asum_data()
+            asum_diff += b.asum_diff()
+            sumsq_data += b.sumsq_data()
+            sumsq_diff += b.sumsq_diff()
+        log.info("    [Backward] All net params (data, diff): L1 norm = (%g, %g); L2 norm = (%g, %g)",
+                 asum_data, asum_diff, sumsq_data ** 0.5, sumsq_diff ** 0.5)
+
+
+def _short_text(param):
+    from google.protobuf import text_format
+    p = caffe_pb2.NetParameter()
+    p.CopyFrom(param)
+    for l in p.layer:
+        del l.blobs[:]
+    return text_format.MessageToString(p)

@@ -1,0 +1,143 @@
+"""SyncedMemory: one buffer with a host side and a device side (Caffe's syncedmem).
+
+The four-state automaton:
+
+    UNINITIALIZED --to_cpu--> HEAD_AT_CPU     UNINITIALIZED --to_gpu--> HEAD_AT_GPU
+    HEAD_AT_CPU   --to_gpu--> SYNCED (copy)   HEAD_AT_GPU   --to_cpu--> SYNCED (copy)
+    SYNCED        --to_*-->   SYNCED (no-op)
+    mutable_cpu_data -> HEAD_AT_CPU           mutable_gpu_data -> HEAD_AT_GPU
+
+A side is allocated zero-filled on first touch.  ``set_cpu_data``/``set_gpu_data``
+share memory the object does not own (and so never frees).  ``async_gpu_data``
+copies on a given stream from HEAD_AT_CPU and ends SYNCED.  ``release_gpu``
+drops the device side once the host holds the newest copy (for offload).
+"""
+import numpy as np
+
+from . import backend, context
+
+UNINITIALIZED = "UNINITIALIZED"
+HEAD_AT_CPU = "HEAD_AT_CPU"
+HEAD_AT_GPU = "HEAD_AT_GPU"
+SYNCED = "SYNCED"
+
+
+class SyncedMemory:
+    __slots__ = ("size", "dtype", "_cpu", "_gpu", "_own_cpu", "_own_gpu", "head",
+                 "_pinned", "device")
+
+    def __init__(self, size=0, dtype=np.float32):
+        self.size = int(size)
+        self.dtype = np.dtype(dtype)
+        self._cpu = None
+        self._gpu = None
+        self._own_cpu = False
+        self._own_gpu = False
+        self._pinned = False
+        self.head = UNINITIALIZED
+        self.device = None
+
+    @property
+    def nbytes(self):
+        return self.size * self.dtype.itemsize
+
+    # -- moving the head -------------------------------------------------
+    def _alloc_cpu(self):
+        pinned = context.is_gpu()
+        self._cpu = backend.alloc_host(self.size, self.dtype, pinned=pinned)
+        self._pinned = pinned
+        self._own_cpu = True
+
+    def _alloc_gpu(self):
+        self._check_device()
+        self._gpu = backend.alloc_gpu(self.size, self.dtype)
+        self._own_gpu = True
+
+    def _check_device(self):
+        if backend.cp is None:
+            backend.check_device(0)
+        if self.device is None:
+            self.device = backend.cp.cuda.runtime.getDevice()
+
+    def to_cpu(self):
+        if self.head == UNINITIALIZED:
+            self._alloc_cpu()
+            self.head = HEAD_AT_CPU
+        elif self.head == HEAD_AT_GPU:
+            if self._cpu is None:
+                self._alloc_cpu()
+            backend.copy_to_host(self._cpu, self._gpu)
+            self.head = SYNCED
+
+    def to_gpu(self):
+        if self.head == UNINITIALIZED:
+            self._alloc_gpu()
+            self.head = HEAD_AT_GPU
+        elif self.head == HEAD_AT_CPU:
+            if self._gpu is None:
+                self._alloc_gpu()
+            backend.copy_to_gpu(self._gpu, self._cpu)
+            self.head = SYNCED
+
+    # -- access ------------------------------------------------------------
+    def cpu_data(self):
+        self.to_cpu()
+        return self._cpu
+
+    def mutable_cpu_data(self):
+        self.to_cpu()
+        self.head = HEAD_AT_CPU
+        return self._cpu
+
+    def gpu_data(self):
+        self.to_gpu()
+        return self._gpu
+
+    def mutable_gpu_data(self):
+        self.to_gpu()
+        self.head = HEAD_AT_GPU
+        return self._gpu
+
+    def set_cpu_data(self, array):
+        """Use ``array`` (not owned, never freed here) as the host side."""
+        array = self._check_shared(array, np)
+        self._cpu = array
+        self._own_cpu = False
+        self.head = HEAD_AT_CPU
+
+    def set_gpu_data(self, array):
+        """Use device ``array`` (not owned, never freed here) as the device side."""
+        array = self._check_shared(array, backend.cp)
+        self._gpu = array
+        self._own_gpu = False
+        self.head = HEAD_AT_GPU
+
+    def _check_shared(self, array, xp):
+        if array.dtype != self.dtype or array.size < self.size:
+            raise ValueError(f"shared buffer of {array.size} x {array.dtype} cannot back "
+                             f"{self.size} x {self.dtype}")
+        if array.ndim != 1:
+            array = array.reshape(-1)
+        return array
+
+    def async_gpu_data(self, stream):
+        """Copy host->device on ``stream`` (requires HEAD_AT_CPU); ends SYNCED."""
+        if self.head != HEAD_AT_CPU:
+            raise RuntimeError(f"async_gpu_data needs HEAD_AT_CPU, head is {self.head}")
+        if self._gpu is None:
+            self._alloc_gpu()
+        backend.copy_to_gpu(self._gpu, self._cpu, stream=stream)
+        self.head = SYNCED
+        return self._gpu
+
+    def release_gpu(self):
+        """Free the device side once the host side is current (for offload)."""
+        if self.head == HEAD_AT_GPU:
+            raise RuntimeError("release_gpu would lose data: the head is at the GPU")
+        if self.head == SYNCED:
+            self.head = HEAD_AT_CPU
+        self._gpu = None
+        self._own_gpu = False
+
+    def __repr__(self):
+        return f"SyncedMemory({self.size}, {self.dtype}, {self.head})"

@@ -1,0 +1,1 @@
+"""Command-line tools for minicaffe (run with `python -m minicaffe.tools.<name>`)."""
