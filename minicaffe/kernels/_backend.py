@@ -29,21 +29,10 @@ CUDA_NUM_THREADS = 256
 # (one rounding per operation) and parity tests can use tight tolerances.
 NVRTC_OPTIONS = ("--fmad=false",)
 
-_CUPY = None
-_CUPY_TRIED = False
-
-
 def _cupy():
-    """Return the ``cupy`` module, or ``None`` when it cannot be imported."""
-    global _CUPY, _CUPY_TRIED
-    if not _CUPY_TRIED:
-        _CUPY_TRIED = True
-        try:
-            import cupy  # noqa: PLC0415  (lazy on purpose)
-        except Exception:  # ImportError, CUDA driver/runtime errors, ...
-            cupy = None
-        _CUPY = cupy
-    return _CUPY
+    """The ``cupy`` module, or ``None``: minicaffe.backend is the one place that imports it."""
+    from .. import backend
+    return backend.cp
 
 
 def is_cupy_array(a) -> bool:
