@@ -204,7 +204,7 @@ class Net:
         self.params_weight_decay = []
         self.has_params_lr = []
         self.has_params_decay = []
-        self.blob_loss_weights = []
+        self._blob_loss_weights = []
         self.layer_need_backward = []
         self.input_blob_indices = []
         self.output_blob_indices = []
@@ -256,9 +256,9 @@ class Net:
             layer.setup(self.bottom_vecs[-1], self.top_vecs[-1])
             log.info("Setting up %s", lp.name)
             for top_id, blob_id in enumerate(self.top_id_vecs[-1]):
-                while len(self.blob_loss_weights) <= blob_id:
-                    self.blob_loss_weights.append(0.0)
-                self.blob_loss_weights[blob_id] = layer.loss(top_id)
+                while len(self._blob_loss_weights) <= blob_id:
+                    self._blob_loss_weights.append(0.0)
+                self._blob_loss_weights[blob_id] = layer.loss(top_id)
                 top = self._blobs[blob_id]
                 log.info("Top shape: %s", top.shape_string())
                 if layer.loss(top_id):
@@ -467,6 +467,12 @@ class Net:
     def params(self):
         return collections.OrderedDict((name, layer.blobs) for name, layer in
                                        zip(self.layer_names, self.layers) if layer.blobs)
+
+    @property
+    def blob_loss_weights(self):
+        """pycaffe's OrderedDict {blob name: loss weight}; ``[i]`` with an int still gives
+        the weight of blob i (Caffe's ``blob_loss_weights()[i]``)."""
+        return _NameOrIndexDict(zip(self.blob_names, self._blob_loss_weights))
 
     @property
     def layer_dict(self):
@@ -741,6 +747,15 @@ class Net:
             sumsq_diff += b.sumsq_diff()
         log.info("    [Backward] All net params (data, diff): L1 norm = (%g, %g); L2 norm = (%g, %g)",
                  asum_data, asum_diff, sumsq_data ** 0.5, sumsq_diff ** 0.5)
+
+
+class _NameOrIndexDict(collections.OrderedDict):
+    """An OrderedDict keyed by name that also answers integer positions."""
+
+    def __getitem__(self, key):
+        if isinstance(key, int) and not isinstance(key, bool):
+            return list(self.values())[key]
+        return super().__getitem__(key)
 
 
 def _short_text(param):
