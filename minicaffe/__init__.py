@@ -1,18 +1,122 @@
 """minicaffe: Caffe, rebuilt in Python (numpy on the CPU, CuPy on the GPU).
 
-``import minicaffe as caffe`` gives pycaffe's surface: ``caffe.Net``,
-``caffe.set_mode_gpu()``, ``caffe.TRAIN``...
+``import minicaffe as caffe`` gives pycaffe's module surface, so pycaffe scripts run with
+one changed import line:
+
+- ``Net``, ``TRAIN``/``TEST``, ``layer_type_list()``, ``Classifier``;
+- the solvers ``SGDSolver`` ... ``AdamSolver``, ``get_solver(file)`` (from ``.solvers``,
+  imported on first use);
+- ``set_mode_cpu/gpu``, ``set_device``, ``set_random_seed``, ``solver_count``,
+  ``set_solver_count``, ``solver_rank``, ``set_solver_rank``, ``set_multiprocess``;
+- ``Layer``: the base class of Python layers (``type: "Python"``);
+- ``Timer``, ``init_log``, ``log`` (``caffe.log("text")`` logs a line; ``caffe.log.info``
+  works too), ``has_nccl()``, ``NCCL``, ``__version__``;
+- submodules ``io``, ``draw``, ``proto.caffe_pb2``, and NetSpec's ``layers``/``params``
+  (``from minicaffe import layers as L, params as P``), ``NetSpec``, ``to_proto``.
 """
 __version__ = "0.1.0"
 
+import sys as _sys
+import types as _types
+
 from .context import (set_mode_cpu, set_mode_gpu, set_device, set_random_seed,
                       solver_count, set_solver_count, solver_rank, set_solver_rank,
-                      root_solver)
+                      set_multiprocess, root_solver)
 from .blob import Blob
-from .layer import Layer
 from .net import Net, TRAIN, TEST
 from .registry import layer_type_list
-from .errors import MinicaffeError
-from .log import init_log
+from .errors import MinicaffeError, ConfigError, LayerError
 from .proto import caffe_pb2
 from . import proto
+from . import log as _log_module
+from .pycaffe import Timer, NCCL, has_nccl
+from . import io
+from . import net_spec
+from .net_spec import NetSpec, to_proto, params
+from . import draw
+from .classify import Classifier
+
+# Caffe's log(text) is a function and minicaffe.log a module: make the module callable,
+# so ``caffe.log("msg")`` and ``from . import log; log.info(...)`` both work.
+
+
+class _CallableLogModule(_types.ModuleType):
+    def __call__(self, message):
+        """Log one INFO line, as pycaffe's ``caffe.log(message)``."""
+        self.info("%s", message)
+
+
+_log_module.__class__ = _CallableLogModule
+log = _log_module
+
+
+def init_log(level=None, stderr=True, log_file=None):
+    """pycaffe's ``init_log()`` / ``init_log(level)`` / ``init_log(level, stderr)``: glog
+    levels 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL; logs go to stderr (unless ``stderr`` is
+    False) and to ``log_file`` if given."""
+    import io as _pyio
+    lvl = None
+    if level is not None:
+        lvl = _log_module._LEVELS.get(int(level))
+        if lvl is None:
+            raise ValueError(f"init_log: level must be 0 (INFO) .. 3 (FATAL), got {level}")
+    stream = None if stderr else _pyio.StringIO()
+    _log_module.init_log(lvl, log_file=log_file, stream=stream)
+
+
+# The layer package doubles as NetSpec's ``layers`` pseudo-module (``L.Convolution(...)``):
+# layer types are CamelCase, the family submodules lower case, so they never collide.
+from . import layers as _layers_pkg  # noqa: E402  (registers the built-in layers)
+
+
+class _LayersModule(_types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(net_spec.layers, name)
+
+
+_layers_pkg.__class__ = _LayersModule
+layers = _layers_pkg
+
+# -- names provided by packages other engineers are still writing: imported on first use --
+_SOLVER_NAMES = ("Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver",
+                 "AdaDeltaSolver", "AdamSolver", "get_solver")
+
+
+def _lazy(name):
+    if name in _SOLVER_NAMES:
+        try:
+            from . import solvers
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.solvers":
+                raise
+            solvers = None
+        value = getattr(solvers, name, None)
+        if value is None:
+            raise AttributeError(f"minicaffe.{name} is not available: the solvers package "
+                                 f"(minicaffe.solvers) does not provide it yet")
+        return value
+    if name == "Layer":
+        try:
+            from .layers import python_layer
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.layers.python_layer":
+                raise
+            python_layer = None
+        value = getattr(python_layer, "PythonLayerBase", None)
+        if value is None:
+            raise AttributeError("minicaffe.Layer (the Python-layer base) is not available: "
+                                 "minicaffe.layers.python_layer does not provide it yet")
+        return value
+    raise AttributeError(f"module 'minicaffe' has no attribute '{name}'")
+
+
+def __getattr__(name):
+    value = _lazy(name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SOLVER_NAMES) | {"Layer"})
