@@ -1,10 +1,46 @@
-"""Common layers: InnerProduct, Split, Softmax."""
+"""Common layers: InnerProduct, Embed, Split, Concat, Slice, Eltwise, Flatten,
+Reshape, Tile, Reduction, ArgMax, Softmax, Silence, Filter, BatchReindex,
+Parameter.
+
+Layers that only change a blob's shape (Flatten, Reshape, a one-bottom Concat,
+a one-top Slice) share the bottom's data and diff with the top: no copies.
+Index bottoms (Embed's input, Filter's selector, BatchReindex's permutation)
+receive no gradient.
+"""
 import numpy as np
 
+from .. import backend
 from ..blob import Blob
 from ..filler import fill
 from ..layer import Layer
+from ..proto import caffe_pb2
 from ..registry import register_layer
+
+
+def _canonical(layer, blob, axis, what="axis"):
+    try:
+        return blob.canonical_axis_index(axis)
+    except IndexError:
+        raise layer.error(f"{what} {axis} is out of range for bottom shape {blob.shape}") from None
+
+
+def _scatter_add(xp, a, index, values):
+    """a[index] += values, summing repeated indices (numpy's add.at, cupyx's scatter_add)."""
+    if xp is np:
+        np.add.at(a, index, values)
+    else:
+        backend.cupyx.scatter_add(a, index, values)
+
+
+def _indices(layer, xp, data, high, what):
+    """Integer indices from a float blob's data; one clear error when any is not an
+    integer in [0, high)."""
+    idx = data.astype(np.int64)
+    bad = (idx < 0) | (idx >= high) | (idx != data)
+    if bool(bad.any()):
+        first = float(data.reshape(-1)[int(xp.argmax(bad.reshape(-1)))])
+        raise layer.error(f"{what} must be integers in [0, {high}); got {first}")
+    return idx
 
 
 @register_layer("InnerProduct")
@@ -112,7 +148,7 @@ class SoftmaxLayer(Layer):
     exact_num_top_blobs = 1
 
     def reshape(self, bottom, top):
-        self.axis = bottom[0].canonical_axis_index(self.layer_param.softmax_param.axis)
+        self.axis = _canonical(self, bottom[0], self.layer_param.softmax_param.axis)
         top[0].reshape(bottom[0].shape)
 
     def forward_xp(self, xp, bottom, top):
@@ -125,3 +161,643 @@ class SoftmaxLayer(Layer):
         dy = top[0].diff_for(xp)
         dot = (dy * y).sum(axis=self.axis, keepdims=True)
         bottom[0].mutable_diff_for(xp)[...] = (dy - dot) * y
+
+
+@register_layer("Embed")
+class EmbedLayer(Layer):
+    """A learned lookup table: bottom holds integer indices in [0, input_dim) of
+    any shape; top has shape bottom.shape + (num_output,).
+    y[n] = W[i_n] (+ b), W is (input_dim, num_output);
+    dW[i] += sum of dy[n] over the n with i_n == i;  db += sum of dy.
+    The indices get no gradient."""
+    exact_num_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.embed_param
+        self.N, self.K = int(p.num_output), int(p.input_dim)
+        if self.N <= 0:
+            raise self.error(f"num_output must be positive, got {self.N}")
+        if self.K <= 0:
+            raise self.error(f"input_dim must be positive, got {self.K}")
+        self.bias_term = p.bias_term
+        want = [(self.K, self.N)] + ([(self.N,)] if self.bias_term else [])
+        if self.blobs:
+            got = [b.shape for b in self.blobs]
+            if got != want:
+                raise self.error(f"parameter blobs {got} do not match {want}")
+            return
+        dtype = bottom[0].dtype
+        self.blobs = [Blob(want[0], dtype)]
+        fill(self.blobs[0], p.weight_filler)
+        if self.bias_term:
+            self.blobs.append(Blob(want[1], dtype))
+            fill(self.blobs[1], p.bias_filler)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].shape + (self.N,))
+
+    def forward_xp(self, xp, bottom, top):
+        idx = _indices(self, xp, bottom[0].data_for(xp), self.K, "embed indices (bottom 0)")
+        y = top[0].mutable_data_for(xp).reshape(-1, self.N)
+        y[...] = self.blobs[0].data_for(xp)[idx.reshape(-1)]
+        if self.bias_term:
+            y += self.blobs[1].data_for(xp)
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if propagate_down[0]:
+            raise self.error("cannot backpropagate to the indices (bottom 0)")
+        dy = top[0].diff_for(xp).reshape(-1, self.N)
+        if self.get_param_propagate_down(0):
+            idx = bottom[0].data_for(xp).reshape(-1).astype(np.int64)
+            _scatter_add(xp, self.blobs[0].mutable_diff_for(xp), idx, dy)
+        if self.bias_term and self.get_param_propagate_down(1):
+            self.blobs[1].mutable_diff_for(xp)[...] += dy.sum(axis=0)
+
+    def allow_force_backward(self, bottom_index):
+        return False
+
+
+def _axis_or_legacy(layer, blob, p, legacy_name):
+    """Concat's/Slice's axis: the deprecated ``concat_dim``/``slice_dim`` when given
+    (no negative indexing), else ``axis`` (may be negative)."""
+    if p.HasField("axis") and p.HasField(legacy_name):
+        raise layer.error(f"either axis or {legacy_name} should be specified; not both")
+    if p.HasField(legacy_name):
+        axis = getattr(p, legacy_name)
+        if axis >= blob.num_axes:
+            raise layer.error(f"{legacy_name} {axis} is out of range for bottom shape {blob.shape}")
+        return axis
+    return _canonical(layer, blob, p.axis)
+
+
+def _along(axis, start, stop):
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+@register_layer("Concat")
+class ConcatLayer(Layer):
+    """Joins the bottoms along ``axis`` (default 1, the channels); every other
+    dimension must agree.  dx_i = the matching slice of dy.  One bottom: the top
+    shares its data and diff."""
+    min_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def reshape(self, bottom, top):
+        p = self.layer_param.concat_param
+        b0 = bottom[0]
+        self.axis = axis = _axis_or_legacy(self, b0, p, "concat_dim")
+        for i, b in enumerate(bottom[1:], 1):
+            if b.num_axes != b0.num_axes:
+                raise self.error(f"all bottoms must have the same number of axes: bottom 0 "
+                                 f"{b0.shape}, bottom {i} {b.shape}")
+            if b.shape[:axis] != b0.shape[:axis] or b.shape[axis + 1:] != b0.shape[axis + 1:]:
+                raise self.error(f"all bottoms must have the same shape except on the concat "
+                                 f"axis {axis}: bottom 0 {b0.shape}, bottom {i} {b.shape}")
+        shape = list(b0.shape)
+        shape[axis] = sum(b.shape[axis] for b in bottom)
+        top[0].reshape(shape)
+        if len(bottom) == 1:
+            top[0].share_data(b0)
+            top[0].share_diff(b0)
+
+    def forward_xp(self, xp, bottom, top):
+        if len(bottom) == 1:
+            return
+        y = top[0].mutable_data_for(xp)
+        o = 0
+        for b in bottom:
+            n = b.shape[self.axis]
+            y[_along(self.axis, o, o + n)] = b.data_for(xp)
+            o += n
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if len(bottom) == 1:
+            return
+        dy = top[0].diff_for(xp)
+        o = 0
+        for i, b in enumerate(bottom):
+            n = b.shape[self.axis]
+            if propagate_down[i]:
+                b.mutable_diff_for(xp)[...] = dy[_along(self.axis, o, o + n)]
+            o += n
+
+
+@register_layer("Slice")
+class SliceLayer(Layer):
+    """Cuts the bottom along ``axis`` (default 1) at the ``slice_point``s (strictly
+    increasing, inside the axis; one fewer than the tops), or into equal parts
+    when none are given.  dx = the tops' diffs joined back.  One top: it shares
+    the bottom's data and diff."""
+    exact_num_bottom_blobs = 1
+    min_top_blobs = 1
+
+    def reshape(self, bottom, top):
+        p = self.layer_param.slice_param
+        b = bottom[0]
+        self.axis = axis = _axis_or_legacy(self, b, p, "slice_dim")
+        n = b.shape[axis]
+        points = [int(s) for s in p.slice_point]
+        if points:
+            if len(points) != len(top) - 1:
+                raise self.error(f"{len(points)} slice_point(s) given for {len(top)} tops; "
+                                 f"needs {len(top) - 1}")
+            prev, sizes = 0, []
+            for s in points:
+                if s <= prev:
+                    raise self.error(f"slice points must be strictly increasing and positive, "
+                                     f"got {points}")
+                sizes.append(s - prev)
+                prev = s
+            if prev >= n:
+                raise self.error(f"slice point {prev} is out of range for axis {axis} of size "
+                                 f"{n} (bottom {b.shape})")
+            sizes.append(n - prev)
+        else:
+            if n % len(top):
+                raise self.error(f"axis {axis} of size {n} (bottom {b.shape}) cannot be split "
+                                 f"evenly into {len(top)} tops; give slice_point")
+            sizes = [n // len(top)] * len(top)
+        self.sizes = sizes
+        shape = list(b.shape)
+        for t, s in zip(top, sizes):
+            shape[axis] = s
+            t.reshape(shape)
+        if len(top) == 1:
+            top[0].share_data(b)
+            top[0].share_diff(b)
+
+    def forward_xp(self, xp, bottom, top):
+        if len(top) == 1:
+            return
+        x = bottom[0].data_for(xp)
+        o = 0
+        for t, s in zip(top, self.sizes):
+            t.mutable_data_for(xp)[...] = x[_along(self.axis, o, o + s)]
+            o += s
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if len(top) == 1 or not propagate_down[0]:
+            return
+        dx = bottom[0].mutable_diff_for(xp)
+        o = 0
+        for t, s in zip(top, self.sizes):
+            dx[_along(self.axis, o, o + s)] = t.diff_for(xp)
+            o += s
+
+
+_PROD = caffe_pb2.EltwiseParameter.PROD
+_SUM = caffe_pb2.EltwiseParameter.SUM
+_MAX = caffe_pb2.EltwiseParameter.MAX
+
+
+@register_layer("Eltwise")
+class EltwiseLayer(Layer):
+    """Elementwise over bottoms of one shape: PROD (y = prod x_i), SUM (y = sum c_i x_i,
+    ``coeff`` default 1) or MAX (y = max x_i; ties go to the first bottom).
+    PROD: dx_i = dy * prod_{j != i} x_j (``stable_prod_grad``) or dy * y / x_i;
+    SUM: dx_i = c_i dy;  MAX: dx_i = dy where bottom i was the max, else 0."""
+    min_bottom_blobs = 2
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.eltwise_param
+        self.op = p.operation
+        if len(p.coeff) and self.op != _SUM:
+            raise self.error("coeff is only for the SUM operation")
+        if len(p.coeff) and len(p.coeff) != len(bottom):
+            raise self.error(f"takes one coeff per bottom blob: {len(p.coeff)} coeff(s) for "
+                             f"{len(bottom)} bottoms")
+        self.coeffs = [float(c) for c in p.coeff] or [1.0] * len(bottom)
+        self.stable = p.stable_prod_grad
+        self._saved = None
+
+    def reshape(self, bottom, top):
+        for i, b in enumerate(bottom[1:], 1):
+            if b.shape != bottom[0].shape:
+                raise self.error(f"all bottoms must have the same shape: bottom 0 "
+                                 f"{bottom[0].shape}, bottom {i} {b.shape}")
+        top[0].reshape(bottom[0].shape)
+
+    def forward_xp(self, xp, bottom, top):
+        xs = [b.data_for(xp) for b in bottom]
+        in_place = any(top[0] is b for b in bottom)
+        if self.op == _PROD:
+            self._saved = [x.copy() for x in xs] if in_place else None
+            y = xs[0] * xs[1]
+            for x in xs[2:]:
+                y *= x
+        elif self.op == _SUM:
+            y = xs[0] * xs[0].dtype.type(self.coeffs[0])
+            for c, x in zip(self.coeffs[1:], xs[1:]):
+                y += x * x.dtype.type(c)
+        else:
+            y = xs[0].copy()
+            arg = xp.zeros(y.shape, dtype=np.int32)
+            for i, x in enumerate(xs[1:], 1):
+                better = x > y
+                y = xp.where(better, x, y)
+                arg[better] = i
+            self._argmax = arg
+        top[0].mutable_data_for(xp)[...] = y
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        dy = top[0].diff_for(xp)
+        if any(top[0] is b for b in bottom):
+            dy = dy.copy()  # in place, the first bottom diff written overwrites dy
+        for i, b in enumerate(bottom):
+            if not propagate_down[i]:
+                continue
+            if self.op == _PROD:
+                xs = self._saved or [bb.data_for(xp) for bb in bottom]
+                if self.stable:
+                    g = None
+                    for j, x in enumerate(xs):
+                        if j != i:
+                            g = x.copy() if g is None else g * x
+                else:
+                    with np.errstate(all="ignore"):
+                        y = top[0].data_for(xp) if self._saved is None else self._prod(xs)
+                        g = y / xs[i]
+                d = dy * g
+            elif self.op == _SUM:
+                c = self.coeffs[i]
+                d = dy if c == 1 else dy * dy.dtype.type(c)
+            else:
+                d = dy * (self._argmax == i)
+            b.mutable_diff_for(xp)[...] = d
+
+    @staticmethod
+    def _prod(xs):
+        y = xs[0] * xs[1]
+        for x in xs[2:]:
+            y = y * x
+        return y
+
+
+@register_layer("Flatten")
+class FlattenLayer(Layer):
+    """Merges axes [axis, end_axis] (default 1 to -1) into one: (N, C, H, W) ->
+    (N, C*H*W).  The top shares the bottom's data and diff."""
+    exact_num_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        if top[0] is bottom[0]:
+            raise self.error("does not allow in-place computation")
+
+    def reshape(self, bottom, top):
+        p = self.layer_param.flatten_param
+        b = bottom[0]
+        start = _canonical(self, b, p.axis)
+        end = _canonical(self, b, p.end_axis, "end_axis")
+        if end < start:
+            raise self.error(f"end_axis {p.end_axis} comes before axis {p.axis} for bottom "
+                             f"shape {b.shape}")
+        top[0].reshape(b.shape[:start] + (b.count(start, end + 1),) + b.shape[end + 1:])
+        top[0].share_data(b)
+        top[0].share_diff(b)
+
+    def forward_xp(self, xp, bottom, top):
+        pass
+
+
+@register_layer("Reshape")
+class ReshapeLayer(Layer):
+    """Gives the bottom a new shape of the same count: ``shape`` replaces bottom
+    axes [axis, axis + num_axes) (default all); a 0 copies the bottom's dimension
+    at that place, one -1 is inferred.  The top shares the bottom's data and diff."""
+    exact_num_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        if top[0] is bottom[0]:
+            raise self.error("does not allow in-place computation")
+        dims = [int(d) for d in self.layer_param.reshape_param.shape.dim]
+        self.copy_axes = [i for i, d in enumerate(dims) if d == 0]
+        inferred = [i for i, d in enumerate(dims) if d == -1]
+        if len(inferred) > 1:
+            raise self.error(f"new shape {dims} contains multiple -1 dims; at most a single "
+                             f"(1) value of -1 may be specified")
+        if any(d < -1 for d in dims):
+            raise self.error(f"new shape {dims} has a dimension below -1")
+        self.inferred_axis = inferred[0] if inferred else -1
+        self.constant_count = 1
+        for d in dims:
+            if d > 0:
+                self.constant_count *= d
+        self.dims = dims
+
+    def reshape(self, bottom, top):
+        p = self.layer_param.reshape_param
+        b = bottom[0]
+        nax = b.num_axes
+        start = p.axis if p.axis >= 0 else nax + p.axis + 1
+        if not 0 <= start <= nax:
+            raise self.error(f"axis {p.axis} is out of range for bottom shape {b.shape}")
+        if p.num_axes < -1:
+            raise self.error(f"num_axes must be >= 0, or -1 for all; got {p.num_axes}")
+        end = nax if p.num_axes == -1 else start + p.num_axes
+        if end > nax:
+            raise self.error(f"axis + num_axes = {end} is out of range for bottom shape {b.shape}")
+        shape = list(b.shape[:start]) + list(self.dims) + list(b.shape[end:])
+        for i in self.copy_axes:
+            if start + i >= nax:
+                raise self.error(f"new shape {self.dims} contains a 0 at position {i}, but bottom "
+                                 f"shape {b.shape} has no axis {start + i} to copy")
+            shape[start + i] = b.shape[start + i]
+        if self.inferred_axis >= 0:
+            explicit = self.constant_count * b.count(0, start) * b.count(end)
+            for i in self.copy_axes:
+                explicit *= shape[start + i]
+            if explicit == 0 or b.count() % explicit:
+                raise self.error(f"bottom count {b.count()} (shape {b.shape}) must be divisible "
+                                 f"by the product of the specified dimensions ({explicit})")
+            shape[start + self.inferred_axis] = b.count() // explicit
+        count = int(np.prod(shape, dtype=np.int64))
+        if count != b.count():
+            raise self.error(f"output count {count} (shape {tuple(shape)}) must match input "
+                             f"count {b.count()} (shape {b.shape})")
+        top[0].reshape(shape)
+        top[0].share_data(b)
+        top[0].share_diff(b)
+
+    def forward_xp(self, xp, bottom, top):
+        pass
+
+
+@register_layer("Tile")
+class TileLayer(Layer):
+    """Repeats the bottom ``tiles`` times along ``axis`` (the whole block from
+    ``axis`` on is repeated: (N, C) tiled 2x on axis 1 is (N, [C, C])).
+    dx = the sum of dy over the copies."""
+    exact_num_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        if top[0] is bottom[0]:
+            raise self.error("does not allow in-place computation")
+        p = self.layer_param.tile_param
+        if not p.HasField("tiles"):
+            raise self.error("tile_param { tiles: ... } must be specified")
+        if p.tiles < 1:
+            raise self.error(f"tiles must be positive, got {p.tiles}")
+        self.tiles = int(p.tiles)
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        axis = _canonical(self, b, self.layer_param.tile_param.axis)
+        shape = list(b.shape)
+        shape[axis] *= self.tiles
+        top[0].reshape(shape)
+        self.outer, self.inner = b.count(0, axis), b.count(axis)
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp).reshape(self.outer, 1, self.inner)
+        top[0].mutable_data_for(xp).reshape(self.outer, self.tiles, self.inner)[...] = x
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff_for(xp).reshape(self.outer, self.tiles, self.inner)
+        bottom[0].mutable_diff_for(xp).reshape(self.outer, self.inner)[...] = dy.sum(axis=1)
+
+
+_R = caffe_pb2.ReductionParameter
+
+
+@register_layer("Reduction")
+class ReductionLayer(Layer):
+    """Reduces all axes from ``axis`` (default 0: everything, a scalar top) with
+    SUM, ASUM (sum |x|), SUMSQ (sum x^2) or MEAN, times ``coeff``: top shape is
+    bottom.shape[:axis].  dx = coeff * dy * (1, sign(x), 2x, 1/dim)."""
+    exact_num_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def reshape(self, bottom, top):
+        p = self.layer_param.reduction_param
+        b = bottom[0]
+        axis = _canonical(self, b, p.axis) if b.num_axes else 0
+        top[0].reshape(b.shape[:axis])
+        self.num, self.dim = b.count(0, axis), b.count(axis)
+        self.op = p.operation
+        self.coeff = float(p.coeff)
+        if self.op == _R.MEAN and self.dim:
+            self.coeff /= self.dim
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp).reshape(self.num, self.dim)
+        if self.op == _R.ASUM:
+            r = xp.abs(x).sum(axis=1)
+        elif self.op == _R.SUMSQ:
+            r = (x * x).sum(axis=1)
+        else:  # SUM, MEAN
+            r = x.sum(axis=1)
+        top[0].mutable_data_for(xp).reshape(self.num)[...] = r * x.dtype.type(self.coeff)
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = bottom[0].data_for(xp).reshape(self.num, self.dim)
+        g = top[0].diff_for(xp).reshape(self.num, 1) * x.dtype.type(self.coeff)
+        dx = bottom[0].mutable_diff_for(xp).reshape(self.num, self.dim)
+        if self.op == _R.ASUM:
+            dx[...] = g * xp.sign(x)
+        elif self.op == _R.SUMSQ:
+            dx[...] = g * 2 * x
+        else:
+            dx[...] = g
+
+
+@register_layer("ArgMax")
+class ArgMaxLayer(Layer):
+    """The indices (or with ``out_max_val`` the values) of the ``top_k`` largest
+    entries.  With ``axis``: along that axis, top = bottom with that axis cut to
+    top_k.  Without: over each item's flattened data, top is (N, 1, top_k) or
+    (N, 2, top_k) with indices then values for out_max_val (at least 3 axes).
+    Ties: the larger index first (Caffe's sort of (value, index) pairs).
+    No gradient."""
+    exact_num_bottom_blobs = 1
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.argmax_param
+        self.out_max_val = p.out_max_val
+        self.top_k = int(p.top_k)
+        self.has_axis = p.HasField("axis")
+        if self.top_k < 1:
+            raise self.error(f"top_k must not be less than 1, got {self.top_k}")
+
+    def reshape(self, bottom, top):
+        p = self.layer_param.argmax_param
+        b = bottom[0]
+        if self.has_axis:
+            self.axis = _canonical(self, b, p.axis)
+            if self.top_k > b.shape[self.axis]:
+                raise self.error(f"top_k {self.top_k} must be less than or equal to the dimension "
+                                 f"of axis {self.axis} of bottom shape {b.shape}")
+            shape = list(b.shape)
+            shape[self.axis] = self.top_k
+        else:
+            if b.num_axes < 1 or self.top_k > b.count(1):
+                raise self.error(f"top_k {self.top_k} must be less than or equal to the size of "
+                                 f"one item of bottom shape {b.shape}")
+            shape = [1] * max(b.num_axes, 3)
+            shape[0] = b.shape[0]
+            shape[2] = self.top_k
+            if self.out_max_val:
+                shape[1] = 2
+        top[0].reshape(shape)
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp)
+        k = self.top_k
+        if self.has_axis:
+            xm = xp.moveaxis(x, self.axis, -1)
+        else:
+            xm = x.reshape(x.shape[0], -1)
+        dim = xm.shape[-1]
+        # descending by value, ties by the larger index: a stable ascending sort of
+        # the negated values, taken over the reversed axis
+        order = xp.argsort(-xm[..., ::-1], axis=-1, kind="stable")[..., :k]
+        idx = (dim - 1) - order
+        vals = xp.take_along_axis(xm, idx, axis=-1)
+        y = top[0].mutable_data_for(xp)
+        if self.has_axis:
+            out = vals if self.out_max_val else idx.astype(x.dtype)
+            y[...] = xp.moveaxis(out, -1, self.axis)
+        elif self.out_max_val:
+            y2 = y.reshape(x.shape[0], 2, k)
+            y2[:, 0] = idx
+            y2[:, 1] = vals
+        else:
+            y.reshape(x.shape[0], k)[...] = idx
+
+
+@register_layer("Silence")
+class SilenceLayer(Layer):
+    """Consumes its bottoms (so they are not net outputs) and makes no top; backward
+    writes zero diffs."""
+    min_bottom_blobs = 1
+    exact_num_top_blobs = 0
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward_xp(self, xp, bottom, top):
+        pass
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        for i, b in enumerate(bottom):
+            if propagate_down[i]:
+                b.mutable_diff_for(xp)[...] = 0
+
+
+@register_layer("Filter")
+class FilterLayer(Layer):
+    """Keeps the items (first-axis entries) whose selector is non-zero.  Bottoms:
+    k blobs to filter, then the selector (N, 1, ...); tops: the k filtered blobs.
+    At setup the tops have the full batch (the selector is not known yet).
+    dx = dy for the kept items, 0 for the others; the selector gets no gradient."""
+    min_bottom_blobs = 2
+    min_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        if len(top) != len(bottom) - 1:
+            raise self.error(f"needs one top per filtered bottom: {len(bottom) - 1} bottoms to "
+                             f"filter (plus the selector), {len(top)} tops")
+        self._n_bottom = len(bottom)
+        self._first = True
+        self._keep = None
+
+    def reshape(self, bottom, top):
+        sel = bottom[-1]
+        if sel.num_axes < 1 or any(d != 1 for d in sel.shape[1:]):
+            raise self.error(f"selector (last bottom) must have singleton dimensions except the "
+                             f"first, got shape {sel.shape}")
+        for i, b in enumerate(bottom[:-1]):
+            if b.num_axes < 1 or b.shape[0] != sel.shape[0]:
+                raise self.error(f"bottom {i} {b.shape} must have the selector's first "
+                                 f"dimension {sel.shape[0]}")
+        self._keep = np.flatnonzero(sel.cpu_data().reshape(-1))
+        n = sel.shape[0] if self._first else len(self._keep)
+        self._first = False
+        for t, b in zip(top, bottom):
+            t.reshape((n,) + b.shape[1:])
+
+    def forward_xp(self, xp, bottom, top):
+        keep = xp.asarray(self._keep)
+        for t, b in zip(top, bottom):
+            t.mutable_data_for(xp)[...] = b.data_for(xp)[keep]
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if propagate_down[-1]:
+            raise self.error("cannot backpropagate to the selector (last bottom)")
+        keep = xp.asarray(self._keep)
+        for i, (t, b) in enumerate(zip(top, bottom)):
+            if propagate_down[i]:
+                dx = b.mutable_diff_for(xp)
+                dx[...] = 0
+                dx[keep] = t.diff_for(xp)
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != self._n_bottom - 1
+
+
+@register_layer("BatchReindex")
+class BatchReindexLayer(Layer):
+    """Gathers items of bottom 0 by the indices in bottom 1 (1-D): top[i] = x[p_i],
+    top shape (len(p),) + x.shape[1:].  dx[j] = sum of dy[i] over the i with p_i == j;
+    the indices get no gradient."""
+    exact_num_bottom_blobs = 2
+    exact_num_top_blobs = 1
+
+    def reshape(self, bottom, top):
+        if bottom[1].num_axes != 1:
+            raise self.error(f"the index bottom (bottom 1) must be 1-D, got shape {bottom[1].shape}")
+        if bottom[0].num_axes < 1:
+            raise self.error(f"bottom 0 needs a first axis to index, got shape {bottom[0].shape}")
+        top[0].reshape(bottom[1].shape[:1] + bottom[0].shape[1:])
+
+    def forward_xp(self, xp, bottom, top):
+        idx = _indices(self, xp, bottom[1].data_for(xp), bottom[0].shape[0],
+                       "reindex indices (bottom 1)")
+        top[0].mutable_data_for(xp)[...] = bottom[0].data_for(xp)[idx]
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if propagate_down[1]:
+            raise self.error("cannot backpropagate to the indices (bottom 1)")
+        if not propagate_down[0]:
+            return
+        idx = bottom[1].data_for(xp).astype(np.int64)
+        dx = bottom[0].mutable_diff_for(xp)
+        dx[...] = 0
+        _scatter_add(xp, dx, idx, top[0].diff_for(xp))
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index == 0
+
+
+@register_layer("Parameter")
+class ParameterLayer(Layer):
+    """No bottoms; its one param blob (``parameter_param { shape }``, zeros until
+    trained or loaded) is the top: they share data and diff."""
+    exact_num_bottom_blobs = 0
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        shape = tuple(int(d) for d in self.layer_param.parameter_param.shape.dim)
+        if self.blobs:
+            if len(self.blobs) != 1 or self.blobs[0].shape != shape:
+                raise self.error(f"parameter blobs {[b.shape for b in self.blobs]} do not match "
+                                 f"the shape {shape}")
+        else:
+            self.blobs = [Blob(shape, top[0].dtype)]
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.blobs[0].shape)
+        top[0].share_data(self.blobs[0])
+        top[0].share_diff(self.blobs[0])
+
+    def forward_xp(self, xp, bottom, top):
+        pass

@@ -1,15 +1,58 @@
-"""Neuron layers: elementwise, one bottom, one top of the same shape."""
-from ..layer import NeuronLayer
+"""Neuron layers: elementwise, one bottom, one top of the same shape.
+
+Every layer here may run in place (top is the bottom blob) except AbsVal.  A
+layer whose backward needs the input ``x`` and runs in place keeps a copy of
+``x`` during forward (Caffe's PReLU and Scale do the same), so in-place and
+out-of-place give the same gradients.
+
+Bias and Scale (broadcast a parameter or a second bottom over ``bottom[0]``)
+live here too: both are elementwise on ``bottom[0]``.
+"""
+import math
+
+import numpy as np
+
+from .. import context
+from ..blob import Blob
+from ..filler import fill
+from ..layer import Layer, NeuronLayer
+from ..proto import caffe_pb2
 from ..registry import register_layer
 
 
+def _quiet(xp):
+    """numpy's floating-point warnings off (Caffe's math is silent: a log of a
+    negative gives NaN, not an exception)."""
+    return np.errstate(all="ignore")
+
+
+class _SavesInput(NeuronLayer):
+    """A neuron layer whose backward reads ``x``: in place, forward keeps a copy."""
+    _x_copy = None
+
+    def _input_for_forward(self, xp, bottom, top):
+        x = bottom[0].data_for(xp)
+        self._x_copy = x.copy() if bottom[0] is top[0] else None
+        return x
+
+    def _input_for_backward(self, xp, bottom):
+        if self._x_copy is not None:
+            return xp.asarray(self._x_copy)
+        return bottom[0].data_for(xp)
+
+
+def _sigmoid(xp, x):
+    return 0.5 * xp.tanh(0.5 * x) + 0.5
+
+
 @register_layer("ReLU")
-class ReLULayer(NeuronLayer):
+class ReLULayer(_SavesInput):
     """y = max(x, 0) + negative_slope * min(x, 0);  dx = dy * (x > 0 ? 1 : negative_slope)."""
 
     def forward_xp(self, xp, bottom, top):
-        x = bottom[0].data_for(xp)
         slope = self.layer_param.relu_param.negative_slope
+        # in place with a negative slope, y's sign no longer tells x's
+        x = self._input_for_forward(xp, bottom, top) if slope < 0 else bottom[0].data_for(xp)
         y = top[0].mutable_data_for(xp)
         if slope:
             y[...] = xp.where(x > 0, x, x * x.dtype.type(slope))
@@ -19,12 +62,537 @@ class ReLULayer(NeuronLayer):
     def backward_xp(self, xp, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        # In place, bottom data is the top data; the sign is the same either way.
-        x = bottom[0].data_for(xp)
-        dy = top[0].diff_for(xp)
         slope = self.layer_param.relu_param.negative_slope
+        # In place (slope >= 0), bottom data is the top data; the sign is the same.
+        x = self._input_for_backward(xp, bottom) if slope < 0 else bottom[0].data_for(xp)
+        dy = top[0].diff_for(xp)
         dx = bottom[0].mutable_diff_for(xp)
         if slope:
             dx[...] = dy * xp.where(x > 0, x.dtype.type(1), x.dtype.type(slope))
         else:
             dx[...] = dy * (x > 0)
+
+
+@register_layer("PReLU")
+class PReLULayer(_SavesInput):
+    """y = max(x, 0) + a_c * min(x, 0) with a learned slope per channel (axis 1), or
+    one slope for all (``channel_shared``, a 0-axis blob).  Slopes start at 0.25
+    unless ``filler`` says otherwise.
+    da_c += sum over n, spatial of dy * x * (x <= 0);  dx = dy * (x > 0 ? 1 : a_c)."""
+
+    def layer_setup(self, bottom, top):
+        if bottom[0].num_axes < 2:
+            raise self.error(f"bottom must have at least 2 axes (N, C, ...), got shape "
+                             f"{bottom[0].shape}")
+        p = self.layer_param.prelu_param
+        self.channel_shared = p.channel_shared
+        channels = bottom[0].shape[1]
+        want = () if self.channel_shared else (channels,)
+        if self.blobs:
+            if len(self.blobs) != 1 or self.blobs[0].count() != (1 if self.channel_shared else channels):
+                raise self.error(f"slope blob {self.blobs[0].shape if self.blobs else None} does not "
+                                 f"match {'channel_shared' if self.channel_shared else 'channels'} "
+                                 f"{want} for bottom {bottom[0].shape}")
+            return
+        self.blobs = [Blob(want, bottom[0].dtype)]
+        filler = p.filler if p.HasField("filler") else \
+            caffe_pb2.FillerParameter(type="constant", value=0.25)
+        fill(self.blobs[0], filler)
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes < 2:
+            raise self.error(f"bottom must have at least 2 axes (N, C, ...), got shape "
+                             f"{bottom[0].shape}")
+        if not self.channel_shared and bottom[0].shape[1] != self.blobs[0].count():
+            raise self.error(f"bottom {bottom[0].shape} has {bottom[0].shape[1]} channels, the "
+                             f"slope blob has {self.blobs[0].count()}")
+        super().reshape(bottom, top)
+
+    def _slope(self, xp, x):
+        a = self.blobs[0].data_for(xp)
+        if self.channel_shared:
+            return a.reshape(())
+        return a.reshape((1, a.size) + (1,) * (x.ndim - 2))
+
+    def forward_xp(self, xp, bottom, top):
+        x = self._input_for_forward(xp, bottom, top)
+        a = self._slope(xp, x)
+        top[0].mutable_data_for(xp)[...] = xp.where(x > 0, x, x * a)
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        x = self._input_for_backward(xp, bottom)
+        dy = top[0].diff_for(xp)
+        # the slope gradient first: in place, the bottom diff overwrites dy
+        if self.get_param_propagate_down(0):
+            g = dy * x * (x <= 0)
+            da = self.blobs[0].mutable_diff_for(xp)
+            if self.channel_shared:
+                da += g.sum()
+            else:
+                axes = (0,) + tuple(range(2, x.ndim))
+                da += g.sum(axis=axes)
+        if propagate_down[0]:
+            a = self._slope(xp, x)
+            bottom[0].mutable_diff_for(xp)[...] = dy * xp.where(x > 0, x.dtype.type(1), a)
+
+
+@register_layer("ELU")
+class ELULayer(NeuronLayer):
+    """y = x if x > 0 else alpha * (exp(x) - 1);  dx = dy * (x > 0 ? 1 : y + alpha)."""
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp)
+        alpha = self.layer_param.elu_param.alpha
+        top[0].mutable_data_for(xp)[...] = xp.where(x > 0, x, alpha * xp.expm1(xp.minimum(x, 0)))
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        # in place, x is y: y > 0 exactly where x > 0
+        x = bottom[0].data_for(xp)
+        y = top[0].data_for(xp)
+        dy = top[0].diff_for(xp)
+        alpha = self.layer_param.elu_param.alpha
+        bottom[0].mutable_diff_for(xp)[...] = dy * xp.where(x > 0, x.dtype.type(1), y + alpha)
+
+
+@register_layer("Sigmoid")
+class SigmoidLayer(NeuronLayer):
+    """y = 1 / (1 + exp(-x)) (as 0.5 tanh(x/2) + 0.5);  dx = dy * y * (1 - y)."""
+
+    def forward_xp(self, xp, bottom, top):
+        top[0].mutable_data_for(xp)[...] = _sigmoid(xp, bottom[0].data_for(xp))
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data_for(xp)
+        bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * y * (1 - y)
+
+
+@register_layer("TanH")
+class TanHLayer(NeuronLayer):
+    """y = tanh(x);  dx = dy * (1 - y^2)."""
+
+    def forward_xp(self, xp, bottom, top):
+        xp.tanh(bottom[0].data_for(xp), out=top[0].mutable_data_for(xp))
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data_for(xp)
+        bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * (1 - y * y)
+
+
+@register_layer("AbsVal")
+class AbsValLayer(NeuronLayer):
+    """y = |x|;  dx = dy * sign(x).  Not in place (backward needs the sign of x)."""
+
+    def layer_setup(self, bottom, top):
+        if top[0] is bottom[0]:
+            raise self.error("does not allow in-place computation")
+
+    def forward_xp(self, xp, bottom, top):
+        xp.abs(bottom[0].data_for(xp), out=top[0].mutable_data_for(xp))
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = bottom[0].data_for(xp)
+        bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * xp.sign(x)
+
+
+@register_layer("BNLL")
+class BNLLLayer(_SavesInput):
+    """Binomial normal log likelihood: y = log(1 + exp(x)) (computed without overflow);
+    dx = dy * sigmoid(x)."""
+
+    def forward_xp(self, xp, bottom, top):
+        x = self._input_for_forward(xp, bottom, top)
+        top[0].mutable_data_for(xp)[...] = xp.maximum(x, 0) + xp.log1p(xp.exp(-xp.abs(x)))
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = self._input_for_backward(xp, bottom)
+        bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * _sigmoid(xp, x)
+
+
+@register_layer("Power")
+class PowerLayer(_SavesInput):
+    """y = (shift + scale * x) ^ power;  dx = dy * power * scale * (shift + scale * x)^(power - 1).
+    With power * scale == 0 the output is the constant shift^power (1 for power 0)."""
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.power_param
+        self.power, self.scale, self.shift = float(p.power), float(p.scale), float(p.shift)
+        self.diff_scale = self.power * self.scale
+
+    def forward_xp(self, xp, bottom, top):
+        x = self._input_for_forward(xp, bottom, top)
+        y = top[0].mutable_data_for(xp)
+        if self.diff_scale == 0:
+            with _quiet(xp):
+                y[...] = 1.0 if self.power == 0 else np.power(self.shift, self.power)
+            return
+        with _quiet(xp):
+            base = x * x.dtype.type(self.scale) + x.dtype.type(self.shift)
+            y[...] = base if self.power == 1 else base ** x.dtype.type(self.power)
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dx = bottom[0].mutable_diff_for(xp)
+        if self.diff_scale == 0:
+            dx[...] = 0
+            return
+        dy = top[0].diff_for(xp)
+        if self.power == 1:
+            dx[...] = dy * dy.dtype.type(self.diff_scale)
+            return
+        x = self._input_for_backward(xp, bottom)
+        t = x.dtype.type
+        with _quiet(xp):
+            base = x * t(self.scale) + t(self.shift)
+            if self.power == 2:
+                d = base * t(self.diff_scale)
+            else:
+                d = base ** t(self.power - 1) * t(self.diff_scale)
+            dx[...] = dy * d
+
+
+def _log_base(layer, base):
+    """ln(base) for Exp/Log (1 for base -1, meaning e); base must be > 0 otherwise."""
+    if base == -1:
+        return 1.0
+    if not base > 0:
+        raise layer.error(f"base must be strictly positive (or -1 for e), got {base}")
+    return math.log(base)
+
+
+@register_layer("Exp")
+class ExpLayer(NeuronLayer):
+    """y = base ^ (shift + scale * x) (base -1 means e);  dx = dy * y * ln(base) * scale."""
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.exp_param
+        log_base = _log_base(self, p.base)
+        self.inner_scale = log_base * p.scale
+        self.outer_scale = 1.0 if p.shift == 0 else math.exp(log_base * p.shift)
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp)
+        t = x.dtype.type
+        with _quiet(xp):
+            y = xp.exp(x * t(self.inner_scale))
+            if self.outer_scale != 1:
+                y *= t(self.outer_scale)
+        top[0].mutable_data_for(xp)[...] = y
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data_for(xp)
+        bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * y * y.dtype.type(self.inner_scale)
+
+
+@register_layer("Log")
+class LogLayer(_SavesInput):
+    """y = log_base(shift + scale * x) (base -1 means e);
+    dx = dy * scale / (ln(base) * (shift + scale * x))."""
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.log_param
+        self.base_scale = 1.0 / _log_base(self, p.base)
+        self.scale, self.shift = float(p.scale), float(p.shift)
+
+    def _inner(self, x):
+        t = x.dtype.type
+        return x * t(self.scale) + t(self.shift)
+
+    def forward_xp(self, xp, bottom, top):
+        x = self._input_for_forward(xp, bottom, top)
+        with _quiet(xp):
+            y = xp.log(self._inner(x))
+            if self.base_scale != 1:
+                y *= x.dtype.type(self.base_scale)
+        top[0].mutable_data_for(xp)[...] = y
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = self._input_for_backward(xp, bottom)
+        with _quiet(xp):
+            d = x.dtype.type(self.scale * self.base_scale) / self._inner(x)
+            bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * d
+
+
+@register_layer("Threshold")
+class ThresholdLayer(NeuronLayer):
+    """y = 1 if x > threshold else 0.  The gradient is zero wherever it exists, so
+    backward writes zeros (Caffe leaves backward unimplemented)."""
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp)
+        t = self.layer_param.threshold_param.threshold
+        top[0].mutable_data_for(xp)[...] = x > x.dtype.type(t)
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if propagate_down[0]:
+            bottom[0].mutable_diff_for(xp)[...] = 0
+
+
+@register_layer("Clip")
+class ClipLayer(_SavesInput):
+    """y = min(max(x, min), max);  dx = dy where min <= x <= max, else 0."""
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.clip_param
+        if not self.layer_param.HasField("clip_param") or not (p.HasField("min") and p.HasField("max")):
+            raise self.error("clip_param { min: ... max: ... } is required")
+        if p.min > p.max:
+            raise self.error(f"clip_param min ({p.min}) must not exceed max ({p.max})")
+        self.lo, self.hi = float(p.min), float(p.max)
+
+    def forward_xp(self, xp, bottom, top):
+        x = self._input_for_forward(xp, bottom, top)
+        t = x.dtype.type
+        xp.clip(x, t(self.lo), t(self.hi), out=top[0].mutable_data_for(xp))
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = self._input_for_backward(xp, bottom)
+        t = x.dtype.type
+        inside = (x >= t(self.lo)) & (x <= t(self.hi))
+        bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * inside
+
+
+@register_layer("Swish")
+class SwishLayer(NeuronLayer):
+    """y = x * sigmoid(beta * x);  dx = dy * (beta * y + sigmoid(beta x) * (1 - beta * y))."""
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp)
+        beta = self.layer_param.swish_param.beta
+        self._sig = _sigmoid(xp, x * x.dtype.type(beta))
+        top[0].mutable_data_for(xp)[...] = x * self._sig
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        y = top[0].data_for(xp)
+        beta = y.dtype.type(self.layer_param.swish_param.beta)
+        sig = xp.asarray(self._sig)
+        by = beta * y
+        bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp) * (by + sig * (1 - by))
+
+
+@register_layer("Dropout")
+class DropoutLayer(NeuronLayer):
+    """TRAIN: y = x * m * s, with m ~ Bernoulli(1 - dropout_ratio) drawn from this
+    thread's generator and s = 1 / (1 - ratio) (``scale_train``, the default) or 1.
+    TEST: y = x, or y = x * (1 - ratio) when ``scale_train`` is false.
+    dx = dy times the same factor."""
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.dropout_param
+        self.ratio = float(p.dropout_ratio)
+        if not 0.0 <= self.ratio < 1.0:
+            raise self.error(f"dropout_ratio must be in [0, 1), got {self.ratio}")
+        self.scale_train = p.scale_train
+        self.scale = 1.0 / (1.0 - self.ratio)
+        self._mask = None
+
+    def _uniform(self, xp, shape):
+        if xp is np:
+            return context.rng().random_sample(shape)
+        return context.gpu_rng().random_sample(shape, dtype=np.float32)
+
+    def forward_xp(self, xp, bottom, top):
+        x = bottom[0].data_for(xp)
+        y = top[0].mutable_data_for(xp)
+        t = x.dtype.type
+        if self.phase == caffe_pb2.TRAIN:
+            keep = self._uniform(xp, x.shape) >= self.ratio
+            self._mask = keep * t(self.scale if self.scale_train else 1.0)
+            y[...] = x * self._mask
+        elif self.scale_train:
+            if top[0] is not bottom[0]:
+                y[...] = x
+        else:
+            y[...] = x * t(1.0 - self.ratio)
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff_for(xp)
+        dx = bottom[0].mutable_diff_for(xp)
+        t = dy.dtype.type
+        if self.phase == caffe_pb2.TRAIN:
+            dx[...] = dy * xp.asarray(self._mask)
+        elif self.scale_train:
+            if top[0] is not bottom[0]:
+                dx[...] = dy
+        else:
+            dx[...] = dy * t(1.0 - self.ratio)
+
+
+# -- Bias and Scale: broadcast over bottom[0] viewed as (outer, dim, inner) ---------
+
+def _param_shape(layer, bottom, axis_param, num_axes):
+    """The learned blob's shape: bottom[0]'s axes [axis, axis + num_axes)."""
+    axis = _canonical(layer, bottom[0], axis_param)
+    if num_axes < -1:
+        raise layer.error(f"num_axes must be non-negative, or -1 to extend to the end of "
+                          f"bottom[0]; got {num_axes}")
+    if num_axes >= 0 and bottom[0].num_axes < axis + num_axes:
+        raise layer.error(f"parameter shape extends past bottom[0] {bottom[0].shape} when "
+                          f"applied from axis {axis} with num_axes {num_axes}")
+    end = bottom[0].num_axes if num_axes == -1 else axis + num_axes
+    return bottom[0].shape[axis:end]
+
+
+def _canonical(layer, blob, axis):
+    try:
+        return blob.canonical_axis_index(axis)
+    except IndexError:
+        raise layer.error(f"axis {axis} is out of range for bottom shape {blob.shape}") from None
+
+
+def _broadcast_dims(layer, bottom0, operand, axis_param, what):
+    """(outer, dim, inner) for applying ``operand`` to bottom0 from ``axis``; a
+    0-axis operand (a scalar) applies at axis 0."""
+    axis = 0 if operand.num_axes == 0 else _canonical(layer, bottom0, axis_param)
+    n = operand.num_axes
+    if bottom0.num_axes < axis + n or bottom0.shape[axis:axis + n] != operand.shape:
+        raise layer.error(f"{what} shape {operand.shape} does not match bottom[0] shape "
+                          f"{bottom0.shape} from axis {axis}")
+    return bottom0.count(0, axis), operand.count(), bottom0.count(axis + n)
+
+
+@register_layer("Bias")
+class BiasLayer(Layer):
+    """y = x + b, b broadcast over bottom[0] from ``axis``: b is a learned blob of
+    bottom[0]'s axes [axis, axis + num_axes) (one bottom), or bottom[1].
+    db = sum of dy over the other axes (accumulated for the param, written for
+    bottom[1]);  dx = dy."""
+    min_bottom_blobs = 1
+    max_bottom_blobs = 2
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.bias_param
+        if len(bottom) == 1:
+            shape = _param_shape(self, bottom, p.axis, p.num_axes)
+            if self.blobs:
+                if len(self.blobs) != 1 or self.blobs[0].shape != shape:
+                    raise self.error(f"bias blob {self.blobs[0].shape} does not match {shape} "
+                                     f"for bottom {bottom[0].shape}")
+            else:
+                self.blobs = [Blob(shape, bottom[0].dtype)]
+                fill(self.blobs[0], p.filler)
+        elif self.blobs:
+            raise self.error("has two bottoms, so it takes no learned bias blob")
+
+    def _bias_blob(self, bottom):
+        return bottom[1] if len(bottom) > 1 else self.blobs[0]
+
+    def reshape(self, bottom, top):
+        self.dims = _broadcast_dims(self, bottom[0], self._bias_blob(bottom),
+                                    self.layer_param.bias_param.axis, "bias")
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward_xp(self, xp, bottom, top):
+        outer, dim, inner = self.dims
+        b = self._bias_blob(bottom).data_for(xp).reshape(1, dim, 1)
+        x = bottom[0].data_for(xp).reshape(outer, dim, inner)
+        top[0].mutable_data_for(xp).reshape(outer, dim, inner)[...] = x + b
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        outer, dim, inner = self.dims
+        dy = top[0].diff_for(xp).reshape(outer, dim, inner)
+        if len(bottom) == 1 and self.get_param_propagate_down(0):
+            self.blobs[0].mutable_diff_for(xp).reshape(dim)[...] += dy.sum(axis=(0, 2))
+        elif len(bottom) > 1 and propagate_down[1]:
+            bottom[1].mutable_diff_for(xp).reshape(dim)[...] = dy.sum(axis=(0, 2))
+        if propagate_down[0] and bottom[0] is not top[0]:
+            bottom[0].mutable_diff_for(xp)[...] = top[0].diff_for(xp)
+
+
+@register_layer("Scale")
+class ScaleLayer(Layer):
+    """y = x * s (+ b), s broadcast over bottom[0] from ``axis``: s is a learned blob
+    of bottom[0]'s axes [axis, axis + num_axes) (one bottom; starts at 1 unless
+    ``filler`` is given), or bottom[1].  ``bias_term`` adds a learned b of s's shape
+    (the last param blob; starts from ``bias_filler``, 0 by default).
+    ds = sum of dy * x over the other axes;  db = sum of dy;  dx = dy * s."""
+    min_bottom_blobs = 1
+    max_bottom_blobs = 2
+    exact_num_top_blobs = 1
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.scale_param
+        self.bias_term = p.bias_term
+        if len(bottom) == 1:
+            shape = _param_shape(self, bottom, p.axis, p.num_axes)
+        else:
+            shape = bottom[1].shape
+        want = ([shape] if len(bottom) == 1 else []) + ([shape] if self.bias_term else [])
+        if self.blobs:
+            got = [b.shape for b in self.blobs]
+            if got != want:
+                raise self.error(f"parameter blobs {got} do not match {want} for bottoms "
+                                 f"{[b.shape for b in bottom]}")
+        else:
+            dtype = bottom[0].dtype
+            if len(bottom) == 1:
+                s = Blob(shape, dtype)
+                fill(s, p.filler if p.HasField("filler")
+                     else caffe_pb2.FillerParameter(type="constant", value=1.0))
+                self.blobs.append(s)
+            if self.bias_term:
+                b = Blob(shape, dtype)
+                fill(b, p.bias_filler)
+                self.blobs.append(b)
+        self._x_copy = None
+
+    def _scale_blob(self, bottom):
+        return bottom[1] if len(bottom) > 1 else self.blobs[0]
+
+    def reshape(self, bottom, top):
+        self.dims = _broadcast_dims(self, bottom[0], self._scale_blob(bottom),
+                                    self.layer_param.scale_param.axis, "scale")
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward_xp(self, xp, bottom, top):
+        outer, dim, inner = self.dims
+        x = bottom[0].data_for(xp).reshape(outer, dim, inner)
+        self._x_copy = x.copy() if bottom[0] is top[0] else None
+        y = x * self._scale_blob(bottom).data_for(xp).reshape(1, dim, 1)
+        if self.bias_term:
+            y += self.blobs[-1].data_for(xp).reshape(1, dim, 1)
+        top[0].mutable_data_for(xp).reshape(outer, dim, inner)[...] = y
+
+    def backward_xp(self, xp, top, propagate_down, bottom):
+        outer, dim, inner = self.dims
+        dy = top[0].diff_for(xp).reshape(outer, dim, inner)
+        # parameter gradients first: in place, the bottom diff overwrites dy
+        if self.bias_term and self.get_param_propagate_down(len(self.blobs) - 1):
+            self.blobs[-1].mutable_diff_for(xp).reshape(dim)[...] += dy.sum(axis=(0, 2))
+        one = len(bottom) == 1
+        if (one and self.get_param_propagate_down(0)) or (not one and propagate_down[1]):
+            if self._x_copy is not None:
+                x = xp.asarray(self._x_copy)
+            else:
+                x = bottom[0].data_for(xp).reshape(outer, dim, inner)
+            g = (dy * x).sum(axis=(0, 2))
+            if one:
+                self.blobs[0].mutable_diff_for(xp).reshape(dim)[...] += g
+            else:
+                bottom[1].mutable_diff_for(xp).reshape(dim)[...] = g
+        if propagate_down[0]:
+            s = self._scale_blob(bottom).data_for(xp).reshape(1, dim, 1)
+            bottom[0].mutable_diff_for(xp).reshape(outer, dim, inner)[...] = dy * s
