@@ -31,8 +31,9 @@ def layer_class(type_name, layer_name="?"):
     _load_all()
     cls = _LAYERS.get(type_name)
     if cls is None:
-        close = difflib.get_close_matches(type_name, _LAYERS, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        lower = {t.lower(): t for t in _LAYERS}
+        close = difflib.get_close_matches(type_name.lower(), lower, n=1, cutoff=0.6)
+        hint = f" (did you mean '{lower[close[0]]}'?)" if close else ""
         raise ConfigError(f"layer '{layer_name}': unknown layer type '{type_name}'{hint}; "
                           f"known types: {', '.join(sorted(_LAYERS))}")
     return cls

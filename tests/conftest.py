@@ -1,8 +1,13 @@
 import os
 import pathlib
 
-import numpy as np
-import pytest
+# Tests use small GEMMs: one BLAS thread is faster than two spinning ones, and it keeps
+# the suite steady on CI's 2 cores.  Must be set before numpy loads OpenBLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 FIXTURES = SHARED / "fixtures" / "caffe"
