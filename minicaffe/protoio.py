@@ -50,15 +50,36 @@ def parse_yaml(text, message, source="<string>"):
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of field names")
     try:
-        json_format.ParseDict(_yaml_to_proto_dict(data), message)
+        json_format.ParseDict(_yaml_to_proto_dict(data, message.DESCRIPTOR), message)
     except json_format.ParseError as e:
         raise ConfigError(f"{source}: {e}") from None
     return message
 
 
-def _yaml_to_proto_dict(data):
-    # YAML keys match the prototxt field names one to one; json_format accepts them.
-    return data
+def _yaml_to_proto_dict(data, descriptor=None):
+    """YAML keys match the prototxt field names one to one; json_format accepts them.
+    As in prototxt, a repeated field given once may be written without a list
+    (``bottom: data``, ``include: {phase: TRAIN}``)."""
+    if descriptor is None or not isinstance(data, dict):
+        return data
+    out = {}
+    for key, value in data.items():
+        field = descriptor.fields_by_name.get(key) or descriptor.fields_by_camelcase_name.get(key)
+        if field is None:
+            out[key] = value
+            continue
+        repeated = getattr(field, "is_repeated", None)
+        if repeated is None:  # protobuf < 5.29
+            repeated = field.label == field.LABEL_REPEATED
+        if repeated and not isinstance(value, list):
+            value = [value]
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            if repeated:
+                value = [_yaml_to_proto_dict(v, field.message_type) for v in value]
+            else:
+                value = _yaml_to_proto_dict(value, field.message_type)
+        out[key] = value
+    return out
 
 
 def read_text(path, message):

@@ -1,0 +1,534 @@
+"""The ``minicaffe`` command line: Caffe's ``tools/caffe.cpp``.
+
+    minicaffe train --solver S [--gpu 0|all] [--snapshot X.solverstate | --weights A[,B]]
+                    [--level N] [--stage a,b] [--sigint_effect stop|snapshot|none]
+                    [--sighup_effect ...] [--log FILE] [--debug_info]
+    minicaffe test --model M --weights W [--iterations 50] [--gpu 0]
+    minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
+    minicaffe device_query [--gpu 0]
+
+Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
+``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
+exit status 1, never a traceback (set MINICAFFE_TRACEBACK=1 to see one).
+"""
+import logging
+import os
+import sys
+import time as _time
+
+import numpy as np
+
+from . import backend, context, log
+from .errors import MinicaffeError
+
+USAGE = """minicaffe: command line brew
+usage: minicaffe <command> <args>
+
+commands:
+  train           train or finetune a model
+  test            score a model
+  device_query    show GPU diagnostic information
+  time            benchmark model execution time
+
+flags:
+  --solver FILE        the solver definition (prototxt or .yaml)
+  --model FILE         the model definition (prototxt or .yaml)
+  --snapshot FILE      the solver state (.solverstate or .solverstate.h5) to resume from
+  --weights A[,B]      pretrained weights (.caffemodel or .caffemodel.h5) to start from
+                       (train: finetuning; cannot be given with --snapshot)
+  --gpu IDS            run on GPU: a device id, ids separated by ',' or 'all'
+                       (train: overrides solver_mode and device_id)
+  --iterations N       test/time: the number of iterations to run (default 50)
+  --phase TRAIN|TEST   time: the network phase (default TRAIN)
+  --level N            the network level (default 0)
+  --stage a,b          the network stages
+  --sigint_effect E    train: what SIGINT does: stop (default), snapshot or none
+  --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
+  --log FILE           also write the log to FILE
+  --debug_info         train: print per-blob data and diff norms at each display
+  --version            print the version
+"""
+
+# name: (kind, default)
+FLAGS = {
+    "solver": ("str", ""),
+    "model": ("str", ""),
+    "snapshot": ("str", ""),
+    "weights": ("str", ""),
+    "gpu": ("str", None),
+    "iterations": ("int", 50),
+    "phase": ("str", ""),
+    "level": ("int", 0),
+    "stage": ("str", ""),
+    "sigint_effect": ("str", "stop"),
+    "sighup_effect": ("str", "snapshot"),
+    "log": ("str", ""),
+    "debug_info": ("bool", False),
+}
+COMMANDS = ("train", "test", "time", "device_query")
+
+
+class Flags:
+    def __init__(self, **kw):
+        for name, (_, default) in FLAGS.items():
+            setattr(self, name, default)
+        self.__dict__.update(kw)
+        self.given = set()
+
+
+def parse_args(argv):
+    """(command, Flags) from argv, gflags style.  Raises MinicaffeError."""
+    flags = Flags()
+    command = None
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if tok == "--":
+            continue
+        if tok.startswith("-") and len(tok) > 1 and not _is_number(tok):
+            body = tok.lstrip("-")
+            name, eq, value = body.partition("=")
+            if name in ("h", "help", "helpshort", "helpfull"):
+                return "help", flags
+            if name == "version":
+                return "version", flags
+            if name not in FLAGS and name.startswith("no") and name[2:] in FLAGS and \
+                    FLAGS[name[2:]][0] == "bool" and not eq:
+                setattr(flags, name[2:], False)
+                flags.given.add(name[2:])
+                continue
+            if name not in FLAGS:
+                raise MinicaffeError(f"unknown command line flag '{name}' (see minicaffe --help)")
+            kind = FLAGS[name][0]
+            if kind == "bool":
+                if eq:
+                    v = value.lower()
+                    if v not in ("true", "false", "1", "0", "yes", "no", "t", "f", "y", "n"):
+                        raise MinicaffeError(f"illegal value '{value}' specified for bool flag "
+                                             f"'{name}'")
+                    setattr(flags, name, v in ("true", "1", "yes", "t", "y"))
+                else:
+                    setattr(flags, name, True)
+                flags.given.add(name)
+                continue
+            if not eq:
+                if i >= len(argv):
+                    raise MinicaffeError(f"flag '{name}' is missing its argument")
+                value = argv[i]
+                i += 1
+            if kind == "int":
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise MinicaffeError(f"illegal value '{value}' specified for int32 flag "
+                                         f"'{name}'") from None
+            setattr(flags, name, value)
+            flags.given.add(name)
+        elif command is None:
+            command = tok
+        else:
+            raise MinicaffeError(f"unexpected argument '{tok}' (one command at a time; "
+                                 "see minicaffe --help)")
+    return command, flags
+
+
+def _is_number(tok):
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+# -- devices -------------------------------------------------------------------------------
+def get_gpus(flag):
+    """Device ids from --gpu ('0', '0,1' or 'all'); [] when not given."""
+    if flag is None or flag == "":
+        return []
+    if flag == "all":
+        return list(range(backend.gpu_count()))
+    try:
+        ids = [int(s) for s in flag.split(",") if s.strip() != ""]
+    except ValueError:
+        raise MinicaffeError(f"illegal value '{flag}' specified for flag 'gpu' (use a device "
+                             "id, ids separated by ',', or 'all')") from None
+    if not ids or any(i < 0 for i in ids):
+        raise MinicaffeError(f"illegal value '{flag}' specified for flag 'gpu'")
+    return ids
+
+
+def _check_gpus(gpus):
+    n = backend.gpu_count()
+    if gpus and n == 0:
+        raise MinicaffeError(f"--gpu {','.join(map(str, gpus))} asked for a GPU, but none is "
+                             f"usable: {backend.why_no_gpu()}")
+    for g in gpus:
+        if g >= n:
+            raise MinicaffeError(f"GPU {g} requested but only {n} device(s) exist")
+
+
+def _gpu_name(device_id):
+    try:
+        name = backend.cp.cuda.runtime.getDeviceProperties(device_id)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # pragma: no cover - depends on the driver
+        return "?"
+
+
+def _single_gpu(gpus):
+    while len(gpus) > 1:
+        log.info("Not using GPU #%d for single-GPU function", gpus[-1])
+        gpus = gpus[:-1]
+    return gpus
+
+
+def _set_mode(gpus, words="Use GPU with device ID %d"):
+    if gpus:
+        log.info(words, gpus[0])
+        context.set_device(gpus[0])
+        context.set_mode_gpu()
+    else:
+        log.info("Use CPU.")
+        context.set_mode_cpu()
+
+
+def _stages(flags):
+    return [s for s in flags.stage.split(",") if s] if flags.stage else []
+
+
+# -- progress bar -------------------------------------------------------------------------
+class _TqdmStream:
+    """stderr for the log handler while a tqdm bar is shown: whole lines go through
+    tqdm.write so the bar stays at the bottom."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.bar = None
+        self._buf = ""
+
+    def write(self, s):
+        if self.bar is None:
+            return self.stream.write(s)
+        self._buf += s
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            self.bar.write(line, file=self.stream)
+
+    def flush(self):
+        self.stream.flush()
+
+    def isatty(self):
+        return self.stream.isatty()
+
+
+def _make_progress(stream_wrapper, solver):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    bar = tqdm(total=solver.param.max_iter, initial=solver.iter, file=stream_wrapper.stream,
+               unit="iter", dynamic_ncols=True, leave=False)
+    stream_wrapper.bar = bar
+    return bar
+
+
+# -- commands ------------------------------------------------------------------------------
+def train(flags, stream=None):
+    from .proto import caffe_pb2
+    from .solvers import read_solver_param, solver_class
+    from .solvers.signal_handler import SignalHandler, check_effect
+    if not flags.solver:
+        raise MinicaffeError("need a solver definition to train (--solver FILE)")
+    if flags.snapshot and flags.weights:
+        raise MinicaffeError("give a snapshot to resume training or weights to finetune, "
+                             "but not both")
+    check_effect(flags.sigint_effect, "sigint_effect")
+    check_effect(flags.sighup_effect, "sighup_effect")
+    if flags.snapshot and not os.path.isfile(flags.snapshot):
+        raise MinicaffeError(f"{flags.snapshot}: no such file (--snapshot)")
+    for w in [s for s in flags.weights.split(",") if s]:
+        if not os.path.isfile(w):
+            raise MinicaffeError(f"{w}: no such file (--weights)")
+    param, path = read_solver_param(flags.solver)
+    param.train_state.level = flags.level
+    param.train_state.stage.extend(_stages(flags))
+    if flags.debug_info:
+        param.debug_info = True
+    if flags.gpu is None or flags.gpu == "":
+        gpus = []
+        if param.solver_mode == caffe_pb2.SolverParameter.GPU:
+            dev = param.device_id if param.HasField("device_id") else 0
+            if backend.gpu_count() == 0:
+                log.warning("solver_mode is GPU but no GPU is usable (%s); training on the CPU",
+                            backend.why_no_gpu())
+            else:
+                gpus = [dev]
+    else:
+        gpus = get_gpus(flags.gpu)
+        if flags.gpu == "all" and not gpus:
+            raise MinicaffeError(f"--gpu all asked for GPUs, but none is usable: "
+                                 f"{backend.why_no_gpu()}")
+    _check_gpus(gpus)
+    if len(gpus) > 1:
+        raise MinicaffeError(f"multi-GPU training is not available yet (asked for GPUs "
+                             f"{', '.join(map(str, gpus))}); use one GPU, e.g. --gpu {gpus[0]}")
+    if not gpus:
+        log.info("Use CPU.")
+        context.set_mode_cpu()
+    else:
+        log.info("Using GPUs %s", ", ".join(map(str, gpus)))
+        for g in gpus:
+            log.info("GPU %d: %s", g, _gpu_name(g))
+        param.device_id = gpus[0]
+        context.set_device(gpus[0])
+        context.set_mode_gpu()
+        context.set_solver_count(len(gpus))
+    solver = solver_class(param.type, path or flags.solver)(param, source=path)
+    with SignalHandler(flags.sigint_effect, flags.sighup_effect) as handler:
+        solver.set_action_function(handler.get_action)
+        if flags.snapshot:
+            log.info("Resuming from %s", flags.snapshot)
+            solver.restore(flags.snapshot)
+        elif flags.weights:
+            solver.copy_weights(flags.weights)
+        log.info("Starting Optimization")
+        bar = None
+        if isinstance(stream, _TqdmStream) and stream.isatty():
+            bar = solver.progress = _make_progress(stream, solver)
+        try:
+            solver.solve()
+        finally:
+            if bar is not None:
+                stream.bar = None
+                bar.close()
+    log.info("Optimization Done.")
+    return 0
+
+
+def test(flags):
+    from .net import Net, TEST
+    if not flags.model:
+        raise MinicaffeError("need a model definition to score (--model FILE)")
+    if not flags.weights:
+        raise MinicaffeError("need model weights to score (--weights FILE)")
+    if flags.iterations < 1:
+        raise MinicaffeError("--iterations must be at least 1")
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    net = Net(flags.model, TEST, level=flags.level, stages=_stages(flags))
+    net.copy_from(flags.weights)
+    log.info("Running for %d iterations.", flags.iterations)
+    f32 = np.float32
+    scores, score_output_id = [], []
+    loss = f32(0)
+    for i in range(flags.iterations):
+        iter_loss = net.forward_prefilled()
+        loss = f32(loss + f32(iter_loss))
+        idx = 0
+        for j, blob in enumerate(net.output_blobs):
+            name = net.blob_names[net.output_blob_indices[j]]
+            for v in np.asarray(blob.cpu_data(), dtype=np.float32).reshape(-1):
+                if i == 0:
+                    scores.append(f32(v))
+                    score_output_id.append(j)
+                else:
+                    scores[idx] = f32(scores[idx] + v)
+                log.info("Batch %d, %s = %s", i, name, _g(v))
+                idx += 1
+    loss = f32(loss / f32(flags.iterations))
+    log.info("Loss: %s", _g(loss))
+    for i, total in enumerate(scores):
+        bid = net.output_blob_indices[score_output_id[i]]
+        name = net.blob_names[bid]
+        weight = f32(net.blob_loss_weights[bid])
+        mean = f32(total / f32(flags.iterations))
+        extra = f" (* {_g(weight)} = {_g(weight * mean)} loss)" if weight else ""
+        log.info("%s = %s%s", name, _g(mean), extra)
+    return 0
+
+
+def time(flags):
+    from .net import Net, TRAIN, TEST
+    if not flags.model:
+        raise MinicaffeError("need a model definition to time (--model FILE)")
+    if flags.phase not in ("", "TRAIN", "TEST"):
+        raise MinicaffeError(f"phase must be \"TRAIN\" or \"TEST\" (got '{flags.phase}')")
+    if flags.iterations < 1:
+        raise MinicaffeError("--iterations must be at least 1")
+    phase = TEST if flags.phase == "TEST" else TRAIN
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    net = Net(flags.model, phase, level=flags.level, stages=_stages(flags))
+    gpu = context.is_gpu()
+    sync = backend.synchronize if gpu else (lambda: None)
+    clock = _time.perf_counter
+    log.info("Performing Forward")
+    initial_loss = net.forward_prefilled()
+    log.info("Initial loss: %s", _g(initial_loss))
+    log.info("Performing Backward")
+    net.backward_from_to()
+    sync()
+    layers = net.layers
+    n = len(layers)
+    log.info("*** Benchmark begins ***")
+    log.info("Testing for %d iterations.", flags.iterations)
+    fwd_layer = [0.0] * n
+    bwd_layer = [0.0] * n
+    fwd_total = bwd_total = 0.0
+    total_start = clock()
+    for j in range(flags.iterations):
+        iter_start = clock()
+        f_start = clock()
+        for i in range(n):
+            t0 = clock()
+            layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
+            sync()
+            fwd_layer[i] += (clock() - t0) * 1e6
+        fwd_total += (clock() - f_start) * 1e6
+        b_start = clock()
+        for i in range(n - 1, -1, -1):
+            t0 = clock()
+            if net.layer_need_backward[i]:
+                layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i],
+                                   net.bottom_vecs[i])
+            sync()
+            bwd_layer[i] += (clock() - t0) * 1e6
+        bwd_total += (clock() - b_start) * 1e6
+        log.info("Iteration: %d forward-backward time: %s ms.", j + 1,
+                 _g(np.float32((clock() - iter_start) * 1e3)))
+    sync()
+    total_ms = (clock() - total_start) * 1e3
+    its = flags.iterations
+    log.info("Average time per layer: ")
+    for i in range(n):
+        name = net.layer_names[i]
+        log.info("%10s\tforward: %s ms.", name, _g(fwd_layer[i] / 1000 / its))
+        log.info("%10s\tbackward: %s ms.", name, _g(bwd_layer[i] / 1000 / its))
+    log.info("Average Forward pass: %s ms.", _g(fwd_total / 1000 / its))
+    log.info("Average Backward pass: %s ms.", _g(bwd_total / 1000 / its))
+    log.info("Average Forward-Backward: %s ms.", _g(np.float32(total_ms) / its))
+    log.info("Total Time: %s ms.", _g(np.float32(total_ms)))
+    log.info("*** Benchmark ends ***")
+    return 0
+
+
+_DEVICE_FIELDS = [
+    ("Major revision number:         ", "major"),
+    ("Minor revision number:         ", "minor"),
+    ("Name:                          ", "name"),
+    ("Total global memory:           ", "totalGlobalMem"),
+    ("Total shared memory per block: ", "sharedMemPerBlock"),
+    ("Total registers per block:     ", "regsPerBlock"),
+    ("Warp size:                     ", "warpSize"),
+    ("Maximum memory pitch:          ", "memPitch"),
+    ("Maximum threads per block:     ", "maxThreadsPerBlock"),
+    ("Maximum dimension of block:    ", "maxThreadsDim"),
+    ("Maximum dimension of grid:     ", "maxGridSize"),
+    ("Clock rate:                    ", "clockRate"),
+    ("Total constant memory:         ", "totalConstMem"),
+    ("Texture alignment:             ", "textureAlignment"),
+    ("Concurrent copy and execution: ", "deviceOverlap"),
+    ("Number of multiprocessors:     ", "multiProcessorCount"),
+    ("Kernel execution timeout:      ", "kernelExecTimeoutEnabled"),
+]
+_YES_NO = {"deviceOverlap", "kernelExecTimeoutEnabled"}
+
+
+def device_query(flags):
+    log.info("Querying GPUs %s", flags.gpu or "")
+    gpus = get_gpus(flags.gpu) if flags.gpu else [0]
+    if backend.gpu_count() == 0:
+        raise MinicaffeError(f"device_query needs a GPU, but none is usable: "
+                             f"{backend.why_no_gpu()}")
+    _check_gpus(gpus)
+    for g in gpus:
+        context.set_device(g)
+        props = backend.cp.cuda.runtime.getDeviceProperties(g)
+        log.info("Device id:                     %d", g)
+        for label, key in _DEVICE_FIELDS:
+            v = props.get(key, "n/a")
+            if isinstance(v, bytes):
+                v = v.decode(errors="replace")
+            elif isinstance(v, (tuple, list)):
+                v = ", ".join(str(x) for x in v)
+            elif key in _YES_NO and v != "n/a":
+                v = "Yes" if v else "No"
+            log.info("%s%s", label, v)
+    return 0
+
+
+def _g(x):
+    return "%g" % float(x)
+
+
+# -- main ------------------------------------------------------------------------------------
+def _log_error_to_files(msg):
+    for h in log.logger.handlers:
+        if isinstance(h, logging.FileHandler):
+            rec = log.logger.makeRecord(log.logger.name, logging.ERROR, "cli.py", 0, msg, (),
+                                        None)
+            rec.thread_native = 0
+            h.handle(rec)
+
+
+def main(argv=None):
+    """Run ``minicaffe <command> <flags>``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except (MinicaffeError, OSError, ValueError) as e:
+        if os.environ.get("MINICAFFE_TRACEBACK"):
+            raise
+        msg = str(e).replace("\n", " ").strip() or type(e).__name__
+        if isinstance(e, OSError) and not isinstance(e, MinicaffeError):
+            msg = f"{e.filename + ': ' if getattr(e, 'filename', None) else ''}" \
+                  f"{e.strerror or msg}"
+        _log_error_to_files(msg)
+        _flush_log()
+        print(f"minicaffe: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        _flush_log()
+        print("minicaffe: interrupted", file=sys.stderr)
+        return 130
+
+
+def _flush_log():
+    for h in log.logger.handlers:
+        try:
+            h.flush()
+        except Exception:
+            pass
+
+
+def _main(argv):
+    command, flags = parse_args(argv)
+    if command == "help":
+        print(USAGE, end="")
+        return 0
+    if command == "version":
+        from . import __version__
+        print(f"minicaffe {__version__}")
+        return 0
+    if command is None:
+        print(USAGE, end="", file=sys.stderr)
+        return 1
+    if command not in COMMANDS:
+        raise MinicaffeError(f"unknown action: {command} (available: {', '.join(COMMANDS)})")
+    stream = _TqdmStream(sys.stderr) if command == "train" else sys.stderr
+    if flags.log:
+        d = os.path.dirname(os.path.abspath(flags.log))
+        if not os.path.isdir(d):
+            raise MinicaffeError(f"{flags.log}: cannot write the log there (no folder {d})")
+    log.init_log(log_file=flags.log or None, stream=stream)
+    if command == "train":
+        return train(flags, stream)
+    return {"test": test, "time": time, "device_query": device_query}[command](flags)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

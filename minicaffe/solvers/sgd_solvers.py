@@ -1,0 +1,431 @@
+"""SGD and its relatives: Caffe's ``sgd_solver.cpp`` and the five solvers built on it.
+
+Each iteration's update (``apply_update``), for every learnable parameter, in
+this order:
+
+1. clip_gradients: if the global L2 norm of all diffs exceeds it, scale every
+   diff by clip_gradients / norm (logged as Caffe logs it);
+2. normalize: diff /= iter_size;
+3. regularize: diff += weight_decay * decay_mult * (w for L2 | sign(w) for L1);
+4. the type's rule with local_rate = lr * lr_mult (g = diff, h = history):
+
+   - SGD:      h = momentum h + local_rate g;  g = h
+   - Nesterov: h' = momentum h + local_rate g;  g = (1 + momentum) h' - momentum h
+   - AdaGrad:  h += g^2;  g = local_rate g / (sqrt(h) + delta)
+   - RMSProp:  h = rms_decay h + (1 - rms_decay) g^2;  g = local_rate g / (sqrt(h) + delta)
+   - AdaDelta: h = momentum h + (1 - momentum) g^2;
+               g *= sqrt((h2 + delta) / (h + delta));
+               h2 = momentum h2 + (1 - momentum) g^2;  g *= local_rate
+   - Adam:     m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2;
+               g = local_rate sqrt(1 - beta2^t) / (1 - beta1^t) m / (sqrt(v) + delta),
+               t = iter + 1, beta1 = momentum, beta2 = momentum2
+
+5. w -= g (``Net.update``).
+
+AdaDelta and Adam keep a second set of history blobs after the first (Caffe's
+layout, so their .solverstate files hold 2 x params blobs).  One body serves numpy
+and cupy; on the GPU each rule is one fused CuPy ElementwiseKernel, built on
+first use.
+"""
+import math
+import os
+
+import numpy as np
+
+from .. import backend, context, log
+from ..blob import Blob
+from ..errors import ConfigError, MinicaffeError
+from ..proto import caffe_pb2
+from . import lr_policy, snapshot as snap
+from .solver import Solver, _fmt
+
+_SOLVERS = {}
+
+
+def register_solver(name):
+    def deco(cls):
+        cls.type = name
+        _SOLVERS[name] = cls
+        return cls
+    return deco
+
+
+def solver_type_list():
+    return sorted(_SOLVERS)
+
+
+def solver_class(name, source="solver"):
+    cls = _SOLVERS.get(name)
+    if cls is None:
+        raise ConfigError(f"{source}: unknown solver type '{name}' "
+                          f"(known: {', '.join(solver_type_list())})")
+    return cls
+
+
+# -- fused GPU kernels ------------------------------------------------------------------
+_KERNEL_SOURCES = {
+    "sgd": ("T momentum, T local_rate", "T g, T h",
+            "T hi = momentum * h + local_rate * g; h = hi; g = hi;"),
+    "nesterov": ("T momentum, T local_rate", "T g, T h",
+                 "T hi = h; T hn = momentum * hi + local_rate * g; h = hn;"
+                 " g = (1 + momentum) * hn - momentum * hi;"),
+    "adagrad": ("T delta, T local_rate", "T g, T h",
+                "T gi = g; T hi = h + gi * gi; h = hi;"
+                " g = local_rate * gi / (sqrt(hi) + delta);"),
+    "rmsprop": ("T rms_decay, T delta, T local_rate", "T g, T h",
+                "T gi = g; T hi = rms_decay * h + (1 - rms_decay) * gi * gi; h = hi;"
+                " g = local_rate * gi / (sqrt(hi) + delta);"),
+    "adadelta": ("T momentum, T delta, T local_rate", "T g, T h, T h2",
+                 "T gi = g; T hi = momentum * h + (1 - momentum) * gi * gi; h = hi;"
+                 " gi = gi * sqrt((h2 + delta) / (hi + delta));"
+                 " h2 = momentum * h2 + (1 - momentum) * gi * gi; g = local_rate * gi;"),
+    "adam": ("T beta1, T beta2, T eps_hat, T corrected_rate", "T g, T m, T v",
+             "T gi = g; T mi = beta1 * m + (1 - beta1) * gi;"
+             " T vi = beta2 * v + (1 - beta2) * gi * gi; m = mi; v = vi;"
+             " g = corrected_rate * mi / (sqrt(vi) + eps_hat);"),
+}
+_kernels = {}
+
+
+def gpu_kernel(name):
+    """The fused CuPy kernel of one update rule (built once)."""
+    k = _kernels.get(name)
+    if k is None:
+        ins, outs, body = _KERNEL_SOURCES[name]
+        k = _kernels[name] = backend.cp.ElementwiseKernel(ins, outs, body,
+                                                          f"minicaffe_{name}_update")
+    return k
+
+
+class SGDSolver(Solver):
+    """Stochastic gradient descent with momentum (Caffe's SGDSolver)."""
+
+    n_history_sets = 1
+
+    def pre_solve(self):
+        self.history = []
+        for _ in range(self.n_history_sets):
+            for b in self.net.learnable_params:
+                self.history.append(Blob(b.shape, b.dtype))
+        self._temp = {}
+
+    # -- helpers ------------------------------------------------------------------------
+    def _tmp(self, xp, i, shape, dtype, k=0):
+        """A scratch array per (param, slot, array module), reused every iteration."""
+        key = (i, k, xp is np)
+        a = self._temp.get(key)
+        if a is None or a.shape != shape or a.dtype != dtype:
+            a = self._temp[key] = xp.empty(shape, dtype)
+        return a
+
+    def get_learning_rate(self):
+        rate, self.current_step = lr_policy.learning_rate(self.param, self.iter,
+                                                          self.current_step,
+                                                          log_steps=self.root)
+        return rate
+
+    # -- the update ---------------------------------------------------------------------
+    def apply_update(self):
+        p = self.param
+        rate = self.get_learning_rate()
+        if self.root and p.display and self.iter % p.display == 0:
+            log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
+        self.clip_gradients()
+        xp = context.xp()
+        for i in range(len(self.net.learnable_params)):
+            self.normalize(xp, i)
+            self.regularize(xp, i)
+            self.compute_update_value(xp, i, rate)
+        self.net.update()
+
+    def clip_gradients(self):
+        clip = np.float32(self.param.clip_gradients)
+        if clip < 0:
+            return
+        params = self.net.learnable_params
+        sumsq = np.float32(0)
+        for b in params:
+            sumsq = np.float32(sumsq + np.float32(b.sumsq_diff()))
+        l2norm = np.float32(math.sqrt(sumsq))
+        if l2norm > clip:
+            scale = np.float32(clip / l2norm)
+            if self.root:
+                log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale "
+                         "factor %s", _fmt(l2norm), _fmt(clip), _fmt(scale))
+            for b in params:
+                b.scale_diff(scale)
+
+    def normalize(self, xp, i):
+        if self.param.iter_size == 1:
+            return
+        b = self.net.learnable_params[i]
+        g = b.mutable_diff_for(xp)
+        dt = g.dtype.type
+        g *= dt(1) / dt(self.param.iter_size)
+
+    def regularize(self, xp, i):
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        local_decay = dt(np.float32(self.param.weight_decay) *
+                         np.float32(self.net.params_weight_decay[i]))
+        if not local_decay:
+            return
+        w = b.data_for(xp)
+        g = b.mutable_diff_for(xp)
+        t = self._tmp(xp, i, g.shape, g.dtype, 9)
+        if self.param.regularization_type == "L2":
+            xp.multiply(w, local_decay, out=t)
+        else:  # L1
+            xp.sign(w, out=t)
+            t *= local_decay
+        g += t
+
+    def _local_rate(self, i, rate, dt):
+        return dt(np.float32(rate) * np.float32(self.net.params_lr[i]))
+
+    def compute_update_value(self, xp, i, rate):
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        momentum = dt(self.param.momentum)
+        local_rate = self._local_rate(i, rate, dt)
+        g = b.mutable_diff_for(xp)
+        h = self.history[i].mutable_data_for(xp)
+        if xp is not np:
+            gpu_kernel("sgd")(momentum, local_rate, g, h)
+            return
+        t = self._tmp(xp, i, g.shape, g.dtype)
+        h *= momentum
+        xp.multiply(g, local_rate, out=t)
+        h += t
+        g[...] = h
+
+    # -- solver state ---------------------------------------------------------------------
+    def _state(self, model_filename):
+        return snap.SolverStateData(self.iter, model_filename, self.current_step,
+                                    [(h.shape, h.cpu_data()) for h in self.history])
+
+    def snapshot_solver_state(self, model_filename):
+        state = self._state(model_filename)
+        if self.param.snapshot_format == caffe_pb2.SolverParameter.HDF5:
+            filename = self.snapshot_filename(".solverstate.h5")
+            log.info("Snapshotting solver state to HDF5 file %s", filename)
+            snap.write_hdf5_state(filename, state)
+        else:
+            filename = self.snapshot_filename(".solverstate")
+            log.info("Snapshotting solver state to binary proto file %s", filename)
+            snap.write_binary_state(filename, state)
+        return filename
+
+    def restore_solver_state(self, state_file):
+        state = snap.read_state(state_file)
+        self._check_history(state, state_file)
+        if state.learned_net:
+            weights = snap.resolve_learned_net(state.learned_net, state_file)
+            if weights is None:
+                raise MinicaffeError(f"{state_file}: the weights it names, "
+                                     f"'{state.learned_net}', were not found (looked relative "
+                                     "to the working directory and to the state file)")
+            self.net.copy_from(weights)
+        self.iter = state.iter
+        self.current_step = state.current_step
+        log.info("%s: restoring history", type(self).__name__)
+        for h, (shape, arr) in zip(self.history, state.history):
+            h.mutable_cpu_data()[...] = np.asarray(arr, dtype=h.dtype).reshape(h.shape)
+
+    def _check_history(self, state, state_file):
+        params = self.net.learnable_params
+        n = len(self.history)
+        if len(state.history) != n:
+            raise MinicaffeError(
+                f"{state_file} does not match the net: it holds {len(state.history)} history "
+                f"blobs, a {self.type} solver for this net needs {n} "
+                f"({len(params)} learnable params x {self.n_history_sets})")
+        names = self._param_names()
+        for k, (shape, arr) in enumerate(state.history):
+            want = self.history[k].shape
+            if np.asarray(arr).size != self.history[k].count() or \
+                    not snap.shapes_compatible(shape, want):
+                raise MinicaffeError(
+                    f"{state_file} does not match the net: history blob {k} has shape "
+                    f"{tuple(shape)}, param {names[k % len(params)]} has shape {want}")
+
+    def _param_names(self):
+        net = self.net
+        out = []
+        for pid in range(len(net.params_)):
+            if net.param_owners[pid] == -1:
+                lid, j = net.param_layer_indices[pid]
+                out.append(f"'{net.layer_names[lid]}' #{j}")
+        return out
+
+
+@register_solver("Nesterov")
+class NesterovSolver(SGDSolver):
+    """Nesterov's accelerated gradient (Caffe's NesterovSolver)."""
+
+    def compute_update_value(self, xp, i, rate):
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        momentum = dt(self.param.momentum)
+        local_rate = self._local_rate(i, rate, dt)
+        g = b.mutable_diff_for(xp)
+        h = self.history[i].mutable_data_for(xp)
+        if xp is not np:
+            gpu_kernel("nesterov")(momentum, local_rate, g, h)
+            return
+        u = self._tmp(xp, i, g.shape, g.dtype)
+        t = self._tmp(xp, i, g.shape, g.dtype, 1)
+        u[...] = h
+        h *= momentum
+        xp.multiply(g, local_rate, out=t)
+        h += t
+        xp.multiply(h, dt(1) + momentum, out=g)
+        u *= momentum
+        g -= u
+
+
+@register_solver("AdaGrad")
+class AdaGradSolver(SGDSolver):
+    """AdaGrad (Caffe's AdaGradSolver); momentum must be 0."""
+
+    def check_params(self):
+        if self.param.momentum != 0:
+            raise ConfigError(f"{self.source}: momentum cannot be used with AdaGrad")
+
+    def compute_update_value(self, xp, i, rate):
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        delta = dt(self.param.delta)
+        local_rate = self._local_rate(i, rate, dt)
+        g = b.mutable_diff_for(xp)
+        h = self.history[i].mutable_data_for(xp)
+        if xp is not np:
+            gpu_kernel("adagrad")(delta, local_rate, g, h)
+            return
+        u = self._tmp(xp, i, g.shape, g.dtype)
+        xp.multiply(g, g, out=u)
+        h += u
+        xp.sqrt(h, out=u)
+        u += delta
+        xp.divide(g, u, out=u)
+        xp.multiply(u, local_rate, out=g)
+
+
+@register_solver("RMSProp")
+class RMSPropSolver(SGDSolver):
+    """RMSProp (Caffe's RMSPropSolver); momentum must be 0, 0 <= rms_decay <= 1."""
+
+    def check_params(self):
+        if self.param.momentum != 0:
+            raise ConfigError(f"{self.source}: momentum cannot be used with RMSProp")
+        if not 0 <= self.param.rms_decay <= 1:
+            raise ConfigError(f"{self.source}: rms_decay should lie between 0 and 1")
+
+    def compute_update_value(self, xp, i, rate):
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        delta = dt(self.param.delta)
+        rms_decay = dt(self.param.rms_decay)
+        local_rate = self._local_rate(i, rate, dt)
+        g = b.mutable_diff_for(xp)
+        h = self.history[i].mutable_data_for(xp)
+        if xp is not np:
+            gpu_kernel("rmsprop")(rms_decay, delta, local_rate, g, h)
+            return
+        u = self._tmp(xp, i, g.shape, g.dtype)
+        xp.multiply(g, g, out=u)
+        u *= dt(1) - rms_decay
+        h *= rms_decay
+        h += u
+        xp.sqrt(h, out=u)
+        u += delta
+        xp.divide(g, u, out=u)
+        xp.multiply(u, local_rate, out=g)
+
+
+@register_solver("AdaDelta")
+class AdaDeltaSolver(SGDSolver):
+    """AdaDelta (Caffe's AdaDeltaSolver): history of squared gradients, then a second
+    history of squared updates."""
+
+    n_history_sets = 2
+
+    def compute_update_value(self, xp, i, rate):
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        delta = dt(self.param.delta)
+        momentum = dt(self.param.momentum)
+        local_rate = self._local_rate(i, rate, dt)
+        n = len(self.net.learnable_params)
+        g = b.mutable_diff_for(xp)
+        h = self.history[i].mutable_data_for(xp)
+        h2 = self.history[n + i].mutable_data_for(xp)
+        if xp is not np:
+            gpu_kernel("adadelta")(momentum, delta, local_rate, g, h, h2)
+            return
+        u = self._tmp(xp, i, g.shape, g.dtype)
+        t = self._tmp(xp, i, g.shape, g.dtype, 1)
+        one_minus = dt(1) - momentum
+        xp.multiply(g, g, out=u)
+        u *= one_minus
+        h *= momentum
+        h += u
+        xp.add(h2, delta, out=u)
+        xp.add(h, delta, out=t)
+        u /= t
+        xp.sqrt(u, out=u)
+        g *= u
+        xp.multiply(g, g, out=u)
+        u *= one_minus
+        h2 *= momentum
+        h2 += u
+        g *= local_rate
+
+
+@register_solver("Adam")
+class AdamSolver(SGDSolver):
+    """Adam (Caffe's AdamSolver): beta1 = momentum, beta2 = momentum2, eps = delta."""
+
+    n_history_sets = 2
+
+    def compute_update_value(self, xp, i, rate):
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        local_rate = self._local_rate(i, rate, dt)
+        beta1 = dt(self.param.momentum)
+        beta2 = dt(self.param.momentum2)
+        eps_hat = dt(self.param.delta)
+        t_ = self.iter + 1
+        # Caffe: sqrt(Dtype(1) - pow(beta2, t)) / (Dtype(1) - pow(beta1, t)), in double
+        correction = dt(math.sqrt(1.0 - float(beta2) ** t_) / (1.0 - float(beta1) ** t_))
+        n = len(self.net.learnable_params)
+        g = b.mutable_diff_for(xp)
+        m = self.history[i].mutable_data_for(xp)
+        v = self.history[n + i].mutable_data_for(xp)
+        if xp is not np:
+            gpu_kernel("adam")(beta1, beta2, eps_hat, dt(local_rate * correction), g, m, v)
+            return
+        u = self._tmp(xp, i, g.shape, g.dtype)
+        m *= beta1
+        xp.multiply(g, dt(1) - beta1, out=u)
+        m += u
+        xp.multiply(g, g, out=u)
+        u *= dt(1) - beta2
+        v *= beta2
+        v += u
+        xp.sqrt(v, out=u)
+        u += eps_hat
+        xp.divide(m, u, out=u)
+        xp.multiply(u, dt(local_rate * correction), out=g)
+
+
+register_solver("SGD")(SGDSolver)
+
+
+def get_solver(source, **kwargs):
+    """A solver of the type its SolverParameter names (pycaffe's ``get_solver``):
+    ``source`` is a path (.prototxt/.yaml), prototxt text or a SolverParameter."""
+    from .param import read_solver_param
+    param, path = read_solver_param(source)
+    cls = solver_class(param.type, path or "solver")
+    return cls(param, source=path, **kwargs)

@@ -1,0 +1,461 @@
+"""The Solver: Caffe's ``solver.cpp`` (nets, the training loop, tests, snapshots).
+
+``Solver(param)`` builds the train net (one of net / net_param / train_net /
+train_net_param, in phase TRAIN, with ``train_state`` merged in) and on the root
+solver the test nets (test_net / test_net_param, then the generic net once per
+remaining test_iter, in phase TEST).  ``solve()`` runs ``step(max_iter - iter)``,
+snapshots at the end (snapshot_after_train) and prints the final loss and tests;
+``step(n)`` is Caffe's ``Solver::Step``: clear the param diffs, test every
+test_interval, forward-backward iter_size times, smooth and display the loss,
+``on_gradients_ready`` callbacks, ``apply_update``, snapshot every ``snapshot``
+iterations, and obey action requests (SIGINT/SIGHUP in the CLI).
+
+Subclasses (``sgd_solvers.py``) implement ``apply_update``, ``snapshot_solver_state``
+and ``restore_solver_state``.  Only the root solver (``context.root_solver()``)
+logs, tests and snapshots.
+"""
+import math
+import os
+import time
+
+import numpy as np
+
+from .. import context, log
+from ..errors import ConfigError, MinicaffeError
+from ..net import Net, read_net_param
+from ..proto import caffe_pb2
+from . import lr_policy
+from .param import read_solver_param
+
+TRAIN = caffe_pb2.TRAIN
+TEST = caffe_pb2.TEST
+_f = np.float32
+
+
+class SolverAction:
+    """What an action request asks for (Caffe's SolverAction::Enum)."""
+    NONE = "none"
+    STOP = "stop"
+    SNAPSHOT = "snapshot"
+
+
+class NonFiniteLossError(MinicaffeError):
+    """The training loss became NaN or infinite."""
+
+
+def _fmt(x):
+    """A number as C++ iostream prints it by default (6 significant digits)."""
+    return "%g" % float(x)
+
+
+class Solver:
+    """Base solver.  ``Solver(file_or_param)``; pycaffe surface: ``net``,
+    ``test_nets``, ``iter``, ``step(n)``, ``solve(resume_file=None)``,
+    ``restore(path)``, ``snapshot()``, ``add_callback(obj)``."""
+
+    type = None
+
+    def __init__(self, param, source=None):
+        self.param, path = read_solver_param(param)
+        path = path or (os.fspath(source) if source else None)
+        self.source = path or "<solver>"
+        self._solver_dir = os.path.dirname(os.path.abspath(path)) if path else None
+        self.callbacks = []
+        self.action_request_function = None
+        self.requested_early_exit = False
+        self.progress = None  # an object with update(n) (the CLI's tqdm bar)
+        self.iter = 0
+        self.current_step = 0
+        self.losses = []
+        self.smoothed_loss = _f(0)
+        self.iterations_last = 0
+        self.net = None
+        self.test_nets = []
+        self._init()
+
+    # -- construction -------------------------------------------------------------------
+    @property
+    def root(self):
+        return context.root_solver()
+
+    def _init(self):
+        p = self.param
+        if self.root:
+            log.info("Initializing solver from parameters: \n%s", _debug_string(p))
+        if p.average_loss < 1:
+            raise ConfigError(f"{self.source}: average_loss should be at least 1")
+        if p.iter_size < 1:
+            raise ConfigError(f"{self.source}: iter_size should be at least 1")
+        if p.regularization_type not in ("L1", "L2"):
+            raise ConfigError(f"{self.source}: unknown regularization_type "
+                              f"'{p.regularization_type}' (L1 or L2)")
+        lr_policy.check_policy(p, self.source)
+        self.check_params()
+        self.check_snapshot_write_permissions()
+        if p.random_seed >= 0:
+            context.set_random_seed(p.random_seed + context.solver_rank())
+        self.init_train_net()
+        if self.root:
+            self.init_test_nets()
+            log.info("Solver scaffolding done.")
+        self.iter = 0
+        self.current_step = 0
+        self.pre_solve()
+
+    def check_params(self):
+        """Type-specific checks (overridden)."""
+
+    def pre_solve(self):
+        """Allocate solver state (overridden)."""
+
+    def _net_path(self, path):
+        """A net file named in the solver: relative to the working directory (as
+        Caffe reads it), else relative to the solver file's folder."""
+        if os.path.exists(path) or self._solver_dir is None or os.path.isabs(path):
+            return path
+        alt = os.path.join(self._solver_dir, path)
+        return alt if os.path.exists(alt) else path
+
+    def _read_net(self, path):
+        return read_net_param(self._net_path(path))
+
+    def init_train_net(self):
+        p = self.param
+        fields = [p.HasField("net"), p.HasField("net_param"), p.HasField("train_net"),
+                  p.HasField("train_net_param")]
+        names = "net, net_param, train_net, train_net_param"
+        if sum(fields) < 1:
+            raise ConfigError(f"{self.source}: the solver defines no net; give a train net "
+                              f"using one of these fields: {names}")
+        if sum(fields) > 1:
+            raise ConfigError(f"{self.source}: the solver must not contain more than one of "
+                              f"these fields specifying a train net: {names}")
+        if p.HasField("train_net_param"):
+            if self.root:
+                log.info("Creating training net specified in train_net_param.")
+            net_param = read_net_param(p.train_net_param)
+        elif p.HasField("train_net"):
+            if self.root:
+                log.info("Creating training net from train_net file: %s", p.train_net)
+            net_param = self._read_net(p.train_net)
+        elif p.HasField("net_param"):
+            if self.root:
+                log.info("Creating training net specified in net_param.")
+            net_param = read_net_param(p.net_param)
+        else:
+            if self.root:
+                log.info("Creating training net from net file: %s", p.net)
+            net_param = self._read_net(p.net)
+        state = caffe_pb2.NetState(phase=TRAIN)
+        state.MergeFrom(net_param.state)
+        state.MergeFrom(p.train_state)
+        net_param.state.CopyFrom(state)
+        self.net = Net(net_param)
+
+    def init_test_nets(self):
+        p = self.param
+        has_net_param, has_net_file = p.HasField("net_param"), p.HasField("net")
+        if has_net_param and has_net_file:
+            raise ConfigError(f"{self.source}: both net_param and net may not be specified")
+        n_params, n_files = len(p.test_net_param), len(p.test_net)
+        n_test = n_params + n_files
+        if has_net_param or has_net_file:
+            if len(p.test_iter) < n_test:
+                raise ConfigError(f"{self.source}: test_iter must be specified for each test "
+                                  f"network ({n_test} test nets, {len(p.test_iter)} test_iter)")
+        elif len(p.test_iter) != n_test:
+            raise ConfigError(f"{self.source}: test_iter must be specified for each test "
+                              f"network ({n_test} test nets, {len(p.test_iter)} test_iter)")
+        n_generic = len(p.test_iter) - n_test
+        n_instances = n_test + n_generic
+        if len(p.test_state) and len(p.test_state) != n_instances:
+            raise ConfigError(f"{self.source}: test_state must be unspecified or specified once "
+                              f"per test net ({n_instances} test nets, {len(p.test_state)} given)")
+        if n_instances and p.test_interval <= 0:
+            raise ConfigError(f"{self.source}: test_interval must be positive when test nets "
+                              f"are defined (test_iter is given)")
+        sources, params = [], []
+        for tp in p.test_net_param:
+            sources.append("test_net_param")
+            params.append(read_net_param(tp))
+        for f in p.test_net:
+            sources.append("test_net file: " + f)
+            params.append(self._read_net(f))
+        for _ in range(n_generic):
+            if has_net_param:
+                sources.append("net_param")
+                params.append(read_net_param(p.net_param))
+            else:
+                sources.append("net file: " + p.net)
+                params.append(self._read_net(p.net))
+        self.test_nets = []
+        for i, np_ in enumerate(params):
+            state = caffe_pb2.NetState(phase=TEST)
+            state.MergeFrom(np_.state)
+            if len(p.test_state):
+                state.MergeFrom(p.test_state[i])
+            np_.state.CopyFrom(state)
+            log.info("Creating test net (#%d) specified by %s", i, sources[i])
+            net = Net(np_)
+            net.debug_info = p.debug_info
+            self.test_nets.append(net)
+        self.mean_scores = [[] for _ in self.test_nets]
+
+    # -- callbacks and action requests ----------------------------------------------
+    def add_callback(self, callback):
+        """``callback.on_start()`` runs before each forward-backward, and
+        ``callback.on_gradients_ready()`` before each update (Caffe's Solver::Callback)."""
+        self.callbacks.append(callback)
+
+    def set_action_function(self, fn):
+        """``fn()`` returns SolverAction.NONE/STOP/SNAPSHOT (or Caffe's names)."""
+        self.action_request_function = fn
+
+    def get_requested_action(self):
+        if self.action_request_function is None:
+            return SolverAction.NONE
+        return str(self.action_request_function() or SolverAction.NONE).lower()
+
+    # -- training ---------------------------------------------------------------------
+    def step(self, iters):
+        """Run ``iters`` training iterations (Caffe's Solver::Step)."""
+        p = self.param
+        start_iter = self.iter
+        stop_iter = self.iter + int(iters)
+        average_loss = p.average_loss
+        self.losses = []
+        self.smoothed_loss = _f(0)
+        self.iterations_last = self.iter
+        timer_start = time.perf_counter()
+        net = self.net
+        while self.iter < stop_iter:
+            net.clear_param_diffs()
+            if p.test_interval and self.iter % p.test_interval == 0 and \
+                    (self.iter > 0 or p.test_initialization):
+                if self.root:
+                    self.test_all()
+                if self.requested_early_exit:
+                    break
+            for cb in self.callbacks:
+                cb.on_start()
+            display = bool(p.display) and self.iter % p.display == 0
+            net.debug_info = display and (p.debug_info or net.net_param.debug_info)
+            loss = 0.0
+            for _ in range(p.iter_size):
+                loss += net.forward_backward()
+            loss /= p.iter_size
+            if not math.isfinite(loss):
+                self._report_nonfinite(loss)
+            self.update_smoothed_loss(loss, start_iter, average_loss)
+            if display and self.root:
+                lapse = time.perf_counter() - timer_start
+                per_s = (self.iter - self.iterations_last) / (lapse if lapse else 1.0)
+                log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
+                         _fmt(_f(per_s)), _fmt(_f(lapse)), p.display, _fmt(self.smoothed_loss))
+                timer_start = time.perf_counter()
+                self.iterations_last = self.iter
+                self._log_outputs(net, "Train")
+            for cb in self.callbacks:
+                cb.on_gradients_ready()
+            self.apply_update()
+            self.iter += 1
+            if self.progress is not None:
+                self.progress.update(1)
+            request = self.get_requested_action()
+            if (p.snapshot and self.iter % p.snapshot == 0 and self.root) or \
+                    request == SolverAction.SNAPSHOT:
+                self.snapshot()
+            if request == SolverAction.STOP:
+                self.requested_early_exit = True
+                break
+
+    def _log_outputs(self, net, kind):
+        index = 0
+        for j, blob in enumerate(net.output_blobs):
+            bid = net.output_blob_indices[j]
+            name = net.blob_names[bid]
+            weight = _f(net.blob_loss_weights[bid])
+            for v in np.asarray(blob.cpu_data(), dtype=np.float32).reshape(-1):
+                extra = f" (* {_fmt(weight)} = {_fmt(weight * v)} loss)" if weight else ""
+                log.info("    %s net output #%d: %s = %s%s", kind, index, name, _fmt(v), extra)
+                index += 1
+
+    def _report_nonfinite(self, loss):
+        where = self.net.first_nonfinite()
+        what = "nan" if math.isnan(loss) else "inf"
+        if where:
+            detail = f"the first non-finite output is top '{where[1]}' of layer '{where[0]}'"
+        else:
+            detail = "no layer output is non-finite (a parameter or the loss weights may be)"
+        raise NonFiniteLossError(f"Iteration {self.iter}: the loss is {what}; {detail}")
+
+    def update_smoothed_loss(self, loss, start_iter, average_loss):
+        loss = _f(loss)
+        if len(self.losses) < average_loss:
+            self.losses.append(loss)
+            size = len(self.losses)
+            self.smoothed_loss = _f((self.smoothed_loss * _f(size - 1) + loss) / _f(size))
+        else:
+            idx = (self.iter - start_iter) % average_loss
+            self.smoothed_loss = _f(self.smoothed_loss + (loss - self.losses[idx]) / _f(average_loss))
+            self.losses[idx] = loss
+
+    def solve(self, resume_file=None):
+        """Train to max_iter (Caffe's Solver::Solve), optionally resuming from a
+        .solverstate(.h5) first."""
+        if not self.root:
+            raise MinicaffeError("solve() runs on the root solver only")
+        p = self.param
+        log.info("Solving %s", self.net.name)
+        log.info("Learning Rate Policy: %s", p.lr_policy)
+        self.requested_early_exit = False
+        if resume_file:
+            log.info("Restoring previous solver status from %s", resume_file)
+            self.restore(resume_file)
+        start_iter = self.iter
+        self.step(p.max_iter - self.iter)
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self.requested_early_exit:
+            log.info("Optimization stopped early.")
+            return
+        if p.display and self.iter % p.display == 0:
+            loss = self.net.forward_prefilled()
+            self.update_smoothed_loss(loss, start_iter, p.average_loss)
+            log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        log.info("Optimization Done.")
+
+    # -- testing ------------------------------------------------------------------------
+    def test_all(self):
+        for i in range(len(self.test_nets)):
+            if self.requested_early_exit:
+                break
+            self.test(i)
+
+    def test(self, test_net_id=0):
+        p = self.param
+        log.info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        test_net = self.test_nets[test_net_id]
+        test_net.share_trained_layers_with(self.net)
+        scores, score_output_id = [], []
+        loss = 0.0
+        n_iter = p.test_iter[test_net_id]
+        for i in range(n_iter):
+            request = self.get_requested_action()
+            while request != SolverAction.NONE:
+                if request == SolverAction.SNAPSHOT:
+                    self.snapshot()
+                elif request == SolverAction.STOP:
+                    self.requested_early_exit = True
+                request = self.get_requested_action()
+            if self.requested_early_exit:
+                break
+            iter_loss = test_net.forward_prefilled()
+            if p.test_compute_loss:
+                loss += iter_loss
+            k = 0
+            for j, blob in enumerate(test_net.output_blobs):
+                for v in np.asarray(blob.cpu_data(), dtype=np.float32).reshape(-1):
+                    if i == 0:
+                        scores.append(_f(v))
+                        score_output_id.append(j)
+                    else:
+                        scores[k] = _f(scores[k] + v)
+                    k += 1
+        if self.requested_early_exit:
+            log.info("Test interrupted.")
+            return
+        if p.test_compute_loss:
+            loss /= n_iter
+            log.info("Test loss: %s", _fmt(_f(loss)))
+        mean_scores = []
+        for i, total in enumerate(scores):
+            bid = test_net.output_blob_indices[score_output_id[i]]
+            name = test_net.blob_names[bid]
+            weight = _f(test_net.blob_loss_weights[bid])
+            mean = _f(total / _f(n_iter))
+            mean_scores.append(float(mean))
+            extra = f" (* {_fmt(weight)} = {_fmt(weight * mean)} loss)" if weight else ""
+            log.info("    Test net output #%d: %s = %s%s", i, name, _fmt(mean), extra)
+        self.mean_scores[test_net_id] = mean_scores
+        return mean_scores
+
+    # -- snapshots ----------------------------------------------------------------------
+    def check_snapshot_write_permissions(self):
+        p = self.param
+        if not (self.root and p.snapshot):
+            return
+        if not p.HasField("snapshot_prefix"):
+            raise ConfigError(f"{self.source}: snapshot is specified but snapshot_prefix is not")
+        probe = self.snapshot_filename(".tempfile")
+        try:
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError:
+            raise MinicaffeError(f"cannot write to snapshot prefix '{p.snapshot_prefix}'; make "
+                                 "sure that the directory exists and is writeable") from None
+
+    def snapshot_filename(self, extension):
+        """Caffe's Solver::SnapshotFilename: PREFIX_iter_N + extension."""
+        return f"{self.param.snapshot_prefix}_iter_{self.iter}{extension}"
+
+    def snapshot(self):
+        """Write the weights and the solver state (BINARYPROTO or HDF5)."""
+        if not self.root:
+            raise MinicaffeError("only the root solver snapshots")
+        p = self.param
+        if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
+            model_filename = self.snapshot_filename(".caffemodel.h5")
+            log.info("Snapshotting to HDF5 file %s", model_filename)
+            self.net.save_hdf5(model_filename, write_diff=p.snapshot_diff)
+        else:
+            model_filename = self.snapshot_filename(".caffemodel")
+            log.info("Snapshotting to binary proto file %s", model_filename)
+            self.net.save(model_filename, write_diff=p.snapshot_diff)
+        self.snapshot_solver_state(model_filename)
+        return model_filename
+
+    def restore(self, state_file):
+        """Continue from a .solverstate or .solverstate.h5 (Caffe's Solver::Restore)."""
+        self.restore_solver_state(os.fspath(state_file))
+
+    def snapshot_solver_state(self, model_filename):
+        raise NotImplementedError
+
+    def restore_solver_state(self, state_file):
+        raise NotImplementedError
+
+    def apply_update(self):
+        raise NotImplementedError
+
+    # -- pycaffe aliases ------------------------------------------------------------------
+    @property
+    def test_net(self):
+        return self.test_nets[0] if self.test_nets else None
+
+    def copy_weights(self, paths):
+        """``--weights a,b``: copy each .caffemodel into the train and test nets."""
+        if isinstance(paths, str):
+            paths = [s for s in paths.split(",") if s]
+        for path in paths:
+            log.info("Finetuning from %s", path)
+            self.net.copy_from(path)
+            for t in self.test_nets:
+                t.copy_from(path)
+
+
+def _debug_string(p):
+    from google.protobuf import text_format
+    q = caffe_pb2.SolverParameter()
+    q.CopyFrom(p)
+    # inline nets are printed by each Net when it is built
+    for f in ("net_param", "train_net_param"):
+        if q.HasField(f):
+            getattr(q, f).Clear()
+            getattr(q, f).name = getattr(p, f).name or "(inline)"
+    for tp in q.test_net_param:
+        tp.ClearField("layer")
+    return text_format.MessageToString(q)
