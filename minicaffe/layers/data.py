@@ -121,9 +121,60 @@ class MemoryDataLayer(Layer):
         if data.shape[0] % self.batch_size:
             raise self.error(f"the number of samples ({data.shape[0]}) must be a multiple of "
                              f"batch_size ({self.batch_size})")
+        if self.layer_param.HasField("transform_param"):
+            from .. import log
+            log.warning("%s does not transform array data on Reset()", self.type)
         self.data, self.labels, self.pos = data, labels, 0
 
     set_input_arrays = reset
+
+    def _transformer(self):
+        if getattr(self, "_transform", None) is None:
+            from ..data.prefetch import effective_transform_param
+            from ..data.transformer import DataTransformer
+            from ..errors import MinicaffeError
+            try:
+                self._transform = DataTransformer(effective_transform_param(self.layer_param),
+                                                  self.phase)
+            except MinicaffeError as e:
+                raise self.error(str(e)) from None
+        return self._transform
+
+    def add_mat_vector(self, images, labels):
+        """Caffe's AddMatVector: (C, H, W) images (e.g. BGR uint8) go through
+        ``transform_param`` (crop, mirror, mean, scale) into (channels, height, width)."""
+        from ..errors import MinicaffeError
+        images = list(images)
+        labels = np.asarray(labels, dtype=np.float32).reshape(-1)
+        if not images:
+            raise self.error("there is no image to add")
+        if len(images) % self.batch_size:
+            raise self.error(f"the added data must be a multiple of the batch size "
+                             f"({len(images)} vs {self.batch_size})")
+        if len(images) != len(labels):
+            raise self.error(f"{len(images)} images but {len(labels)} labels")
+        t = self._transformer()
+        images = [np.asarray(a)[None] if np.asarray(a).ndim == 2 else np.asarray(a) for a in images]
+        try:
+            shape = t.output_shape(tuple(images[0].shape), f"layer '{self.name}'")
+        except MinicaffeError as e:
+            raise self.error(str(e).split(": ", 1)[-1]) from None
+        if shape != self.shape:
+            raise self.error(f"transformed images have shape {shape}, memory_data_param says "
+                             f"{self.shape}")
+        for i, a in enumerate(images):
+            if a.shape != images[0].shape:
+                raise self.error(f"image {i} has shape {a.shape}, image 0 has {images[0].shape}")
+        out = np.empty((len(images),) + shape, dtype=np.float32)
+        t.transform(images, out)
+        self.data, self.labels, self.pos = out, labels, 0
+
+    def add_datum_vector(self, datums):
+        """Caffe's AddDatumVector: Datums (raw or encoded) through ``transform_param``."""
+        datums = list(datums)
+        t = self._transformer()
+        self.add_mat_vector([t.decode(d, f"datum {i}") for i, d in enumerate(datums)],
+                            [d.label for d in datums])
 
     def set_batch_size(self, n):
         self.batch_size = int(n)

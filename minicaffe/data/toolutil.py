@@ -1,0 +1,46 @@
+"""Shared plumbing of the data tools (``python -m minicaffe.tools.X``): gflags-style
+boolean flags (``--gray``, ``--gray=true``, ``--gray=false``), glog logging to stderr,
+and one-line errors with exit status 1."""
+import argparse
+import sys
+
+from .. import log
+from ..errors import MinicaffeError
+
+
+def flag_bool(text):
+    t = str(text).lower()
+    if t in ("1", "true", "yes", "y", "t"):
+        return True
+    if t in ("0", "false", "no", "n", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def add_bool(ap, name, help):
+    ap.add_argument("--" + name, type=flag_bool, nargs="?", const=True, default=False,
+                    metavar="BOOL", help=help)
+
+
+def backend_arg(ap):
+    ap.add_argument("--backend", default="lmdb", choices=("lmdb", "leveldb"),
+                    help="the database type (default %(default)s)")
+
+
+def run(prog, body, argv):
+    """Run ``body(argv)`` with logging on; a MinicaffeError or OSError is one line on
+    stderr and exit status 1."""
+    log.init_log()
+    try:
+        body(argv)
+    except MinicaffeError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        name = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"{prog}: error: {name}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,501 @@
+"""File-backed data layers: Data (LMDB/LevelDB), ImageData, HDF5Data, HDF5Output, WindowData.
+
+Data and ImageData prefetch on a background thread (``minicaffe.data.prefetch``);
+HDF5Data reads synchronously, as Caffe's does.  Every reader can be sharded: with
+``context.solver_count()`` N > 1 in TRAIN, solver rank r reads record i only when
+i % N == r (record = position in the database, line of the list file, row of each
+HDF5 file), so the solvers see disjoint records.  TEST is not sharded (as Caffe: only
+the root solver tests).
+
+Errors in the data (a missing source, an empty database, a record of another shape,
+an undecodable image, a crop larger than the image, a mean of the wrong shape) are one
+line naming the layer, the source and the record (key, list-file line or file row).
+"""
+import os
+
+import numpy as np
+
+from .. import context, log
+from ..blob import Blob
+from ..data.db import DBError, key_text, open_db, parse_datum
+from ..data.images import ImageError, read_image
+from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer
+from ..data.transformer import TransformError
+from ..errors import MinicaffeError
+from ..layer import Layer
+from ..proto import caffe_pb2
+from ..registry import register_layer
+
+TRAIN = caffe_pb2.TRAIN
+
+
+def _fmt(shape):
+    return "x".join(str(d) for d in shape)
+
+
+def shard_of(phase):
+    """(count, rank) this thread's reader takes records from (count 1 = all)."""
+    n = context.solver_count()
+    if phase != TRAIN or n <= 1:
+        return 1, 0
+    return n, context.solver_rank()
+
+
+def _log_output_size(shape):
+    s = list(shape) + [1] * (4 - len(shape))
+    log.info("output data size: %s", ",".join(str(d) for d in s[:4]) if len(shape) <= 4
+             else ",".join(map(str, shape)))
+
+
+# -- Data: LMDB / LevelDB ----------------------------------------------------------------------
+class DBLoader:
+    """Reads Datum records from a database cursor, in key order, wrapping around."""
+
+    def __init__(self, db, source, batch_size, transformer, output_labels, shard, skip,
+                 first_shape):
+        self.db = db
+        self.source = source
+        self.batch_size = batch_size
+        self.transformer = transformer
+        self.output_labels = output_labels
+        self.count, self.rank = shard
+        self.skip = skip
+        self.first_shape = first_shape
+        self.cursor = None
+        self.pos = 0
+        self.key = None
+
+    def where(self):
+        return f"{self.source}: key {key_text(self.key)}" if self.key is not None else self.source
+
+    def _open(self):
+        self.cursor = self.db.new_cursor()
+        self.cursor.seek_to_first()
+        self.pos = 0
+        for _ in range(self.skip):
+            self._next()
+
+    def _next(self):
+        self.cursor.next()
+        self.pos += 1
+        if not self.cursor.valid():
+            if context.root_solver():
+                log.info("Restarting data prefetching from start.")
+            self.cursor.seek_to_first()
+            self.pos = 0
+
+    def read(self, n):
+        """The next ``n`` (key, Datum) records of this shard."""
+        if self.cursor is None:
+            self._open()
+        out = []
+        for _ in range(n):
+            while self.pos % self.count != self.rank:
+                self._next()
+            self.key = self.cursor.key()
+            out.append((self.key, parse_datum(self.cursor.value(), self.where())))
+            self._next()
+        return out
+
+    def load_batch(self, batch, rng):
+        records = self.read(self.batch_size)
+        images = []
+        shape0 = None
+        for key, datum in records:
+            self.key = key
+            img = self.transformer.decode(datum, self.where())
+            if shape0 is None:
+                shape0 = img.shape
+                if self.batch_size > 1 and shape0 != self.first_shape:
+                    raise DBError(f"{self.where()}: Datum shape {_fmt(shape0)} differs from the "
+                                  f"first datum's {_fmt(self.first_shape)} (records of one shape are "
+                                  "needed unless batch_size is 1)")
+            elif img.shape != shape0:
+                raise DBError(f"{self.where()}: Datum shape {_fmt(img.shape)} differs from the "
+                              f"first datum's {_fmt(shape0)}")
+            images.append(img)
+        self.key = records[0][0]
+        oshape = self.transformer.output_shape(shape0, self.where())
+        batch.data.reshape((self.batch_size,) + oshape)
+        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, self.where())
+        if self.output_labels:
+            batch.label.mutable_cpu_data()[...] = [d.label for _, d in records]
+
+    def close(self):
+        if self.cursor is not None:
+            self.cursor.close()
+            self.cursor = None
+        try:
+            self.db.close()
+        except Exception:
+            pass
+
+
+@register_layer("Data")
+class DataLayer(BasePrefetchingDataLayer):
+    """Datum records from an LMDB or LevelDB (``data_param``: source, backend, batch_size,
+    rand_skip, prefetch) -> data (batch, C, H, W) transformed, label (batch,)."""
+
+    def data_layer_setup(self, bottom, top):
+        p = self.layer_param.data_param
+        if not p.source:
+            raise self.error("data_param.source is not set")
+        batch_size = int(p.batch_size)
+        if batch_size <= 0:
+            raise self.error("data_param.batch_size must be specified and positive")
+        backend = p.backend if p.HasField("backend") else None
+        try:
+            db = open_db(p.source, backend)
+        except DBError as e:
+            raise self.error(str(e)) from None
+        try:
+            cur = db.new_cursor()
+            if not cur.valid():
+                raise DBError(f"{p.source}: the database is empty")
+            where = f"{p.source}: key {key_text(cur.key())}"
+            datum = parse_datum(cur.value(), where)
+            cur.close()
+            first = self.transformer.decode(datum, where)
+            shape = self.transformer.output_shape(first.shape, where)
+            shard = shard_of(self.phase)
+            if shard[0] > 1 and db.count() < shard[0]:
+                raise DBError(f"{p.source}: {db.count()} records cannot be shared by "
+                              f"{shard[0]} solvers")
+        except MinicaffeError as e:
+            db.close()
+            raise self.error(str(e)) from None
+        top[0].reshape((batch_size,) + shape)
+        _log_output_size(top[0].shape)
+        if self.output_labels:
+            top[1].reshape((batch_size,))
+        skip = 0
+        if p.rand_skip:
+            skip = int(context.rng().randint(0, 2 ** 32, dtype=np.uint32)) % p.rand_skip
+            log.info("Skipping first %d data points.", skip)
+        return DBLoader(db, p.source, batch_size, self.transformer, self.output_labels,
+                        shard, skip, tuple(first.shape))
+
+
+# -- ImageData: a list file of images ----------------------------------------------------------------
+def read_image_list(path):
+    """[(image path, label, line number)] from a list file of ``path label`` lines (the
+    label is after the last space, so paths may contain spaces)."""
+    try:
+        with open(path, "r") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise MinicaffeError(f"{path}: no such list file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise MinicaffeError(f"{path}: cannot read the list file ({e})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        pos = line.rfind(" ")
+        if pos < 0:
+            raise MinicaffeError(f"{path}:{n}: expected 'image_path label', got '{line}'")
+        name, label = line[:pos].rstrip(), line[pos + 1:]
+        try:
+            out.append((name, int(label), n))
+        except ValueError:
+            raise MinicaffeError(f"{path}:{n}: the label '{label}' is not an integer") from None
+    return out
+
+
+class ImageListLoader:
+    def __init__(self, lines, list_file, root, new_h, new_w, is_color, batch_size,
+                 transformer, output_labels, shuffle, shuffle_seed, start, first_shape):
+        self.lines = lines
+        self.list_file = list_file
+        self.root = root
+        self.new_h, self.new_w = new_h, new_w
+        self.is_color = is_color
+        self.batch_size = batch_size
+        self.transformer = transformer
+        self.output_labels = output_labels
+        self.shuffle = shuffle
+        self.rng = np.random.RandomState(shuffle_seed)
+        self.order = np.arange(len(lines))
+        if shuffle:
+            self.rng.shuffle(self.order)
+        self.pos = start
+        self.first_shape = first_shape
+        self.current = None
+
+    def where(self):
+        if self.current is None:
+            return self.list_file
+        name, _, n = self.current
+        return f"{self.list_file}:{n} ({name})"
+
+    def _read(self, entry):
+        self.current = entry
+        return read_image(self.root + entry[0], self.new_h, self.new_w, self.is_color,
+                          where=self.where())
+
+    def load_batch(self, batch, rng):
+        images, labels = [], []
+        shape0 = None
+        first_where = None
+        for _ in range(self.batch_size):
+            entry = self.lines[self.order[self.pos]]
+            img = self._read(entry)
+            if shape0 is None:
+                shape0, first_where = img.shape, self.where()
+                if self.batch_size > 1 and shape0 != self.first_shape:
+                    raise ImageError(f"{self.where()}: image of shape {_fmt(shape0)} differs from "
+                                     f"the first image's {_fmt(self.first_shape)}; set new_height/"
+                                     "new_width or use batch_size 1")
+            elif img.shape != shape0:
+                raise ImageError(f"{self.where()}: image of shape {_fmt(img.shape)} differs from "
+                                 f"the batch's first {_fmt(shape0)}; set new_height/new_width")
+            images.append(img)
+            labels.append(entry[1])
+            self.pos += 1
+            if self.pos >= len(self.lines):
+                if context.root_solver():
+                    log.info("Restarting data prefetching from start.")
+                self.pos = 0
+                if self.shuffle:
+                    self.rng.shuffle(self.order)
+        oshape = self.transformer.output_shape(shape0, first_where)
+        batch.data.reshape((self.batch_size,) + oshape)
+        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, first_where)
+        if self.output_labels:
+            batch.label.mutable_cpu_data()[...] = labels
+
+
+@register_layer("ImageData")
+class ImageDataLayer(BasePrefetchingDataLayer):
+    """Images named in a list file (``image_data_param``: source, root_folder, batch_size,
+    shuffle, new_height/new_width, is_color, rand_skip) -> data (BGR), label."""
+
+    def data_layer_setup(self, bottom, top):
+        p = self.layer_param.image_data_param
+        new_h, new_w = int(p.new_height), int(p.new_width)
+        if (new_h > 0) != (new_w > 0):
+            raise self.error("new_height and new_width must be set at the same time")
+        if not p.source:
+            raise self.error("image_data_param.source is not set")
+        batch_size = int(p.batch_size)
+        if batch_size <= 0:
+            raise self.error("image_data_param.batch_size must be positive")
+        try:
+            lines = read_image_list(p.source)
+        except MinicaffeError as e:
+            raise self.error(str(e)) from None
+        if not lines:
+            raise self.error(f"{p.source}: the list file is empty")
+        count, rank = shard_of(self.phase)
+        if count > 1:
+            if len(lines) < count:
+                raise self.error(f"{p.source}: {len(lines)} images cannot be shared by {count} solvers")
+            lines = lines[rank::count]
+            log.info("Solver rank %d of %d reads %d of the images", rank, count, len(lines))
+        rng = context.rng()
+        seed = int(rng.randint(0, 2 ** 32, dtype=np.uint32))
+        if p.shuffle:
+            log.info("Shuffling data")
+        log.info("A total of %d images.", len(lines))
+        start = 0
+        if p.rand_skip:
+            skip = int(rng.randint(0, 2 ** 32, dtype=np.uint32)) % p.rand_skip
+            log.info("Skipping first %d data points.", skip)
+            if skip >= len(lines):
+                raise self.error(f"{p.source}: not enough images ({len(lines)}) to skip {skip}")
+            start = skip
+        loader = ImageListLoader(lines, p.source, p.root_folder, new_h, new_w, p.is_color,
+                                 batch_size, self.transformer, self.output_labels, p.shuffle,
+                                 seed, start, None)
+        try:
+            first = loader._read(lines[loader.order[start]])
+            shape = self.transformer.output_shape(first.shape, loader.where())
+        except MinicaffeError as e:
+            raise self.error(str(e)) from None
+        loader.first_shape = tuple(first.shape)
+        loader.current = None
+        top[0].reshape((batch_size,) + shape)
+        _log_output_size(top[0].shape)
+        if self.output_labels:
+            top[1].reshape((batch_size,))
+        return loader
+
+
+# -- HDF5Data / HDF5Output ---------------------------------------------------------------------
+def _import_h5py(what):
+    try:
+        import h5py
+    except ImportError:
+        raise MinicaffeError(f"{what} needs the 'h5py' package (pip install h5py, or "
+                             "pip install minicaffe[data])") from None
+    return h5py
+
+
+@register_layer("HDF5Data")
+class HDF5DataLayer(BaseDataLayer):
+    """Rows of HDF5 datasets named by the tops (``hdf5_data_param``: source = a text file
+    listing .h5 files, batch_size, shuffle).  Each top i gets (batch_size,) + the shape of
+    one row of dataset ``top[i]``; batches run across file boundaries and wrap around.
+    Values are converted to float32 (as Caffe loads them as Dtype)."""
+    min_top_blobs = 1
+    max_top_blobs = -1
+
+    def layer_setup(self, bottom, top):
+        self.h5py = _import_h5py(f"layer '{self.name}' (HDF5Data)")
+        p = self.layer_param.hdf5_data_param
+        if not p.source:
+            raise self.error("hdf5_data_param.source is not set")
+        self.batch_size = int(p.batch_size)
+        if self.batch_size <= 0:
+            raise self.error("hdf5_data_param.batch_size must be positive")
+        self.shuffle = p.shuffle
+        self.top_names = list(self.layer_param.top)
+        log.info("Loading list of HDF5 filenames from: %s", p.source)
+        try:
+            with open(p.source, "r") as f:
+                names = f.read().split()
+        except FileNotFoundError:
+            raise self.error(f"{p.source}: no such list file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise self.error(f"{p.source}: cannot read the list file ({e})") from None
+        if not names:
+            raise self.error(f"{p.source}: must list at least 1 HDF5 file")
+        base = os.path.dirname(os.path.abspath(p.source))
+        self.files = [n if os.path.exists(n) or os.path.isabs(n) else os.path.join(base, n)
+                      for n in names]
+        log.info("Number of HDF5 files: %d", len(self.files))
+        self.source = p.source
+        self.shard = shard_of(self.phase)
+        self.rng = np.random.RandomState(int(context.rng().randint(0, 2 ** 32, dtype=np.uint32)))
+        self.file_order = np.arange(len(self.files))
+        if self.shuffle:
+            self.rng.shuffle(self.file_order)
+        self.current_file = 0
+        self._load(self.file_order[0])
+        for i, t in enumerate(top):
+            t.reshape((self.batch_size,) + self.data[i].shape[1:])
+
+    def _load(self, index):
+        path = self.files[index]
+        log.info("Loading HDF5 file: %s", path)
+        try:
+            with self.h5py.File(path, "r") as f:
+                data = []
+                for name in self.top_names:
+                    if name not in f:
+                        raise self.error(f"{path}: failed to find HDF5 dataset '{name}' (datasets: "
+                                         f"{', '.join(sorted(f.keys()))})")
+                    d = np.asarray(f[name], dtype=np.float32)
+                    if d.ndim < 1:
+                        raise self.error(f"{path}: dataset '{name}' is a scalar; rows are needed")
+                    data.append(d)
+        except MinicaffeError:
+            raise
+        except FileNotFoundError:
+            raise self.error(f"{path}: no such HDF5 file (listed in {self.source})") from None
+        except OSError as e:
+            raise self.error(f"{path}: cannot read HDF5 file ({e})") from None
+        n = data[0].shape[0]
+        for name, d in zip(self.top_names, data):
+            if d.shape[0] != n:
+                raise self.error(f"{path}: dataset '{name}' has {d.shape[0]} rows but "
+                                 f"'{self.top_names[0]}' has {n}")
+        if hasattr(self, "data"):
+            for name, d, old in zip(self.top_names, data, self.data):
+                if d.shape[1:] != old.shape[1:]:
+                    raise self.error(f"{path}: dataset '{name}' rows have shape {d.shape[1:]}, "
+                                     f"other files' have {old.shape[1:]}")
+        count, rank = self.shard
+        rows = np.arange(rank, n, count) if count > 1 else np.arange(n)
+        if len(rows) == 0:
+            raise self.error(f"{path}: {n} rows cannot be shared by {count} solvers")
+        if self.shuffle:
+            self.rng.shuffle(rows)
+        self.data, self.rows, self.current_row = data, rows, 0
+        log.info("Successfully loaded %d rows", n)
+
+    def _next_file(self):
+        if len(self.files) > 1:
+            self.current_file += 1
+            if self.current_file == len(self.files):
+                self.current_file = 0
+                if self.shuffle:
+                    self.rng.shuffle(self.file_order)
+                log.info("Looping around to first file.")
+            self._load(self.file_order[self.current_file])
+        else:
+            self.current_row = 0
+            if self.shuffle:
+                self.rng.shuffle(self.rows)
+
+    def forward_cpu(self, bottom, top):
+        outs = [t.mutable_cpu_data() for t in top]
+        filled = 0
+        while filled < self.batch_size:
+            take = min(self.batch_size - filled, len(self.rows) - self.current_row)
+            idx = self.rows[self.current_row:self.current_row + take]
+            for out, d in zip(outs, self.data):
+                out[filled:filled + take] = d[idx]
+            filled += take
+            self.current_row += take
+            if self.current_row >= len(self.rows):
+                self._next_file()
+
+
+@register_layer("HDF5Output")
+class HDF5OutputLayer(Layer):
+    """Appends its two bottoms to datasets 'data' and 'label' of ``hdf5_output_param.file_name``
+    at every forward.  The file is written under a temporary name and renamed into place
+    when the layer is closed (``close()``, or when it is garbage-collected)."""
+    exact_num_bottom_blobs = 2
+    exact_num_top_blobs = 0
+    names = ("data", "label")
+
+    def layer_setup(self, bottom, top):
+        h5py = _import_h5py(f"layer '{self.name}' (HDF5Output)")
+        self.file_name = self.layer_param.hdf5_output_param.file_name
+        if not self.file_name:
+            raise self.error("hdf5_output_param.file_name is not set")
+        d = os.path.dirname(os.path.abspath(self.file_name))
+        if not os.path.isdir(d):
+            raise self.error(f"{self.file_name}: the directory {d} does not exist")
+        self.tmp_name = os.path.join(d, f".{os.path.basename(self.file_name)}.tmp-{os.getpid()}")
+        try:
+            self.file = h5py.File(self.tmp_name, "w")
+        except OSError as e:
+            raise self.error(f"{self.file_name}: cannot create ({e})") from None
+        import weakref
+        self._finalizer = weakref.finalize(self, _close_h5, self.file, self.tmp_name,
+                                           self.file_name)
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward_cpu(self, bottom, top):
+        for name, b in zip(self.names, bottom):
+            a = np.asarray(b.cpu_data())
+            if name not in self.file:
+                self.file.create_dataset(name, data=a, maxshape=(None,) + a.shape[1:],
+                                         chunks=True)
+            else:
+                ds = self.file[name]
+                if ds.shape[1:] != a.shape[1:]:
+                    raise self.error(f"{self.file_name}: bottom '{name}' changed shape from "
+                                     f"{ds.shape[1:]} to {a.shape[1:]} per row")
+                n = ds.shape[0]
+                ds.resize(n + a.shape[0], axis=0)
+                ds[n:] = a
+        self.file.flush()
+
+    def close(self):
+        """Finish the file and move it to ``file_name``."""
+        self._finalizer()
+
+
+def _close_h5(f, tmp, final):
+    try:
+        f.close()
+        os.replace(tmp, final)
+    except Exception as e:  # pragma: no cover - disk full etc.
+        log.warning("HDF5Output: could not finish %s (%s)", final, e)
