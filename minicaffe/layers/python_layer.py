@@ -1,0 +1,228 @@
+"""Python layers: ``type: "Python"`` (Caffe's python_layer.hpp and pycaffe's ``caffe.Layer``).
+
+A prototxt names a class in an importable module::
+
+    layer { name: "loss" type: "Python" bottom: "pred" bottom: "label" top: "loss"
+            python_param { module: "pyloss" layer: "EuclideanLossLayer" param_str: "..." }
+            loss_weight: 1 }
+
+and the module defines it as pycaffe users do::
+
+    import minicaffe as caffe          # caffe.Layer is PythonLayerBase
+
+    class EuclideanLossLayer(caffe.Layer):
+        def setup(self, bottom, top): ...                 # once; self.param_str, self.phase set
+        def reshape(self, bottom, top): top[0].reshape(1) # before every forward
+        def forward(self, bottom, top): top[0].data[...] = ...
+        def backward(self, top, propagate_down, bottom): bottom[0].diff[...] = ...
+
+The module is imported when the layer is created (its directory must be on
+``sys.path``/``PYTHONPATH``, as with Caffe).  The blobs a Python layer sees are
+pycaffe-style views of the net's blobs (:class:`PyBlob`): ``data``/``diff`` are numpy
+arrays that write through, ``reshape(*shape)``, ``shape``, ``num``/``channels``/
+``height``/``width`` and ``count`` as a number.  ``self.blobs`` holds the layer's
+parameters (``self.blobs.add_blob(*shape)`` adds one); they are the net's learnable
+parameters, saved to and loaded from ``.caffemodel`` files like any layer's.
+
+Python layers run on the CPU; in GPU mode the data moves to the host and back, as in
+Caffe.  An exception raised by the layer's code becomes a one-line LayerError naming
+the layer, the method and the file:line where it was raised (the original exception
+is its ``__cause__``).  ``share_in_parallel`` is deprecated and ignored: every solver
+thread builds its own net, so each gets its own Python layer object.
+"""
+import importlib
+import traceback
+
+import numpy as np
+
+from ..blob import Blob
+from ..errors import MinicaffeError
+from ..layer import Layer
+from ..proto import caffe_pb2
+from ..registry import register_layer
+
+
+class _Count(int):
+    """pycaffe's ``blob.count`` is a number, minicaffe's ``Blob.count(start, end)`` a
+    method: this is both (``b.count == 6``, ``b.count(1) == 3``)."""
+
+    def __new__(cls, blob):
+        obj = super().__new__(cls, Blob.count(blob))
+        obj._blob = blob
+        return obj
+
+    def __call__(self, start=0, end=None):
+        return Blob.count(self._blob, start, end)
+
+
+class PyBlob(Blob):
+    """A pycaffe-flavoured view of a :class:`Blob`.
+
+    The view shares the blob's whole state (the two objects share one ``__dict__``), so
+    a reshape or a write through either is seen by both; it differs only in that
+    ``count`` is a number (which may still be called, as minicaffe's own code does)."""
+
+    @classmethod
+    def of(cls, blob):
+        if isinstance(blob, cls):
+            return blob
+        view = cls.__new__(cls)
+        view.__dict__ = blob.__dict__
+        return view
+
+    @property
+    def count(self):
+        return _Count(self)
+
+    def __repr__(self):
+        return f"PyBlob{self.shape}"
+
+
+class BlobVec(list):
+    """pycaffe's ``layer.blobs``: a list of blobs with ``add_blob(*shape)``."""
+
+    dtype = np.float32
+
+    def add_blob(self, *shape):
+        """Append a new zero-filled blob of the given shape (the layer's parameter)."""
+        if len(shape) == 1 and not np.isscalar(shape[0]):
+            shape = tuple(shape[0])
+        b = PyBlob(tuple(int(d) for d in shape), self.dtype)
+        self.append(b)
+        return b
+
+
+class PythonLayerBase:
+    """pycaffe's ``caffe.Layer``: the base class of layers written in Python.
+
+    Override ``setup(bottom, top)`` (called once), ``reshape(bottom, top)`` (before every
+    forward; give the tops their shapes), ``forward(bottom, top)`` and, to learn or pass
+    gradients, ``backward(top, propagate_down, bottom)``.  Attributes set by the net:
+    ``param_str`` (python_param.param_str), ``phase`` (0 TRAIN, 1 TEST), ``blobs``
+    (parameter blobs; ``self.blobs.add_blob(*shape)``) and ``layer_param``."""
+
+    type = "Python"
+
+    def __init__(self, layer_param=None):
+        self.layer_param = layer_param
+        self.param_str = layer_param.python_param.param_str if layer_param is not None else ""
+        self.phase = layer_param.phase if layer_param is not None else caffe_pb2.TRAIN
+        self.blobs = BlobVec()
+
+    def setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward(bottom, top)")
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+
+
+def _views(blobs):
+    return [PyBlob.of(b) for b in blobs]
+
+
+def _where(exc):
+    """' (file:line)' of the innermost frame of the exception's traceback."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    if not tb:
+        return ""
+    frame = tb[-1]
+    return f" ({frame.filename}:{frame.lineno})"
+
+
+@register_layer("Python")
+class PythonLayer(Layer):
+    """Runs a user's :class:`PythonLayerBase` subclass named by ``python_param``
+    (``module``, ``layer``, ``param_str``).  Its object is ``self.py_layer``; its
+    ``blobs`` are this layer's parameter blobs."""
+
+    def __init__(self, param):
+        self.py_layer = None
+        self._pending_blobs = []
+        super().__init__(param)
+        pp = param.python_param
+        if not pp.module or not pp.layer:
+            raise self.error("python_param needs both 'module' and 'layer' "
+                             f"(got module '{pp.module}', layer '{pp.layer}')")
+        try:
+            module = importlib.import_module(pp.module)
+        except Exception as e:
+            hint = ""
+            if isinstance(e, ModuleNotFoundError) and e.name == pp.module.split(".")[0]:
+                hint = "; is its directory on PYTHONPATH?"
+            raise self.error(f"cannot import module '{pp.module}' "
+                             f"({type(e).__name__}: {_one_line(e)}{_where(e)}){hint}") from e
+        cls = getattr(module, pp.layer, None)
+        if cls is None or not isinstance(cls, type):
+            where = getattr(module, "__file__", None) or pp.module
+            raise self.error(f"module '{pp.module}' ({where}) has no layer class '{pp.layer}'")
+        for method in ("setup", "reshape", "forward"):
+            if not callable(getattr(cls, method, None)):
+                raise self.error(f"{pp.module}.{pp.layer} has no {method}() method "
+                                 f"(derive it from caffe.Layer)")
+        try:
+            obj = cls(param)
+        except Exception as e:
+            raise self.error(f"creating {pp.module}.{pp.layer} failed: {type(e).__name__}: "
+                             f"{_one_line(e)}{_where(e)}") from e
+        obj.layer_param = param
+        obj.param_str = pp.param_str
+        obj.phase = param.phase
+        if not isinstance(getattr(obj, "blobs", None), BlobVec):
+            obj.blobs = BlobVec()
+        obj.blobs[:] = _views(self._pending_blobs)
+        self.py_layer = obj
+        self._pending_blobs = None
+
+    # The layer's parameter blobs are the Python object's ``blobs``.
+    @property
+    def blobs(self):
+        return self.py_layer.blobs if self.py_layer is not None else self._pending_blobs
+
+    @blobs.setter
+    def blobs(self, value):
+        if self.py_layer is None:
+            self._pending_blobs = list(value)
+        else:
+            self.py_layer.blobs[:] = _views(value)
+
+    def _call(self, method, *args):
+        try:
+            return getattr(self.py_layer, method)(*args)
+        except MinicaffeError:
+            raise
+        except Exception as e:
+            raise self.error(f"{method}() raised {type(e).__name__}: {_one_line(e)}"
+                             f"{_where(e)}") from e
+
+    def layer_setup(self, bottom, top):
+        obj = self.py_layer
+        obj.param_str = self.layer_param.python_param.param_str
+        obj.phase = self.phase
+        obj.blobs.dtype = bottom[0].dtype if bottom else np.float32
+        self._call("setup", _views(bottom), _views(top))
+        self.param_propagate_down = [True] * len(obj.blobs)
+
+    def reshape(self, bottom, top):
+        self._call("reshape", _views(bottom), _views(top))
+
+    def forward_cpu(self, bottom, top):
+        self._call("forward", _views(bottom), _views(top))
+
+    def backward_cpu(self, top, propagate_down, bottom):
+        if not callable(getattr(self.py_layer, "backward", None)):
+            return
+        self._call("backward", _views(top), [bool(p) for p in propagate_down], _views(bottom))
+
+    def __repr__(self):
+        pp = self.layer_param.python_param
+        return f"<PythonLayer '{self.name}' {pp.module}.{pp.layer}>"
+
+
+def _one_line(e):
+    return " ".join(str(e).split()) or type(e).__name__
