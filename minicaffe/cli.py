@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time as _time
+import warnings
 
 import numpy as np
 
@@ -478,6 +479,7 @@ def _log_error_to_files(msg):
 def main(argv=None):
     """Run ``minicaffe <command> <flags>``; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    showwarning = warnings.showwarning
     try:
         return _main(argv)
     except (MinicaffeError, OSError, ValueError) as e:
@@ -495,6 +497,13 @@ def main(argv=None):
         _flush_log()
         print("minicaffe: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = showwarning
+
+
+def _warning_to_log(message, category, filename, lineno, file=None, line=None):
+    """Python warnings (numpy overflow...) as glog lines, so logs stay parseable."""
+    log.warning("%s: %s (%s:%d)", category.__name__, message, os.path.basename(filename), lineno)
 
 
 def _flush_log():
@@ -525,6 +534,7 @@ def _main(argv):
         if not os.path.isdir(d):
             raise MinicaffeError(f"{flags.log}: cannot write the log there (no folder {d})")
     log.init_log(log_file=flags.log or None, stream=stream)
+    warnings.showwarning = _warning_to_log
     if command == "train":
         return train(flags, stream)
     return {"test": test, "time": time, "device_query": device_query}[command](flags)
