@@ -229,8 +229,14 @@ def _make_progress(stream_wrapper, solver):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
+    try:
+        cols = os.get_terminal_size(stream_wrapper.stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        cols = 0
+    # a fresh pseudo-terminal may report 0 x 0, and tqdm then draws nothing
+    size = dict(dynamic_ncols=True) if cols > 0 else dict(ncols=80, nrows=24)
     bar = tqdm(total=solver.param.max_iter, initial=solver.iter, file=stream_wrapper.stream,
-               unit="iter", dynamic_ncols=True, leave=False)
+               unit="iter", leave=False, **size)
     stream_wrapper.bar = bar
     return bar
 

@@ -1,0 +1,476 @@
+"""The ``minicaffe`` command line: Caffe's flags and spellings, train/test/time/
+device_query output, resume and finetune, YAML, signals, the progress bar, and bad
+input as one line with exit status 1."""
+import logging
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from minicaffe import backend, log, protoio
+from minicaffe.cli import main, parse_args
+from minicaffe.errors import MinicaffeError
+from minicaffe.proto import caffe_pb2
+from test_solver_nets import CONST_NET, DUMMY_NET
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NO_GPU = backend.gpu_count() == 0
+
+SOLVER = """net: "net.prototxt"
+test_iter: 2
+test_interval: 5
+base_lr: 0.05
+momentum: 0.9
+weight_decay: 0.0005
+lr_policy: "inv"
+gamma: 0.0001
+power: 0.75
+display: 5
+max_iter: 10
+snapshot: 5
+snapshot_prefix: "snap/dummy"
+random_seed: 7
+solver_mode: CPU
+"""
+
+GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] ")
+
+
+@pytest.fixture
+def cli(capsys, tmp_path, monkeypatch):
+    """Run ``main(argv)`` in this process, in tmp_path; returns (rc, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    logger = log.logger
+    saved = (list(logger.handlers), logger.level, log._default_handler)
+
+    def run(*argv):
+        rc = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    yield run
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+        if isinstance(h, logging.FileHandler):
+            h.close()
+    for h in saved[0]:
+        logger.addHandler(h)
+    logger.setLevel(saved[1])
+    log._default_handler = saved[2]
+
+
+def _messages(err):
+    return [l.split("] ", 1)[1] for l in err.splitlines() if GLOG.match(l)]
+
+
+def _error_line(err):
+    lines = [l for l in err.splitlines() if l.startswith("minicaffe: error: ")]
+    assert len(lines) == 1, err
+    assert err.rstrip("\n").splitlines()[-1] == lines[0]  # the last line, alone
+    return lines[0]
+
+
+def _setup(tmp_path, net=DUMMY_NET, solver=SOLVER):
+    (tmp_path / "net.prototxt").write_text(net)
+    (tmp_path / "solver.prototxt").write_text(solver)
+    (tmp_path / "snap").mkdir(exist_ok=True)
+
+
+def _weights(path):
+    p = protoio.read_binary(str(path), caffe_pb2.NetParameter())
+    return {(l.name, i): np.asarray(b.data, np.float32) for l in p.layer
+            for i, b in enumerate(l.blobs)}
+
+
+# -- flags ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["train", "-solver=s.prototxt"], ["train", "--solver=s.prototxt"],
+    ["train", "--solver", "s.prototxt"], ["train", "-solver", "s.prototxt"],
+    ["-solver", "s.prototxt", "train"],
+])
+def test_gflags_spellings(argv):
+    command, flags = parse_args(argv)
+    assert command == "train" and flags.solver == "s.prototxt"
+
+
+def test_flag_kinds():
+    _, f = parse_args(["test", "-gpu", "0", "--iterations=7", "-level", "-1", "--debug_info",
+                       "--stage=a,b", "-phase=TEST"])
+    assert (f.gpu, f.iterations, f.level, f.debug_info, f.stage, f.phase) == \
+        ("0", 7, -1, True, "a,b", "TEST")
+    _, f = parse_args(["train", "--nodebug_info"])
+    assert f.debug_info is False and f.iterations == 50 and f.sigint_effect == "stop"
+    assert f.sighup_effect == "snapshot"
+    with pytest.raises(MinicaffeError, match="illegal value 'abc' specified for int32 flag "
+                                             "'iterations'"):
+        parse_args(["test", "--iterations", "abc"])
+    with pytest.raises(MinicaffeError, match="unknown command line flag 'solvr'"):
+        parse_args(["train", "--solvr", "x"])
+    with pytest.raises(MinicaffeError, match="missing its argument"):
+        parse_args(["train", "--solver"])
+
+
+def test_help_version_and_unknown_commands(cli):
+    rc, out, err = cli("--help")
+    assert rc == 0 and "usage: minicaffe <command> <args>" in out and "device_query" in out
+    rc, out, err = cli("--version")
+    assert rc == 0 and out.startswith("minicaffe ")
+    rc, out, err = cli()
+    assert rc == 1 and "usage:" in err
+    rc, out, err = cli("brew")
+    assert rc == 1 and "unknown action: brew" in _error_line(err)
+
+
+# -- train -----------------------------------------------------------------------------------
+def test_train_end_to_end_with_log_file(cli, tmp_path):
+    _setup(tmp_path)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--log", "train.log")
+    assert rc == 0, err
+    msgs = _messages(err)
+    for line in ("Use CPU.", "Starting Optimization", "Solving dummy", "Learning Rate Policy: inv",
+                 "Iteration 0, Testing net (#0)", "Iteration 5, lr = 0.0499813",
+                 "Snapshotting to binary proto file snap/dummy_iter_5.caffemodel",
+                 "Snapshotting solver state to binary proto file snap/dummy_iter_10.solverstate",
+                 "Iteration 10, Testing net (#0)"):
+        assert line in msgs, line
+    assert msgs.count("Optimization Done.") == 2  # the solver's and the tool's, as Caffe prints
+    assert sorted(os.listdir("snap")) == ["dummy_iter_10.caffemodel", "dummy_iter_10.solverstate",
+                                          "dummy_iter_5.caffemodel", "dummy_iter_5.solverstate"]
+    logged = (tmp_path / "train.log").read_text().splitlines()
+    # from "Solving" on (what Caffe's parse_log.py reads) every line is a glog line
+    start = [k for k, l in enumerate(logged) if l.endswith("] Solving dummy")][0]
+    assert all(GLOG.match(l) for l in logged[start:])
+    assert [l.split("] ", 1)[1] for l in logged if "Test net output" in l] == \
+        [m for m in msgs if "Test net output" in m]
+    assert "\r" not in (tmp_path / "train.log").read_text()
+
+
+def test_python_m_minicaffe_and_bad_input_without_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "minicaffe", "train", "-solver=missing.prototxt"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "minicaffe: error: missing.prototxt: no such file"
+
+
+@pytest.mark.parametrize("args,solver_edit,match", [
+    (["--snapshot", "a.solverstate", "--weights", "b.caffemodel"], None, "not both"),
+    ([], lambda s: s.replace('net: "net.prototxt"\n', ""), "defines no net"),
+    ([], lambda s: s.replace('lr_policy: "inv"', 'lr_policy: "cosine"'), "unknown lr_policy"),
+    ([], lambda s: s + 'type: "Adamax"\n', "unknown solver type 'Adamax'"),
+    ([], lambda s: s.replace("base_lr: 0.05", "base_lr: fast"), r"solver\.prototxt:4:"),
+    ([], lambda s: s.replace('net: "net.prototxt"', 'net: "nonet.prototxt"'),
+     "nonet.prototxt: no such file"),
+    (["--level", "high"], None, "illegal value 'high' specified for int32 flag 'level'"),
+    (["--snapshot", "nothere.solverstate"], None, "nothere.solverstate: no such file"),
+    (["--weights", "a.caffemodel,nothere.caffemodel"], None, "no such file"),
+    (["--sigint_effect", "explode"], None, 'invalid signal effect "explode"'),
+    (["--log", "/nonexistent/dir/x.log"], None, "cannot write the log there"),
+])
+def test_bad_train_input_is_one_line(cli, tmp_path, args, solver_edit, match):
+    _setup(tmp_path, solver=solver_edit(SOLVER) if solver_edit else SOLVER)
+    (tmp_path / "a.caffemodel").write_bytes(b"")
+    rc, out, err = cli("train", "--solver", "solver.prototxt", *args)
+    assert rc == 1
+    assert re.search(match, _error_line(err)), err
+    assert "Traceback" not in err
+
+
+def test_mismatched_snapshot_is_one_line(cli, tmp_path):
+    _setup(tmp_path)
+    assert cli("train", "--solver", "solver.prototxt")[0] == 0
+    (tmp_path / "net.prototxt").write_text(DUMMY_NET.replace("num_output: 6", "num_output: 9"))
+    rc, out, err = cli("train", "--solver", "solver.prototxt",
+                       "--snapshot", "snap/dummy_iter_5.solverstate")
+    assert rc == 1
+    assert "shape mismatch" in _error_line(err) or "does not match" in _error_line(err)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU messages")
+def test_gpu_asked_without_gpu(cli, tmp_path):
+    _setup(tmp_path)
+    for g in ("0", "0,1", "all"):
+        rc, out, err = cli("train", "--solver", "solver.prototxt", "--gpu", g)
+        assert rc == 1 and "none is usable" in _error_line(err)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--gpu", "zero")
+    assert rc == 1 and "illegal value 'zero' specified for flag 'gpu'" in _error_line(err)
+    rc, out, err = cli("device_query")
+    assert rc == 1 and "device_query needs a GPU" in _error_line(err)
+    rc, out, err = cli("time", "--model", "net.prototxt", "--gpu", "0")
+    assert rc == 1 and "none is usable" in _error_line(err)
+
+
+def test_several_gpus_is_a_clear_error(cli, tmp_path, monkeypatch):
+    _setup(tmp_path)
+    monkeypatch.setattr(backend, "gpu_count", lambda: 4)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--gpu", "0,1")
+    assert rc == 1 and "multi-GPU training is not available yet" in _error_line(err)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the CPU fallback")
+def test_solver_mode_gpu_falls_back_to_cpu_with_a_warning(cli, tmp_path):
+    _setup(tmp_path, solver=SOLVER.replace("solver_mode: CPU", "solver_mode: GPU"))
+    rc, out, err = cli("train", "--solver", "solver.prototxt")
+    assert rc == 0
+    assert any(l.startswith("W") and "solver_mode is GPU but no GPU is usable" in l
+               for l in err.splitlines())
+    assert "Use CPU." in _messages(err)
+
+
+def test_resume_with_snapshot_continues_exactly(cli, tmp_path):
+    solver = SOLVER.replace("test_iter: 2\ntest_interval: 5\n", "").replace(
+        "max_iter: 10", "max_iter: 8").replace("snapshot: 5", "snapshot: 4")
+    _setup(tmp_path, net=CONST_NET, solver=solver)
+    assert cli("train", "--solver", "solver.prototxt")[0] == 0
+    straight = _weights(tmp_path / "snap/dummy_iter_8.caffemodel")
+    os.remove(tmp_path / "snap/dummy_iter_8.caffemodel")
+    rc, out, err = cli("train", "-solver=solver.prototxt", "-snapshot=snap/dummy_iter_4.solverstate")
+    assert rc == 0, err
+    msgs = _messages(err)
+    assert "Resuming from snap/dummy_iter_4.solverstate" in msgs
+    assert not any(m.startswith("Iteration 0") for m in msgs)
+    resumed = _weights(tmp_path / "snap/dummy_iter_8.caffemodel")
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        assert np.array_equal(straight[k], resumed[k]), k
+
+
+def test_weights_finetune_from_several_models(cli, tmp_path):
+    solver = SOLVER.replace("test_iter: 2\ntest_interval: 5\n", "").replace("max_iter: 10",
+                                                                              "max_iter: 3")
+    _setup(tmp_path, solver=solver)
+    assert cli("train", "--solver", "solver.prototxt")[0] == 0
+    os.rename("snap/dummy_iter_3.caffemodel", "a.caffemodel")
+    (tmp_path / "solver.prototxt").write_text(solver.replace("random_seed: 7", "random_seed: 8"))
+    assert cli("train", "--solver", "solver.prototxt")[0] == 0
+    os.rename("snap/dummy_iter_3.caffemodel", "b.caffemodel")
+    # keep only ip2 in b: finetuning copies ip1 from a and ip2 from b
+    p = protoio.read_binary("b.caffemodel", caffe_pb2.NetParameter())
+    keep = [l for l in p.layer if l.name == "ip2"]
+    del p.layer[:]
+    p.layer.extend(keep)
+    protoio.write_binary("b.caffemodel", p)
+    (tmp_path / "solver.prototxt").write_text(solver.replace("max_iter: 3", "max_iter: 0")
+                                              .replace("snapshot: 5", "snapshot: 0"))
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--weights", "a.caffemodel,b.caffemodel")
+    assert rc == 0, err
+    msgs = _messages(err)
+    assert "Finetuning from a.caffemodel" in msgs and "Finetuning from b.caffemodel" in msgs
+    got = _weights(tmp_path / "snap/dummy_iter_0.caffemodel")
+    a, b = _weights(tmp_path / "a.caffemodel"), _weights(tmp_path / "b.caffemodel")
+    assert np.array_equal(got[("ip1", 0)], a[("ip1", 0)])
+    assert np.array_equal(got[("ip2", 0)], b[("ip2", 0)])
+    assert not np.array_equal(a[("ip2", 0)], b[("ip2", 0)])
+
+
+@pytest.mark.filterwarnings("always::RuntimeWarning")
+def test_nonfinite_loss_stops_with_exit_1(cli, tmp_path):
+    net = CONST_NET.replace("value: 0.3", "value: 1e30").replace(
+        'weight_filler { type: "gaussian" std: 0.3 }', 'weight_filler { type: "constant" value: 1e30 }')
+    _setup(tmp_path, net=net, solver=SOLVER.replace("test_iter: 2\ntest_interval: 5\n", ""))
+    rc, out, err = cli("train", "--solver", "solver.prototxt")
+    assert rc == 1
+    line = _error_line(err)
+    assert "Iteration 0: the loss is" in line and "layer 'ip1'" in line
+    # numpy's overflow warning went into the log as a glog line, not raw text
+    assert any(l.startswith("W") and "RuntimeWarning" in l for l in err.splitlines())
+
+
+def test_yaml_solver_and_net_train_like_prototxt(cli, tmp_path):
+    yaml = pytest.importorskip("yaml")
+    from google.protobuf import json_format
+    _setup(tmp_path)
+    net = protoio.read_text("net.prototxt", caffe_pb2.NetParameter())
+    solver = protoio.read_text("solver.prototxt", caffe_pb2.SolverParameter())
+    solver.net = "net.yaml"
+    solver.snapshot_prefix = "snap/yaml"
+    (tmp_path / "net.yaml").write_text(yaml.safe_dump(
+        json_format.MessageToDict(net, preserving_proto_field_name=True)))
+    (tmp_path / "solver.yaml").write_text(yaml.safe_dump(
+        json_format.MessageToDict(solver, preserving_proto_field_name=True)))
+    # hand-written YAML may drop the list around a repeated field given once
+    text = (tmp_path / "solver.yaml").read_text().replace("test_iter:\n- 2", "test_iter: 2")
+    assert "test_iter: 2" in text
+    (tmp_path / "solver.yaml").write_text(text)
+    rc, out, err = cli("train", "--solver", "solver.yaml")
+    assert rc == 0, err
+    rc, out, err = cli("train", "--solver", "solver.prototxt")
+    assert rc == 0, err
+    a = _weights(tmp_path / "snap/yaml_iter_10.caffemodel")
+    b = _weights(tmp_path / "snap/dummy_iter_10.caffemodel")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# -- test, time, device_query --------------------------------------------------------------------
+def test_test_command_prints_batches_and_means(cli, tmp_path):
+    _setup(tmp_path)
+    assert cli("train", "--solver", "solver.prototxt")[0] == 0
+    rc, out, err = cli("test", "--model", "net.prototxt", "--weights",
+                       "snap/dummy_iter_10.caffemodel", "-iterations", "3")
+    assert rc == 0, err
+    msgs = _messages(err)
+    assert "Running for 3 iterations." in msgs
+    acc = [float(m.split(" = ")[1]) for m in msgs if re.match(r"Batch \d, accuracy = ", m)]
+    loss = [float(m.split(" = ")[1]) for m in msgs if re.match(r"Batch \d, loss = ", m)]
+    assert len(acc) == len(loss) == 3
+    assert [m for m in msgs if m.startswith("Batch ")][:2] == \
+        [m for m in msgs if m.startswith("Batch 0")]
+    mean_acc = [m for m in msgs if m.startswith("accuracy = ")]
+    mean_loss = [m for m in msgs if m.startswith("loss = ")]
+    assert float(mean_acc[0].split(" = ")[1]) == pytest.approx(np.mean(acc), rel=1e-4)
+    m = re.match(r"loss = (\S+) \(\* 1 = (\S+) loss\)$", mean_loss[0])
+    assert float(m.group(1)) == pytest.approx(np.mean(loss), rel=1e-4)
+    assert any(re.match(r"Loss: \S+$", m) for m in msgs)
+    rc, out, err = cli("test", "--model", "net.prototxt")
+    assert rc == 1 and "need model weights" in _error_line(err)
+
+
+def test_time_command_prints_caffe_benchmark(cli, tmp_path):
+    _setup(tmp_path)
+    rc, out, err = cli("time", "--model", "net.prototxt", "--iterations", "3")
+    assert rc == 0, err
+    msgs = _messages(err)
+    for line in ("Performing Forward", "Performing Backward", "*** Benchmark begins ***",
+                 "Testing for 3 iterations.", "Average time per layer: ", "*** Benchmark ends ***"):
+        assert line in msgs
+    assert len([m for m in msgs if re.match(r"Iteration: \d forward-backward time: \S+ ms\.$", m)]) == 3
+    layers = ["data", "ip1", "relu1", "ip2", "loss"]
+    for name in layers:
+        assert "%10s\tforward: " % name in "\n".join(msgs)
+        assert any(re.match(r" *%s\tbackward: \S+ ms\.$" % name, m) for m in msgs)
+    for head in ("Average Forward pass: ", "Average Backward pass: ", "Average Forward-Backward: ",
+                 "Total Time: "):
+        assert any(re.match(re.escape(head) + r"\S+ ms\.$", m) for m in msgs), head
+    rc, out, err = cli("time", "--model", "net.prototxt", "--phase", "VALIDATE")
+    assert rc == 1 and 'phase must be "TRAIN" or "TEST"' in _error_line(err)
+    rc, out, err = cli("time", "--model", "net.prototxt", "--phase", "TEST", "--iterations", "1")
+    assert rc == 0 and "acc\tforward" in err
+
+
+# -- signals and the progress bar (real processes) ----------------------------------------------
+LONG_SOLVER = """net: "net.prototxt"
+base_lr: 0.01
+lr_policy: "fixed"
+display: 50
+max_iter: 1000000
+snapshot_prefix: "snap/long"
+solver_mode: CPU
+"""
+
+
+class _Proc:
+    """A ``minicaffe train`` process whose stderr lines are collected by a thread."""
+
+    def __init__(self, tmp_path, *args):
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.p = subprocess.Popen([sys.executable, "-m", "minicaffe", "train",
+                                   "--solver", "solver.prototxt", *args], cwd=tmp_path, env=env,
+                                  stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines = []
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self):
+        for line in self.p.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern, after=0, timeout=60):
+        end = time.time() + timeout
+        while time.time() < end:
+            for i, l in enumerate(self.lines[after:], after):
+                if re.search(pattern, l):
+                    return i
+            if self.p.poll() is not None and not self.t.is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"'{pattern}' not seen:\n" + "\n".join(self.lines[-20:]))
+
+    def finish(self, timeout=60):
+        try:
+            rc = self.p.wait(timeout)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait()
+            self.t.join(5)
+            self.p.stderr.close()
+        return rc
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+def test_sigint_stops_and_snapshots_sighup_snapshots(tmp_path):
+    _setup(tmp_path, net=CONST_NET, solver=LONG_SOLVER)
+    proc = _Proc(tmp_path)
+    i = proc.wait_for(r"Iteration \d+ \(")
+    proc.p.send_signal(signal.SIGHUP)
+    j = proc.wait_for(r"Snapshotting solver state to binary proto file snap/long_iter_\d+", i)
+    k = proc.wait_for(r"Iteration \d+ \(", j + 1)
+    proc.p.send_signal(signal.SIGINT)
+    assert proc.finish() == 0
+    msgs = [l.split("] ", 1)[-1] for l in proc.lines]
+    assert "Caught SIGHUP: snapshot" in msgs and "Caught SIGINT: stop" in msgs
+    assert "Optimization stopped early." in msgs
+    snaps = [re.search(r"_iter_(\d+)\.caffemodel", m).group(1) for m in msgs
+             if m.startswith("Snapshotting to binary proto file")]
+    assert len(snaps) == 2 and int(snaps[1]) > int(snaps[0]) > 0
+    for n in snaps:
+        assert (tmp_path / f"snap/long_iter_{n}.caffemodel").is_file()
+        assert (tmp_path / f"snap/long_iter_{n}.solverstate").is_file()
+    assert not any("Traceback" in l for l in proc.lines)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+def test_signal_effects_from_flags(tmp_path):
+    _setup(tmp_path, net=CONST_NET, solver=LONG_SOLVER + "snapshot_after_train: false\n")
+    proc = _Proc(tmp_path, "--sigint_effect", "none", "-sighup_effect=stop")
+    i = proc.wait_for(r"Iteration \d+ \(")
+    proc.p.send_signal(signal.SIGINT)
+    i = proc.wait_for("Caught SIGINT: none", i)
+    proc.wait_for(r"Iteration \d+ \(", i + 1)  # still training
+    proc.p.send_signal(signal.SIGHUP)
+    assert proc.finish() == 0
+    msgs = [l.split("] ", 1)[-1] for l in proc.lines]
+    assert "Caught SIGHUP: stop" in msgs and "Optimization stopped early." in msgs
+    assert os.listdir(tmp_path / "snap") == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs a pseudo-terminal")
+def test_progress_bar_on_a_terminal_only(tmp_path):
+    import pty
+    _setup(tmp_path, net=CONST_NET,
+           solver=LONG_SOLVER.replace("max_iter: 1000000", "max_iter: 300"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "minicaffe", "train", "--solver", "solver.prototxt",
+                          "--log", "run.log"], cwd=tmp_path, env=env, stderr=slave,
+                         stdout=subprocess.DEVNULL)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert p.wait(60) == 0
+    os.close(master)
+    tty = b"".join(chunks).decode(errors="replace")
+    assert re.search(r"\d+/300 \[", tty), tty[-2000:]  # tqdm's bar
+    assert "Optimization Done." in tty
+    logged = (tmp_path / "run.log").read_text()
+    assert "/300 [" not in logged and "\r" not in logged
+    assert logged.count("Train net output #0") == tty.count("Train net output #0") == 6
+    # through a pipe: no bar
+    r = subprocess.run([sys.executable, "-m", "minicaffe", "train", "--solver", "solver.prototxt"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "/300 [" not in r.stderr and "\r" not in r.stderr
