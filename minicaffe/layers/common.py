@@ -25,9 +25,10 @@ def _canonical(layer, blob, axis, what="axis"):
 
 
 def _scatter_add(xp, a, index, values):
-    """a[index] += values, summing repeated indices (numpy's add.at, cupyx's scatter_add)."""
-    if xp is np:
-        np.add.at(a, index, values)
+    """a[index] += values, summing repeated indices (``add.at``; CuPy before 13 has
+    only ``cupyx.scatter_add``)."""
+    if hasattr(xp.add, "at"):
+        xp.add.at(a, index, values)
     else:
         backend.cupyx.scatter_add(a, index, values)
 
@@ -397,7 +398,7 @@ class EltwiseLayer(Layer):
             for i, x in enumerate(xs[1:], 1):
                 better = x > y
                 y = xp.where(better, x, y)
-                arg[better] = i
+                arg = xp.where(better, np.int32(i), arg)
             self._argmax = arg
         top[0].mutable_data_for(xp)[...] = y
 
