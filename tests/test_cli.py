@@ -271,6 +271,20 @@ def test_weights_finetune_from_several_models(cli, tmp_path):
     assert not np.array_equal(a[("ip2", 0)], b[("ip2", 0)])
 
 
+def test_debug_info_flag_prints_blob_norms(cli, tmp_path):
+    _setup(tmp_path, solver=SOLVER.replace("max_iter: 10", "max_iter: 6"))
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--debug_info")
+    assert rc == 0, err
+    msgs = _messages(err)
+    fwd = [m for m in msgs if m.startswith("    [Forward] Layer ip1, top blob ip1 data: ")]
+    # train net at display iterations 0 and 5; test nets (as Caffe) at each of their
+    # 2 forwards in the tests at iterations 0 and 5
+    assert len(fwd) == 2 + 2 * 2
+    assert any(m.startswith("    [Backward] Layer ip2, bottom blob ip1 diff: ") for m in msgs)
+    assert any(m.startswith("    [Backward] All net params (data, diff): L1 norm = (")
+               for m in msgs)
+
+
 @pytest.mark.filterwarnings("always::RuntimeWarning")
 def test_nonfinite_loss_stops_with_exit_1(cli, tmp_path):
     net = CONST_NET.replace("value: 0.3", "value: 1e30").replace(

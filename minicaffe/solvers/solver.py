@@ -90,6 +90,12 @@ class Solver:
             raise ConfigError(f"{self.source}: unknown regularization_type "
                               f"'{p.regularization_type}' (L1 or L2)")
         lr_policy.check_policy(p, self.source)
+        if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
+            try:
+                import h5py  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"{self.source}: snapshot_format HDF5 needs h5py "
+                                  "(pip install minicaffe[data])") from None
         self.check_params()
         self.check_snapshot_write_permissions()
         if p.random_seed >= 0:
@@ -432,6 +438,10 @@ class Solver:
         raise NotImplementedError
 
     # -- pycaffe aliases ------------------------------------------------------------------
+    def share_weights(self, net):
+        """Make ``net`` use this solver's trained weights (pycaffe's share_weights)."""
+        net.share_trained_layers_with(self.net)
+
     @property
     def test_net(self):
         return self.test_nets[0] if self.test_nets else None
