@@ -3,6 +3,7 @@
 import gzip
 import io
 import os
+import pathlib
 import pickle
 import tarfile
 import zipfile
@@ -71,7 +72,7 @@ def test_idx_round_trip(tmp_path, suffix, dtype, shape):
 def test_idx_header_layout(tmp_path):
     p = str(tmp_path / "labels")
     ds.write_idx(p, np.arange(3, dtype=np.uint8))
-    assert open(p, "rb").read() == b"\x00\x00\x08\x01\x00\x00\x00\x03\x00\x01\x02"
+    assert pathlib.Path(p).read_bytes() == b"\x00\x00\x08\x01\x00\x00\x00\x03\x00\x01\x02"
 
 
 def test_write_idx_rejects_unsupported_dtype(tmp_path):
@@ -139,7 +140,7 @@ def test_cifar_binary_round_trip(tmp_path):
     imgs, labs = make_cifar(6, 2)
     p = str(tmp_path / "data_batch_1.bin")
     ds.write_cifar_binary(p, imgs, labs)
-    raw = open(p, "rb").read()
+    raw = pathlib.Path(p).read_bytes()
     assert len(raw) == 6 * 3073
     # record layout: label byte, then R plane, G plane, B plane (row-major)
     assert raw[0] == labs[0] and raw[1:1 + 1024] == imgs[0, 0].tobytes()

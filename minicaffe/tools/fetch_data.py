@@ -90,7 +90,16 @@ def read_mnist_csv(src, name=None, rows=28, cols=28):
         with open(src, "rb") as f:
             return read_mnist_csv(f, name, rows, cols)
     name = name or getattr(src, "name", "<csv>")
-    text = src if isinstance(src, io.TextIOBase) else io.TextIOWrapper(src, encoding="ascii", newline=None)
+    if isinstance(src, io.TextIOBase):
+        return _parse_mnist_csv(src, name, rows, cols)
+    text = io.TextIOWrapper(src, encoding="ascii", newline=None)
+    try:
+        return _parse_mnist_csv(text, name, rows, cols)
+    finally:
+        text.detach()  # the caller owns the binary file; don't close it twice at GC
+
+
+def _parse_mnist_csv(text, name, rows, cols):
     first = text.readline()
     if not first:
         raise ValueError("%s: empty CSV" % name)
