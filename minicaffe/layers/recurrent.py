@@ -135,9 +135,11 @@ def lstm_unit_forward(xp, gates, c_prev, cont, acts=None, c=None, h=None):
         h[...] = o * np.tanh(c)
     else:
         from ..kernels._backend import launch
-        k = _kernel("mc_lstm_unit_fwd", gates.dtype)
-        launch(k, N * H, (np.int64(N * H), np.int32(H), xp.ascontiguousarray(gates),
-                          xp.ascontiguousarray(c_prev), xp.ascontiguousarray(cont), acts, c, h))
+        dt = gates.dtype
+        k = _kernel("mc_lstm_unit_fwd", dt)
+        c_ = xp.ascontiguousarray
+        launch(k, N * H, (np.int64(N * H), np.int32(H), c_(gates), c_(c_prev, dtype=dt),
+                          c_(cont, dtype=dt), acts, c, h))
     return acts, c, h
 
 
@@ -159,8 +161,11 @@ def lstm_unit_backward(xp, acts, c_prev, c, cont, dh, dc, dgates=None, dc_prev=N
         dgates[:, 3 * H:] = c_term * i * (1 - g * g)
     else:
         from ..kernels._backend import launch
-        k = _kernel("mc_lstm_unit_bwd", acts.dtype)
-        c_ = xp.ascontiguousarray
+        dt = acts.dtype
+        k = _kernel("mc_lstm_unit_bwd", dt)
+
+        def c_(a):
+            return xp.ascontiguousarray(a, dtype=dt)
         launch(k, N * H, (np.int64(N * H), np.int32(H), c_(acts), c_(c_prev), c_(c), c_(cont),
                           c_(dh), c_(dc), dgates, dc_prev))
     return dgates, dc_prev
