@@ -47,12 +47,20 @@ class _Count(int):
     method: this is both (``b.count == 6``, ``b.count(1) == 3``)."""
 
     def __new__(cls, blob):
-        obj = super().__new__(cls, Blob.count(blob))
+        obj = super().__new__(cls, _prod(blob.shape))
         obj._blob = blob
         return obj
 
     def __call__(self, start=0, end=None):
-        return Blob.count(self._blob, start, end)
+        shape = self._blob.shape
+        return _prod(shape[start:len(shape) if end is None else end])
+
+
+def _prod(dims):
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
 
 
 class PyBlob(Blob):
