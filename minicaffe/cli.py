@@ -45,7 +45,7 @@ flags:
   --stage a,b          the network stages
   --sigint_effect E    train: what SIGINT does: stop (default), snapshot or none
   --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
-  --log FILE           also write the log to FILE
+  --log FILE           also write the log to FILE (overwritten)
   --debug_info         train: print per-blob data and diff norms at each display
   --version            print the version
 """
@@ -539,6 +539,7 @@ def _main(argv):
         d = os.path.dirname(os.path.abspath(flags.log))
         if not os.path.isdir(d):
             raise MinicaffeError(f"{flags.log}: cannot write the log there (no folder {d})")
+        open(flags.log, "w").close()  # a new log per run, as glog starts a new file
     log.init_log(log_file=flags.log or None, stream=stream)
     warnings.showwarning = _warning_to_log
     if command == "train":
