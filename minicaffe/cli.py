@@ -149,6 +149,9 @@ def get_gpus(flag):
     if flag is None or flag == "":
         return []
     if flag == "all":
+        if backend.gpu_count() == 0:
+            raise MinicaffeError(f"--gpu all asked for GPUs, but none is usable: "
+                                 f"{backend.why_no_gpu()}")
         return list(range(backend.gpu_count()))
     try:
         ids = [int(s) for s in flag.split(",") if s.strip() != ""]
@@ -274,9 +277,6 @@ def train(flags, stream=None):
                 gpus = [dev]
     else:
         gpus = get_gpus(flags.gpu)
-        if flags.gpu == "all" and not gpus:
-            raise MinicaffeError(f"--gpu all asked for GPUs, but none is usable: "
-                                 f"{backend.why_no_gpu()}")
     _check_gpus(gpus)
     if len(gpus) > 1:
         raise MinicaffeError(f"multi-GPU training is not available yet (asked for GPUs "

@@ -204,8 +204,11 @@ def test_gpu_asked_without_gpu(cli, tmp_path):
     assert rc == 1 and "illegal value 'zero' specified for flag 'gpu'" in _error_line(err)
     rc, out, err = cli("device_query")
     assert rc == 1 and "device_query needs a GPU" in _error_line(err)
-    rc, out, err = cli("time", "--model", "net.prototxt", "--gpu", "0")
-    assert rc == 1 and "none is usable" in _error_line(err)
+    for g in ("0", "all"):
+        rc, out, err = cli("time", "--model", "net.prototxt", "--gpu", g)
+        assert rc == 1 and "none is usable" in _error_line(err)
+        rc, out, err = cli("test", "--model", "net.prototxt", "--weights", "w", "--gpu", g)
+        assert rc == 1 and "none is usable" in _error_line(err)
 
 
 def test_several_gpus_is_a_clear_error(cli, tmp_path, monkeypatch):
