@@ -38,6 +38,12 @@ COL_BUFFER_BYTES = {"cpu": 8 << 20, "gpu": 1 << 30}
 # A CPU chunk keeps at least this many output columns per GEMM (tiny GEMMs
 # are slow), even if that exceeds the byte budget.
 MIN_GEMM_COLUMNS = 2048
+# Stride-1 data gradients are computed as a full convolution of dy when dy's
+# patches are at most this many times larger than x's (see _full_conv_ok).
+FULL_CONV_RATIO = 3
+# Below this many input channels per group the numpy engine builds Caffe's
+# channel-major columns instead of channel-last patches.
+NHWC_MIN_CHANNELS = 8
 
 
 def _engine_note(layer, param, engine_enum):
@@ -111,6 +117,8 @@ class ConvEngine:
         if xp is np and self.is_1x1:
             return self._fwd_1x1(x, w, y)
         if xp is np and self.ns == 2:
+            if self.C // self.G < NHWC_MIN_CHANNELS:
+                return self._fwd_cn(x, w, y, budget)
             return self._fwd_np(x, w, y, budget)
         return self._fwd_generic(xp, x, w, y, budget)
 
@@ -121,6 +129,8 @@ class ConvEngine:
         if xp is np and self.is_1x1:
             return self._bwd_1x1(x, w, dy, dw, dx)
         if xp is np and self.ns == 2:
+            if self.C // self.G < NHWC_MIN_CHANNELS:
+                return self._bwd_cn(x, w, dy, dw, dx, budget)
             return self._bwd_np(x, w, dy, dw, dx, budget)
         return self._bwd_generic(xp, x, w, dy, dw, dx, budget)
 
@@ -144,45 +154,184 @@ class ConvEngine:
             w3 = w.reshape(G, Og, Cg)
             np.matmul(w3.transpose(0, 2, 1), dy4, out=dx.reshape(N, G, Cg, self.P))
 
-    # -- numpy 2-D ---------------------------------------------------------------------
+    # -- numpy 2-D: channel-last (NHWC) patches ------------------------------------------
+    # The column matrix is built as (n*OH*OW, G*kh*kw*Cg): one row per output pixel,
+    # columns ordered (group, kernel row, kernel column, channel).  The copy that
+    # builds it moves contiguous runs of channels, and the GEMMs put the long axis
+    # (n*OH*OW) first, which OpenBLAS runs 1.5-3x faster than the transposed
+    # formulation for the small channel counts of these nets (docs/vision.md).
     def _workspace(self, dtype, n):
         key = (np.dtype(dtype), n)
         if self._ws is None or self._ws["key"] != key:
-            (H, W), (ph, pw) = self.in_spatial, self.pad
-            CK = self.C * self.ksize
-            self._ws = {
-                "key": key,
-                # padded input, channel-major; the border stays zero
-                "xpad": np.zeros((self.C, n, H + 2 * ph, W + 2 * pw), dtype),
-                "col": np.empty(CK * n * self.P, dtype),
-                "out": np.empty(self.O * n * self.P, dtype),
-                "dpad": None,
-            }
+            self._ws = {"key": key}
         return self._ws
 
-    def _im2col_np(self, ws, x, n):
-        """col (C*kh*kw, n*OH*OW) of the n images ``x`` in the workspace."""
+    def _buffer(self, ws, name, shape, dtype, zero=False):
+        """A workspace array made on first use (zero-filled if asked)."""
+        if name not in ws:
+            ws[name] = (np.zeros if zero else np.empty)(shape, dtype)
+        return ws[name]
+
+    def _nhwc_padded(self, ws, name, a, pad, n):
+        """``a`` (n, C, H, W) written channel-last into the interior of a
+        zero-bordered workspace array (step, H+2ph, W+2pw, C)."""
+        step, C, H, W = ws["key"][1], a.shape[1], a.shape[2], a.shape[3]
+        (ph, pw) = pad
+        buf = self._buffer(ws, name, (step, H + 2 * ph, W + 2 * pw, C), a.dtype, zero=True)[:n]
+        buf[:, ph:ph + H, pw:pw + W, :] = a.transpose(0, 2, 3, 1)
+        return buf
+
+    def _patches(self, ws, name, src, groups, out_spatial, stride):
+        """im2col of a padded channel-last ``src`` (n, Hp, Wp, C) into a workspace
+        matrix (n*OH*OW, G*kh*kw*Cg), as one strided copy."""
+        n, C = src.shape[0], src.shape[3]
+        (kh, kw), (dh, dw), (sh, sw) = self.kernel, self.dilation, stride
+        OH, OW = out_spatial
+        Cg = C // groups
+        st = src.strides
+        view = as_strided(src, (n, OH, OW, groups, kh, kw, Cg),
+                          (st[0], sh * st[1], sw * st[2], Cg * st[3], dh * st[1], dw * st[2],
+                           st[3]), writeable=False)
+        step = ws["key"][1]
+        size = OH * OW * groups * kh * kw * Cg
+        buf = self._buffer(ws, name, step * size, src.dtype)[:n * size]
+        np.copyto(buf.reshape(n, OH, OW, groups, kh, kw, Cg), view)
+        return buf.reshape(n * OH * OW, groups * kh * kw * Cg)
+
+    def _w_rows(self, w):
+        """Weights as (G, Og, kh*kw*Cg), columns in the patches' order."""
+        G, O = self.G, self.O
+        return w.transpose(0, 2, 3, 1).reshape(G, O // G, -1)
+
+    def _fwd_np(self, x, w, y, budget):
+        N, G, P, O = x.shape[0], self.G, self.P, self.O
+        Og = O // G
+        wr = self._w_rows(w)
+        step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        ws = self._workspace(x.dtype, step)
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
+            col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
+            kc = col.shape[1] // G
+            out = self._buffer(ws, "out", (step * P, Og), x.dtype)[:n * P]
+            for g in range(G):
+                np.matmul(col[:, g * kc:(g + 1) * kc], wr[g].T, out=out)
+                y[n0:n0 + n, g * Og:(g + 1) * Og] = out.reshape(
+                    n, *self.out_spatial, Og).transpose(0, 3, 1, 2)
+
+    def _full_conv_ok(self):
+        """With stride 1 the data gradient is itself a convolution: dy padded by
+        extent-1-pad, correlated with the flipped, transposed kernel: an im2col
+        copy of dy and a GEMM instead of a GEMM and col2im's accumulation per
+        kernel offset.  Worth it unless dy is much larger than x."""
+        if not all(s == 1 for s in self.stride) or not all(
+                d * (k - 1) - p >= 0 for k, d, p in zip(self.kernel, self.dilation, self.pad)):
+            return False
+        return self.O * math.prod(self.in_spatial) <= FULL_CONV_RATIO * self.C * self.P
+
+    def _bwd_np(self, x, w, dy, dw, dx, budget):
+        N, G, P, O, C = dy.shape[0], self.G, self.P, self.O, self.C
+        Og, Cg = O // G, C // G
+        (kh, kw) = self.kernel
+        step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        ws = self._workspace(dy.dtype, step)
+        full = dx is not None and self._full_conv_ok()
+        if dx is not None:
+            if full:  # wf[g][(i, j, o), c] = w[g*Og + o, c, kh-1-i, kw-1-j]
+                wf = w.reshape(G, Og, Cg, kh, kw)[:, :, :, ::-1, ::-1]
+                wf = wf.transpose(0, 3, 4, 1, 2).reshape(G, -1, Cg)
+            else:
+                wr = self._w_rows(w)
+        if dw is not None:
+            dwr = np.zeros((G, Og, kh * kw * Cg), dw.dtype)
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            if dw is not None or not full:
+                dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
+                dyr.reshape(n, *self.out_spatial, O)[...] = dy[n0:n0 + n].transpose(0, 2, 3, 1)
+            if dw is not None:
+                xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
+                col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
+                kc = col.shape[1] // G
+                for g in range(G):
+                    dwr[g] += dyr[:, g * Og:(g + 1) * Og].T @ col[:, g * kc:(g + 1) * kc]
+            if dx is None:
+                continue
+            if full:
+                self._dx_full_conv(ws, wf, dy[n0:n0 + n], dx[n0:n0 + n], n)
+            else:
+                self._dx_col2im(ws, wr, dyr, dx[n0:n0 + n], n)
+        if dw is not None:
+            dw += dwr.reshape(O, kh, kw, Cg).transpose(0, 3, 1, 2)
+
+    def _dx_full_conv(self, ws, wf, dy, dx, n):
+        G, O, C = self.G, self.O, self.C
+        Cg = C // G
+        H, W = self.in_spatial
+        q = [d * (k - 1) - p for k, d, p in zip(self.kernel, self.dilation, self.pad)]
+        dyh = self._nhwc_padded(ws, "dyh", dy, q, n)
+        col = self._patches(ws, "dycol", dyh, G, self.in_spatial, (1, 1))
+        kc = col.shape[1] // G
+        step = ws["key"][1]
+        out = self._buffer(ws, "dxout", (step * H * W, Cg), dy.dtype)[:n * H * W]
+        for g in range(G):
+            np.matmul(col[:, g * kc:(g + 1) * kc], wf[g], out=out)
+            dx[:, g * Cg:(g + 1) * Cg] = out.reshape(n, H, W, Cg).transpose(0, 3, 1, 2)
+
+    def _dx_col2im(self, ws, wr, dyr, dx, n):
+        G, O, C = self.G, self.O, self.C
+        Og, Cg = O // G, C // G
         (H, W), (ph, pw) = self.in_spatial, self.pad
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
         OH, OW = self.out_spatial
-        xpad = ws["xpad"][:, :n]
+        step = ws["key"][1]
+        dcol = self._buffer(ws, "col", step * self.P * kh * kw * C, dyr.dtype)
+        dcol = dcol[:n * self.P * kh * kw * C].reshape(n * self.P, G, kh * kw * Cg)
+        for g in range(G):
+            dcol[:, g] = dyr[:, g * Og:(g + 1) * Og] @ wr[g]
+        d7 = dcol.reshape(n, OH, OW, G, kh, kw, Cg)
+        dpad = self._buffer(ws, "dpad", (step, H + 2 * ph, W + 2 * pw, G, Cg), dyr.dtype)[:n]
+        dpad[...] = 0
+        for i in range(kh):
+            hs = slice(i * dh, i * dh + sh * (OH - 1) + 1, sh)
+            for j in range(kw):
+                wsl = slice(j * dw, j * dw + sw * (OW - 1) + 1, sw)
+                dpad[:, hs, wsl] += d7[:, :, :, :, i, j]  # one offset never repeats a pixel
+        dx[...] = dpad[:, ph:ph + H, pw:pw + W].reshape(n, H, W, C).transpose(0, 3, 1, 2)
+
+    # -- numpy 2-D, few input channels: channel-major columns -----------------------------
+    # With 1-3 channels a channel-last copy moves runs of only kw*C values; the
+    # classic layout (C*kh*kw, n*OH*OW) (Caffe's rows) copies whole output rows.
+    def _cn_padded(self, ws, x, n):
+        (H, W), (ph, pw) = self.in_spatial, self.pad
+        step = ws["key"][1]
+        xpad = self._buffer(ws, "xpad", (self.C, step, H + 2 * ph, W + 2 * pw), x.dtype,
+                            zero=True)[:, :n]
         xpad[:, :, ph:ph + H, pw:pw + W] = x.transpose(1, 0, 2, 3)
-        s = xpad.strides
+        return xpad
+
+    def _cn_im2col(self, ws, x, n):
+        """col (C*kh*kw, n*OH*OW) of the n images ``x``, one strided copy."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        OH, OW = self.out_spatial
+        xpad = self._cn_padded(ws, x, n)
+        st = xpad.strides
         view = as_strided(xpad, (self.C, kh, kw, n, OH, OW),
-                          (s[0], dh * s[2], dw * s[3], s[1], sh * s[2], sw * s[3]),
+                          (st[0], dh * st[2], dw * st[3], st[1], sh * st[2], sw * st[3]),
                           writeable=False)
-        col = ws["col"][:self.C * self.ksize * n * self.P]
+        size = self.C * self.ksize * self.P
+        col = self._buffer(ws, "col", ws["key"][1] * size, x.dtype)[:n * size]
         np.copyto(col.reshape(self.C, kh, kw, n, OH, OW), view)
         return col.reshape(self.C * self.ksize, n * self.P)
 
-    def _col2im_np(self, ws, col, dx, n):
+    def _cn_col2im(self, ws, col, dx, n):
         """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW))."""
         (H, W), (ph, pw) = self.in_spatial, self.pad
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
         OH, OW = self.out_spatial
-        if ws["dpad"] is None:
-            ws["dpad"] = np.empty_like(ws["xpad"])
-        dpad = ws["dpad"][:, :n]
+        dpad = self._buffer(ws, "cn_dpad", (self.C, ws["key"][1], H + 2 * ph, W + 2 * pw),
+                            col.dtype)[:, :n]
         dpad[...] = 0
         col6 = col.reshape(self.C, kh, kw, n, OH, OW)
         for i in range(kh):
@@ -192,19 +341,19 @@ class ConvEngine:
                 dpad[:, :, hs, wsl] += col6[:, i, j]
         dx[...] = dpad[:, :, ph:ph + H, pw:pw + W].transpose(1, 0, 2, 3)
 
-    def _fwd_np(self, x, w, y, budget):
+    def _fwd_cn(self, x, w, y, budget):
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
         ws = self._workspace(x.dtype, step)
         for n0 in range(0, N, step):
             n = min(N, n0 + step) - n0
-            col = self._im2col_np(ws, x[n0:n0 + n], n)
-            out = ws["out"][:O * n * P].reshape(G, O // G, n * P)
-            np.matmul(w3, col.reshape(G, -1, n * P), out=out)
+            col = self._cn_im2col(ws, x[n0:n0 + n], n)
+            out = self._buffer(ws, "cn_out", O * step * P, x.dtype)[:O * n * P]
+            np.matmul(w3, col.reshape(G, -1, n * P), out=out.reshape(G, O // G, n * P))
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).transpose(1, 0, 2, 3)
 
-    def _bwd_np(self, x, w, dy, dw, dx, budget):
+    def _bwd_cn(self, x, w, dy, dw, dx, budget):
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         dw3 = None if dw is None else dw.reshape(G, O // G, -1)
@@ -212,16 +361,18 @@ class ConvEngine:
         ws = self._workspace(dy.dtype, step)
         for n0 in range(0, N, step):
             n = min(N, n0 + step) - n0
-            dy2 = ws["out"][:O * n * P]
+            dy2 = self._buffer(ws, "cn_out", O * step * P, dy.dtype)[:O * n * P]
             dy2.reshape(O, n, *self.out_spatial)[...] = dy[n0:n0 + n].transpose(1, 0, 2, 3)
             dy3 = dy2.reshape(G, O // G, n * P)
             if dw3 is not None:
-                col = self._im2col_np(ws, x[n0:n0 + n], n)
+                col = self._cn_im2col(ws, x[n0:n0 + n], n)
                 dw3 += np.matmul(dy3, col.reshape(G, -1, n * P).transpose(0, 2, 1))
             if dx is not None:
-                dcol = ws["col"][:self.C * self.ksize * n * P].reshape(G, -1, n * P)
+                size = self.C * self.ksize * self.P
+                dcol = self._buffer(ws, "col", step * size, dy.dtype)[:n * size]
+                dcol = dcol.reshape(G, -1, n * P)
                 np.matmul(w3.transpose(0, 2, 1), dy3, out=dcol)
-                self._col2im_np(ws, dcol, dx[n0:n0 + n], n)
+                self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
 
     # -- generic (CuPy, N-D) ------------------------------------------------------------
     def _im2col(self, x):

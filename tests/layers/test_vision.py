@@ -298,6 +298,44 @@ def test_chunked_batch_matches_one_chunk(monkeypatch, typ):
         np.testing.assert_allclose(layer2.blobs[0].diff, ref[2], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout", ["channel_major", "channel_last"])
+@pytest.mark.parametrize("dx_path", ["full_conv", "col2im"])
+@pytest.mark.parametrize("k,s,p,d,g", [(3, 1, 1, 1, 1), (3, 1, 0, 2, 2), (2, 1, 1, 1, 2),
+                                       (3, 2, 1, 1, 1), (1, 1, 1, 1, 1)])
+def test_numpy_engine_paths_agree_with_naive(monkeypatch, layout, dx_path, k, s, p, d, g):
+    """Both column layouts and both data-gradient algorithms (a stride-1 full
+    convolution or col2im) give the same forward, data and weight gradients."""
+    monkeypatch.setattr(vision, "NHWC_MIN_CHANNELS", 1000 if layout == "channel_major" else 0)
+    monkeypatch.setattr(vision, "FULL_CONV_RATIO", 1000 if dx_path == "full_conv" else 0)
+    x = rand_blob((3, 4, 6, 7))
+    ref = []
+    for typ in ("Convolution", "Deconvolution"):
+        layer = make_layer(conv_text(typ, num_output=6, kernel=k, stride=s, pad=p, dilation=d,
+                                     group=g))
+        top, = forward(layer, x)
+        if typ == "Convolution":
+            naive = naive_conv2d(x.data, layer.blobs[0].data, layer.blobs[1].data, (s, s),
+                                 (p, p), (d, d), g)
+            np.testing.assert_allclose(top.data, naive, rtol=1e-12, atol=1e-12)
+        top.diff[...] = np.random.RandomState(7).randn(*top.shape)
+        layer.backward([top], [True], [x])
+        ref.append((layer, top.data.copy(), x.diff.copy(), layer.blobs[0].diff.copy()))
+    # the same layers through the generic engine (the kernels package's im2col/col2im)
+    monkeypatch.setattr(vision.ConvEngine, "forward",
+                        lambda self, xp, *a: self._fwd_generic(xp, *a))
+    monkeypatch.setattr(vision.ConvEngine, "backward",
+                        lambda self, xp, x, w, dy, budget, dw=None, dx=None:
+                        self._bwd_generic(xp, x, w, dy, dw, dx, budget))
+    for layer, y, dx, dw in ref:
+        top, = forward(layer, x)
+        np.testing.assert_allclose(top.data, y, rtol=1e-11, atol=1e-11)
+        top.diff[...] = np.random.RandomState(7).randn(*top.shape)
+        layer.blobs[0].diff[...] = 0
+        layer.backward([top], [True], [x])
+        np.testing.assert_allclose(x.diff, dx, rtol=1e-11, atol=1e-11)
+        np.testing.assert_allclose(layer.blobs[0].diff, dw, rtol=1e-11, atol=1e-11)
+
+
 def test_convolution_reshape_to_new_batch_and_size():
     layer = make_layer(conv_text(num_output=3, kernel=3, pad=1))
     x = rand_blob((2, 2, 6, 6))
