@@ -3,14 +3,19 @@
 Convolution is Caffe's engine, im2col + GEMM, run over a bounded chunk of the
 batch at a time with one GEMM per group (``ConvEngine``):
 
-* numpy, 2-D: a per-layer workspace (the padded input in channel-major
-  order, the column buffer, the GEMM output) is allocated once and reused, so
-  no call pays for fresh pages; im2col is a single strided copy, col2im one
-  accumulation per kernel offset, both in channel-major (C, n, H, W) order so
-  that no pass transposes; a 1x1 kernel with stride 1 and no padding skips
-  im2col entirely (the input already is the column matrix).
+* numpy, 2-D: per-layer workspaces (padded input, column matrix, GEMM output)
+  are allocated once and reused, so no call pays for fresh pages.  The column
+  matrix is built channel-last, one row per output pixel, by a single strided
+  copy, and the GEMMs put that long axis first (faster in OpenBLAS than the
+  transposed formulation for these channel counts).  With stride 1 the data
+  gradient is computed as a full convolution of dy with the flipped kernel (an
+  im2col copy instead of col2im's accumulation per kernel offset).  Layers with
+  few input channels use Caffe's channel-major columns instead; a 1x1 kernel
+  with stride 1 and no padding skips im2col (the input is the column matrix).
 * CuPy, or N-D: the kernels package's whole-chunk ``im2col``/``col2im``
   (CUDA kernels on the GPU, strided slicing for N-D) and ``xp.matmul``.
+
+docs/vision.md has the measured figures.
 
 Shapes (Caffe's): convolution output ``(H + 2p - (d(k-1)+1)) // s + 1``;
 deconvolution output ``s(H - 1) + d(k-1) + 1 - 2p``; pooling output
@@ -31,9 +36,9 @@ from ..layer import Layer
 from ..proto import caffe_pb2
 from ..registry import register_layer
 
-# Largest column buffer one chunk of the batch may use.  On the CPU a buffer
-# that stays in the last-level cache beats one big GEMM (see docs/vision.md);
-# on the GPU bigger is better.
+# Largest column buffer one chunk of the batch may use.  On the CPU, once the
+# buffers are reused, the chunk size matters little (docs/vision.md): 8 MiB
+# keeps each layer's workspace small.  On the GPU bigger is better.
 COL_BUFFER_BYTES = {"cpu": 8 << 20, "gpu": 1 << 30}
 # A CPU chunk keeps at least this many output columns per GEMM (tiny GEMMs
 # are slow), even if that exceeds the byte budget.
@@ -119,7 +124,7 @@ class ConvEngine:
         if xp is np and self.ns == 2:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._fwd_cn(x, w, y, budget)
-            return self._fwd_np(x, w, y, budget)
+            return self._fwd_nhwc(x, w, y, budget)
         return self._fwd_generic(xp, x, w, y, budget)
 
     def backward(self, xp, x, w, dy, budget, dw=None, dx=None):
@@ -131,7 +136,7 @@ class ConvEngine:
         if xp is np and self.ns == 2:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._bwd_cn(x, w, dy, dw, dx, budget)
-            return self._bwd_np(x, w, dy, dw, dx, budget)
+            return self._bwd_nhwc(x, w, dy, dw, dx, budget)
         return self._bwd_generic(xp, x, w, dy, dw, dx, budget)
 
     # -- 1x1, stride 1, no pad: the input is the column matrix ----------------------
@@ -203,7 +208,7 @@ class ConvEngine:
         G, O = self.G, self.O
         return w.transpose(0, 2, 3, 1).reshape(G, O // G, -1)
 
-    def _fwd_np(self, x, w, y, budget):
+    def _fwd_nhwc(self, x, w, y, budget):
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         Og = O // G
         wr = self._w_rows(w)
@@ -230,7 +235,7 @@ class ConvEngine:
             return False
         return self.O * math.prod(self.in_spatial) <= FULL_CONV_RATIO * self.C * self.P
 
-    def _bwd_np(self, x, w, dy, dw, dx, budget):
+    def _bwd_nhwc(self, x, w, dy, dw, dx, budget):
         N, G, P, O, C = dy.shape[0], self.G, self.P, self.O, self.C
         Og, Cg = O // G, C // G
         (kh, kw) = self.kernel
