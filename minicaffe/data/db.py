@@ -21,6 +21,7 @@ Datum helpers: ``array_to_datum``, ``datum_to_array``, ``parse_datum``.
 import os
 import shutil
 import tempfile
+import threading
 
 import numpy as np
 
@@ -169,16 +170,30 @@ class _Database:
 
 # -- LMDB ------------------------------------------------------------------------------
 class LMDBDatabase(_Database):
+    """LMDB.  The lmdb package opens an environment once per process, so readers of
+    one path (a TRAIN and a TEST net on the same data, several solvers) share it; it
+    is closed when the last of them closes."""
     backend = LMDB
+    _shared = {}                 # realpath -> [Environment, users]
+    _shared_lock = threading.Lock()
 
     def __init__(self, path, mode):
         super().__init__(path, mode)
         lmdb = _import_lmdb()
         self._lmdb = lmdb
+        self._key = None
         try:
             if mode == "r":
-                self.env = lmdb.open(self.path, readonly=True, lock=False, readahead=False,
-                                     meminit=False, max_readers=512)
+                key = os.path.realpath(self.path)
+                with self._shared_lock:
+                    entry = self._shared.get(key)
+                    if entry is None:
+                        env = lmdb.open(self.path, readonly=True, lock=False, readahead=False,
+                                        meminit=False, max_readers=512)
+                        entry = self._shared[key] = [env, 0]
+                    entry[1] += 1
+                self._key = key
+                self.env = entry[0]
             else:
                 self.env = lmdb.open(self.path, map_size=_LMDB_INITIAL_MAP, meminit=False,
                                      map_async=True)
@@ -188,7 +203,15 @@ class LMDBDatabase(_Database):
             raise DBError(f"{self.final_path}: cannot open LMDB ({e})") from None
 
     def _close_handles(self):
-        self.env.close()
+        if self._key is None:
+            self.env.close()
+            return
+        with self._shared_lock:
+            entry = self._shared[self._key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._shared[self._key]
+                entry[0].close()
 
     def new_cursor(self):
         return LMDBCursor(self)

@@ -18,8 +18,30 @@ def flag_bool(text):
 
 
 def add_bool(ap, name, help):
-    ap.add_argument("--" + name, type=flag_bool, nargs="?", const=True, default=False,
-                    metavar="BOOL", help=help)
+    """A gflags boolean: --name, --noname, --name=true|false (see gflags_argv)."""
+    ap.add_argument("--" + name, dest=name, action="store_true", default=False, help=help)
+    ap.add_argument("--no" + name, dest=name, action="store_false", help=argparse.SUPPRESS)
+    ap.__dict__.setdefault("_gflags_bools", set()).add(name)
+
+
+def gflags_argv(ap, argv):
+    """Rewrite gflags spellings argparse does not know: -flag (one dash) and
+    --boolflag=true/false."""
+    bools = getattr(ap, "_gflags_bools", set())
+    out = []
+    for tok in argv:
+        if tok.startswith("-") and not tok.startswith("--") and len(tok) > 2 and \
+                not tok[1].isdigit():
+            tok = "-" + tok
+        if tok.startswith("--") and "=" in tok:
+            name, value = tok[2:].split("=", 1)
+            if name in bools:
+                try:
+                    tok = "--" + name if flag_bool(value) else "--no" + name
+                except argparse.ArgumentTypeError as e:
+                    ap.error(f"--{name}: {e}")
+        out.append(tok)
+    return out
 
 
 def backend_arg(ap):

@@ -39,7 +39,7 @@ def _main(argv):
     toolutil.add_bool(ap, "encoded", "when true, the encoded image is saved in the datum")
     ap.add_argument("--encode_type", default="", help="optional: what type should we encode the "
                     "image as ('png', 'jpg', ...)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(toolutil.gflags_argv(ap, argv))
     if (args.resize_width > 0) != (args.resize_height > 0):
         raise MinicaffeError("--resize_width and --resize_height must be given together")
     from minicaffe.data.convert import convert_imageset
