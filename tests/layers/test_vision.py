@@ -257,6 +257,26 @@ def test_convolution_3d_matches_torch():
     np.testing.assert_allclose(top.data, ty.numpy(), rtol=1e-10, atol=1e-10)
 
 
+def test_deconvolution_3d_matches_torch():
+    torch = pytest.importorskip("torch")
+    layer = make_layer('type: "Deconvolution" convolution_param { num_output: 4 kernel_size: 2 '
+                       'stride: 2 stride: 1 stride: 1 pad: 0 pad: 1 pad: 0 group: 2 '
+                       'weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } }')
+    x = rand_blob((2, 2, 3, 4, 3))
+    top, = forward(layer, x)
+    tx = torch.tensor(x.data, requires_grad=True)
+    tw = torch.tensor(layer.blobs[0].data, requires_grad=True)
+    ty = torch.nn.functional.conv_transpose3d(tx, tw, torch.tensor(layer.blobs[1].data),
+                                              (2, 1, 1), (0, 1, 0), 0, 2)
+    np.testing.assert_allclose(top.data, ty.detach().numpy(), rtol=1e-10, atol=1e-10)
+    dy = np.random.RandomState(1).randn(*top.shape)
+    top.diff[...] = dy
+    layer.backward([top], [True], [x])
+    ty.backward(torch.tensor(dy))
+    np.testing.assert_allclose(x.diff, tx.grad.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(layer.blobs[0].diff, tw.grad.numpy(), rtol=1e-10, atol=1e-10)
+
+
 def test_convolution_float32_matches_float64():
     layer = make_layer(conv_text(num_output=6, kernel=3, pad=1))
     x64 = rand_blob((4, 4, 8, 8))
