@@ -23,7 +23,7 @@ TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
 
 
 def prefetch_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("prefetch:")]
+    return [t for t in threading.enumerate() if t.name.startswith("prefetch")]
 
 
 @pytest.fixture(autouse=True)

@@ -146,9 +146,11 @@ class DataTransformer:
                 woff = r[:, j + 1] % (w - c + 1)
         return mirror, hoff, woff
 
-    def transform(self, images, out, rng=None, where=None):
+    def transform(self, images, out, rng=None, where=None, pool=None):
         """Transform ``images`` (a list of (C, H, W) arrays of one shape, or an (N, C, H, W)
-        array; uint8 or float) into ``out`` (N, C, h, w) float array."""
+        array; uint8 or float) into ``out`` (N, C, h, w) float array.  With ``pool`` (a
+        concurrent.futures executor) the per-image work is spread over its threads (numpy
+        releases the GIL); the random draws are made first, in Caffe's order."""
         n = len(images)
         if n == 0:
             return out
@@ -157,14 +159,8 @@ class DataTransformer:
         if out.shape != (n,) + oshape:
             raise ValueError(f"transform: out has shape {out.shape}, expected {(n,) + oshape}")
         mirror, hoff, woff = self.draw(n, in_shape[1:], rng)
-        c = self.crop_size
-        if c:
-            for i in range(n):
-                h0, w0 = hoff[i], woff[i]
-                out[i] = images[i][:, h0:h0 + c, w0:w0 + c]
-                if self.mean is not None:
-                    out[i] -= self.mean[:, h0:h0 + c, w0:w0 + c]
-        else:
+        if not self.crop_size and not mirror.any():
+            # whole-batch path (small images such as MNIST): copy, then one pass per op
             if isinstance(images, np.ndarray):
                 out[...] = images
             else:
@@ -172,14 +168,43 @@ class DataTransformer:
                     out[i] = images[i]
             if self.mean is not None:
                 out -= self.mean
+            if self.mean_values is not None:
+                mv = self.mean_values
+                out -= mv[0] if len(mv) == 1 else mv[:, None, None]
+            if self.scale != 1:
+                out *= np.asarray(self.scale, dtype=out.dtype)
+            return out
         if self.mean_values is not None:
             mv = self.mean_values
-            out -= mv[0] if len(mv) == 1 else mv[:, None, None]
-        if self.scale != 1:
-            out *= np.asarray(self.scale, dtype=out.dtype)
-        if mirror.any():
-            idx = np.flatnonzero(mirror)
-            out[idx] = out[idx, :, :, ::-1]
+            mv = mv.reshape(-1, 1, 1) if len(mv) > 1 else mv[:1].reshape(1, 1, 1)
+        else:
+            mv = None
+        scale = np.asarray(self.scale, dtype=out.dtype)
+        c = self.crop_size
+
+        def one(i):
+            h0, w0 = int(hoff[i]), int(woff[i])
+            hh = c or in_shape[1]
+            ww = c or in_shape[2]
+            cols = slice(w0, w0 + ww) if not mirror[i] else \
+                slice(w0 + ww - 1, w0 - 1 if w0 > 0 else None, -1)
+            src = images[i][:, h0:h0 + hh, cols]
+            o = out[i]
+            if self.mean is not None:  # the mean at the unmirrored position, as Caffe
+                np.subtract(src, self.mean[:, h0:h0 + hh, cols], out=o)
+            elif mv is not None:
+                np.subtract(src, mv, out=o)
+            else:
+                o[...] = src
+            if self.scale != 1:
+                o *= scale
+
+        if pool is not None and n > 1:
+            for _ in pool.map(one, range(n)):
+                pass
+        else:
+            for i in range(n):
+                one(i)
         return out
 
     def transform_one(self, image, rng=None, dtype=np.float32):

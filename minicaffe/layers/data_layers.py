@@ -41,6 +41,36 @@ def shard_of(phase):
     return n, context.solver_rank()
 
 
+def decode_threads():
+    """Threads that decode images and transform them for one loader
+    ($MINICAFFE_DECODE_THREADS, default min(4, CPU count)); 1 = on the prefetch thread."""
+    try:
+        n = int(os.environ.get("MINICAFFE_DECODE_THREADS", "0"))
+    except ValueError:
+        n = 0
+    return n if n > 0 else min(4, os.cpu_count() or 1)
+
+
+def decode_pool(loader):
+    """The loader's thread pool for decoding (Pillow and numpy release the GIL), made on
+    first use; None when one thread is asked for."""
+    pool = getattr(loader, "_pool", None)
+    if pool is None:
+        n = decode_threads()
+        if n <= 1:
+            return None
+        from concurrent.futures import ThreadPoolExecutor
+        pool = loader._pool = ThreadPoolExecutor(n, thread_name_prefix="prefetch-decode")
+    return pool
+
+
+def close_decode_pool(loader):
+    pool = getattr(loader, "_pool", None)
+    if pool is not None:
+        pool.shutdown(wait=True)
+        loader._pool = None
+
+
 def _log_output_size(shape):
     s = list(shape) + [1] * (4 - len(shape))
     log.info("output data size: %s", ",".join(str(d) for d in s[:4]) if len(shape) <= 4
@@ -99,29 +129,30 @@ class DBLoader:
 
     def load_batch(self, batch, rng):
         records = self.read(self.batch_size)
-        images = []
-        shape0 = None
-        for key, datum in records:
-            self.key = key
-            img = self.transformer.decode(datum, self.where())
-            if shape0 is None:
-                shape0 = img.shape
-                if self.batch_size > 1 and shape0 != self.first_shape:
-                    raise DBError(f"{self.where()}: Datum shape {_fmt(shape0)} differs from the "
-                                  f"first datum's {_fmt(self.first_shape)} (records of one shape are "
-                                  "needed unless batch_size is 1)")
-            elif img.shape != shape0:
-                raise DBError(f"{self.where()}: Datum shape {_fmt(img.shape)} differs from the "
-                              f"first datum's {_fmt(shape0)}")
-            images.append(img)
+        wheres = [f"{self.source}: key {key_text(k)}" for k, _ in records]
+        pool = decode_pool(self) if records[0][1].encoded else None
+        if pool is not None:
+            images = list(pool.map(self.transformer.decode, [d for _, d in records], wheres))
+        else:
+            images = [self.transformer.decode(d, w) for (_, d), w in zip(records, wheres)]
+        shape0 = images[0].shape
+        if self.batch_size > 1 and shape0 != self.first_shape:
+            raise DBError(f"{wheres[0]}: Datum shape {_fmt(shape0)} differs from the first "
+                          f"datum's {_fmt(self.first_shape)} (records of one shape are needed "
+                          "unless batch_size is 1)")
+        for img, w in zip(images, wheres):
+            if img.shape != shape0:
+                raise DBError(f"{w}: Datum shape {_fmt(img.shape)} differs from the first "
+                              f"datum's {_fmt(shape0)}")
         self.key = records[0][0]
-        oshape = self.transformer.output_shape(shape0, self.where())
+        oshape = self.transformer.output_shape(shape0, wheres[0])
         batch.data.reshape((self.batch_size,) + oshape)
-        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, self.where())
+        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, wheres[0], pool)
         if self.output_labels:
             batch.label.mutable_cpu_data()[...] = [d.label for _, d in records]
 
     def close(self):
+        close_decode_pool(self)
         if self.cursor is not None:
             self.cursor.close()
             self.cursor = None
@@ -235,23 +266,9 @@ class ImageListLoader:
                           where=self.where())
 
     def load_batch(self, batch, rng):
-        images, labels = [], []
-        shape0 = None
-        first_where = None
+        entries = []
         for _ in range(self.batch_size):
-            entry = self.lines[self.order[self.pos]]
-            img = self._read(entry)
-            if shape0 is None:
-                shape0, first_where = img.shape, self.where()
-                if self.batch_size > 1 and shape0 != self.first_shape:
-                    raise ImageError(f"{self.where()}: image of shape {_fmt(shape0)} differs from "
-                                     f"the first image's {_fmt(self.first_shape)}; set new_height/"
-                                     "new_width or use batch_size 1")
-            elif img.shape != shape0:
-                raise ImageError(f"{self.where()}: image of shape {_fmt(img.shape)} differs from "
-                                 f"the batch's first {_fmt(shape0)}; set new_height/new_width")
-            images.append(img)
-            labels.append(entry[1])
+            entries.append(self.lines[self.order[self.pos]])
             self.pos += 1
             if self.pos >= len(self.lines):
                 if context.root_solver():
@@ -259,11 +276,34 @@ class ImageListLoader:
                 self.pos = 0
                 if self.shuffle:
                     self.rng.shuffle(self.order)
-        oshape = self.transformer.output_shape(shape0, first_where)
+        wheres = [f"{self.list_file}:{n} ({name})" for name, _, n in entries]
+        pool = decode_pool(self)
+        paths = [self.root + name for name, _, _ in entries]
+        if pool is not None:
+            images = list(pool.map(self._read_path, paths, wheres))
+        else:
+            images = [self._read_path(p, w) for p, w in zip(paths, wheres)]
+        shape0 = images[0].shape
+        if self.batch_size > 1 and shape0 != self.first_shape:
+            raise ImageError(f"{wheres[0]}: image of shape {_fmt(shape0)} differs from the first "
+                             f"image's {_fmt(self.first_shape)}; set new_height/new_width or "
+                             "use batch_size 1")
+        for img, w in zip(images, wheres):
+            if img.shape != shape0:
+                raise ImageError(f"{w}: image of shape {_fmt(img.shape)} differs from the "
+                                 f"batch's first {_fmt(shape0)}; set new_height/new_width")
+        self.current = entries[0]
+        oshape = self.transformer.output_shape(shape0, wheres[0])
         batch.data.reshape((self.batch_size,) + oshape)
-        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, first_where)
+        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, wheres[0], pool)
         if self.output_labels:
-            batch.label.mutable_cpu_data()[...] = labels
+            batch.label.mutable_cpu_data()[...] = [e[1] for e in entries]
+
+    def _read_path(self, path, where):
+        return read_image(path, self.new_h, self.new_w, self.is_color, where=where)
+
+    def close(self):
+        close_decode_pool(self)
 
 
 @register_layer("ImageData")

@@ -1,0 +1,147 @@
+"""GPU prefetch (run on the GPU machine): pinned host buffers, uploads on the prefetch
+thread's own stream, the compute stream waiting on the upload event, and batches identical
+to CPU mode's."""
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from minicaffe import backend, context
+from minicaffe.blob import Blob
+from minicaffe.data.db import array_to_datum, open_db
+from minicaffe.errors import LayerError
+from minicaffe.net import Net
+from minicaffe.proto import caffe_pb2
+from minicaffe.synced_memory import HEAD_AT_GPU
+from minicaffe.testing import make_layer
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("lmdb")
+TRAIN = caffe_pb2.TRAIN
+
+
+def make_db(path, n=37, shape=(3, 9, 10), values=None):
+    imgs = np.random.RandomState(0).randint(0, 256, (n,) + shape).astype(np.uint8)
+    with open_db(path, "lmdb", "new") as db:
+        t = db.new_transaction()
+        for i, a in enumerate(imgs):
+            v = array_to_datum(a, i).SerializeToString()
+            t.put(b"%08d" % i, values.get(i, v) if values else v)
+        t.commit()
+    return str(path), imgs
+
+
+def data_layer(src, batch=8, transform="crop_size: 7 mirror: true scale: 0.5", prefetch=4):
+    return make_layer(f'name: "d" type: "Data" top: "data" top: "label" '
+                      f'data_param {{ source: "{src}" batch_size: {batch} backend: LMDB '
+                      f'prefetch: {prefetch} }} transform_param {{ {transform} }}', TRAIN)
+
+
+def batches(src, n, gpu, **kw):
+    context.set_random_seed(11)
+    if gpu:
+        context.set_mode_gpu()
+    else:
+        context.set_mode_cpu()
+    layer = data_layer(src, **kw)
+    top = [Blob(), Blob()]
+    layer.setup([], top)
+    out = []
+    for _ in range(n):
+        layer.forward([], top)
+        if gpu:
+            assert top[0].data_mem.head == HEAD_AT_GPU
+            out.append((backend.cp.asnumpy(top[0].gpu_data()), backend.cp.asnumpy(top[1].gpu_data())))
+        else:
+            out.append((top[0].data.copy(), top[1].data.copy()))
+    layer.close()
+    context.set_mode_cpu()
+    return out, layer
+
+
+def test_gpu_batches_equal_cpu_batches(tmp_path):
+    src, _ = make_db(tmp_path / "db")
+    cpu, _ = batches(src, 12, False)  # 12 x 8 > 37: wraps around twice
+    gpu, _ = batches(src, 12, True)
+    for (a, la), (b, lb) in zip(cpu, gpu):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(la, lb)
+
+
+def test_host_buffers_are_pinned_and_uploads_use_events(tmp_path):
+    src, _ = make_db(tmp_path / "db")
+    context.set_mode_gpu()
+    layer = data_layer(src)
+    top = [Blob(), Blob()]
+    layer.setup([], top)
+    layer.measure_wait = True
+    for _ in range(6):
+        layer.forward([], top)
+    batch = layer._current
+    assert batch.data.data_mem._pinned and batch.label.data_mem._pinned
+    assert batch.ready is not None
+    stats = layer.data_wait()
+    assert stats["batches"] >= 6 and stats["gpu_wait_ms"] >= 0.0
+    layer.close()
+
+
+def test_no_race_between_upload_and_compute(tmp_path):
+    """Many batches, each consumed by kernels on the compute stream while the thread
+    refills the others: the sums must equal the CPU sequence's."""
+    cp = backend.cp
+    src, _ = make_db(tmp_path / "db", n=64, shape=(3, 64, 64))
+    cpu, _ = batches(src, 40, False, batch=16, prefetch=2, transform="scale: 1")
+    context.set_random_seed(11)
+    context.set_mode_gpu()
+    layer = data_layer(src, batch=16, prefetch=2, transform="scale: 1")
+    top = [Blob(), Blob()]
+    layer.setup([], top)
+    sums = []
+    for _ in range(40):
+        layer.forward([], top)
+        x = top[0].gpu_data()
+        y = x
+        for _ in range(20):  # keep the compute stream busy reading the batch
+            y = cp.tanh(y * 0.001) + x
+        sums.append(float(x.sum()))
+    layer.close()
+    context.set_mode_cpu()
+    np.testing.assert_allclose(sums, [float(a.sum()) for a, _ in cpu], rtol=1e-6)
+
+
+def test_gpu_net_runs_and_thread_stops(tmp_path):
+    src, _ = make_db(tmp_path / "db", shape=(1, 28, 28))
+    context.set_mode_gpu()
+    text = f'''name: "n"
+layer {{ name: "d" type: "Data" top: "data" top: "label"
+        data_param {{ source: "{src}" batch_size: 4 backend: LMDB }} }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param {{ num_output: 40 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}'''
+    net = Net(text, TRAIN)
+    for _ in range(5):
+        assert np.isfinite(net.forward_backward())
+    del net
+    gc.collect()
+    deadline = time.time() + 5
+    while any(t.name.startswith("prefetch:") for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name.startswith("prefetch:") for t in threading.enumerate())
+    context.set_mode_cpu()
+
+
+def test_gpu_error_reaches_forward(tmp_path):
+    src, _ = make_db(tmp_path / "db", values={10: b"\xff garbage"})
+    context.set_mode_gpu()
+    layer = data_layer(src, batch=4)
+    top = [Blob(), Blob()]
+    layer.setup([], top)
+    layer.forward([], top)
+    layer.forward([], top)
+    with pytest.raises(LayerError, match="key 00000010: not a valid Datum"):
+        layer.forward([], top)
+    layer.prefetch_thread._thread.join(5)
+    assert not layer.prefetch_thread.is_alive()
+    context.set_mode_cpu()
