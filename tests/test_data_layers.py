@@ -539,3 +539,79 @@ def test_net_with_data_layers_trains_lenet_shape(tmp_path):
         assert net.blobs["data"].shape == (4, 1, 28, 28)
         np.testing.assert_allclose(net.blobs["data"].data * 256, imgs[:4], atol=1e-4)
     del net
+
+
+# -- WindowData --------------------------------------------------------------------------------------
+@pytest.fixture
+def window_file(tmp_path):
+    from PIL import Image
+    rng = np.random.RandomState(5)
+    imgs = []
+    for i in range(2):
+        rgb = rng.randint(0, 256, (20, 24, 3)).astype(np.uint8)
+        Image.fromarray(rgb).save(tmp_path / f"w{i}.png")
+        imgs.append(rgb[:, :, ::-1].transpose(2, 0, 1))
+    text = ("# 0\nw0.png\n3 20 24\n3\n"
+            "1 0.9 2 3 12 15\n"    # foreground, class 1
+            "0 0.1 0 0 23 19\n"    # background (the whole image)
+            "2 0.3 5 5 9 9\n"      # neither (with bg_threshold 0.2): dropped
+            "# 1\nw1.png\n3 20 24\n1\n"
+            "2 0.7 10 4 20 18\n")  # foreground, class 2
+    (tmp_path / "windows.txt").write_text(text)
+    return tmp_path, imgs
+
+
+def window_layer(tmp_path, params, transform="crop_size: 8"):
+    return make_layer(f'name: "w" type: "WindowData" top: "data" top: "label" '
+                      f'window_data_param {{ source: "{tmp_path}/windows.txt" '
+                      f'root_folder: "{tmp_path}/" {params} }} transform_param {{ {transform} }}')
+
+
+def test_window_data_warps_windows_with_caffes_sampling(window_file, info_log):
+    from minicaffe.data.images import resize
+    tmp_path, imgs = window_file
+    top, out = run(window_layer(tmp_path, "batch_size: 4 fg_fraction: 0.5 scale: 0.5 bg_threshold: 0.2",
+                                "crop_size: 8 mean_value: 100"), 3)
+    assert top[0].shape == (4, 3, 8, 8)
+    assert "class 0 has 1 samples" in info_log and "class 2 has 1 samples" in info_log
+    fg = {1: (0, (2, 3, 12, 15)), 2: (1, (10, 4, 20, 18))}
+    for data, lab in out:
+        np.testing.assert_array_equal(lab[:2], [0, 0])  # background first, then foreground
+        assert set(lab[2:].astype(int)) <= {1, 2}
+        for x, l in zip(data, lab.astype(int)):
+            i, (x1, y1, x2, y2) = (0, (0, 0, 23, 19)) if l == 0 else fg[l]
+            ref = resize(np.ascontiguousarray(imgs[i][:, y1:y2 + 1, x1:x2 + 1]), 8, 8)
+            np.testing.assert_allclose(x, (ref.astype(np.float32) - 100) * 0.5)
+
+
+def test_window_data_context_pad_mirror_and_errors(window_file):
+    tmp_path, _ = window_file
+    top, out = run(window_layer(tmp_path, "batch_size: 6 fg_fraction: 0 context_pad: 2 bg_threshold: 0.2",
+                                "crop_size: 10 mirror: true"), 2)
+    from minicaffe.data.images import resize
+    # the whole 24x20 image with 2 of 10 pixels of context: Caffe's arithmetic expands it to
+    # x -8..32, y -7..27, warps the clipped part to 6x6 and pads 2 pixels on each side
+    inner = resize(np.ascontiguousarray(window_file[1][0]), 6, 6).astype(np.float32)
+    mirrored = 0
+    for data, lab in out:
+        assert (lab == 0).all()
+        for x in data:
+            assert (x[:, :2] == 0).all() and (x[:, 8:] == 0).all()
+            assert (x[:, :, :2] == 0).all() and (x[:, :, 8:] == 0).all()
+            if np.array_equal(x[:, 2:8, 2:8], inner[:, :, ::-1]):
+                mirrored += 1
+            else:
+                np.testing.assert_array_equal(x[:, 2:8, 2:8], inner)
+    assert 0 < mirrored < 12
+    with pytest.raises(LayerError, match="windows.txt: failed to open window file"):
+        run(make_layer(f'name: "w" type: "WindowData" top: "data" top: "label" '
+                       f'window_data_param {{ source: "{tmp_path}/none/windows.txt" batch_size: 2 }} '
+                       f'transform_param {{ crop_size: 4 }}'), 1)
+    (tmp_path / "w1.png").unlink()
+    layer = window_layer(tmp_path, "batch_size: 8 fg_fraction: 1")
+    top = [Blob(), Blob()]
+    layer.setup([], top)
+    with pytest.raises(LayerError, match=r"windows.txt: image #1 \(.*w1.png\): could not open"):
+        for _ in range(5):
+            layer.forward([], top)
+    layer.close()

@@ -539,3 +539,235 @@ def _close_h5(f, tmp, final):
         os.replace(tmp, final)
     except Exception as e:  # pragma: no cover - disk full etc.
         log.warning("HDF5Output: could not finish %s (%s)", final, e)
+
+
+# -- WindowData: R-CNN style windows ------------------------------------------------------------
+def read_window_file(path, root_folder=""):
+    """Caffe's window file: blocks of ``# image_index / path / channels / height / width /
+    num_windows / (class overlap x1 y1 x2 y2) x num_windows``.  Returns
+    [(image path, (c, h, w), [(label, overlap, x1, y1, x2, y2), ...])]."""
+    try:
+        with open(path, "r") as f:
+            tokens = f.read().split()
+    except FileNotFoundError:
+        raise MinicaffeError(f"{path}: failed to open window file (no such file)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise MinicaffeError(f"{path}: failed to open window file ({e})") from None
+    if not tokens:
+        raise MinicaffeError(f"{path}: the window file is empty")
+    images = []
+    pos = 0
+
+    def take(n, what):
+        nonlocal pos
+        if pos + n > len(tokens):
+            raise MinicaffeError(f"{path}: image #{len(images)}: the file ends inside {what}")
+        out = tokens[pos:pos + n]
+        pos += n
+        return out
+
+    try:
+        while pos < len(tokens):
+            tag, index = take(2, "a '# index' header")
+            if tag != "#":
+                raise MinicaffeError(f"{path}: expected '#' before image #{len(images)}, "
+                                     f"got '{tag}'")
+            if int(index) != len(images):
+                raise MinicaffeError(f"{path}: image index {index} out of order (expected "
+                                     f"{len(images)})")
+            name, = take(1, "an image path")
+            c, h, w, n = (int(x) for x in take(4, "the image size and window count"))
+            wins = []
+            for _ in range(n):
+                lab, ov, x1, y1, x2, y2 = take(6, "a window")
+                wins.append((int(lab), float(ov), int(x1), int(y1), int(x2), int(y2)))
+            images.append((root_folder + name, (c, h, w), wins))
+    except ValueError as e:
+        raise MinicaffeError(f"{path}: image #{len(images)}: not a number ({e})") from None
+    return images
+
+
+class WindowLoader:
+    def __init__(self, source, images, fg, bg, batch_size, crop_size, mirror, scale,
+                 mean, mean_values, context_pad, square, fg_fraction, cache):
+        self.source = source
+        self.images = images
+        self.fg, self.bg = fg, bg
+        self.batch_size = batch_size
+        self.crop_size = crop_size
+        self.mirror = mirror
+        self.scale = np.float32(scale)
+        self.mean = mean
+        self.mean_values = mean_values
+        self.context_pad = context_pad
+        self.square = square
+        self.fg_fraction = fg_fraction
+        self.cache = cache
+        self.current = None
+
+    def where(self):
+        if self.current is None:
+            return self.source
+        i = self.current
+        return f"{self.source}: image #{i} ({self.images[i][0]})"
+
+    def _image(self, index):
+        from ..data.images import decode_image
+        self.current = index
+        if self.cache is not None:
+            return decode_image(self.cache[index], True, self.where())
+        return read_image(self.images[index][0], 0, 0, True, where=self.where())
+
+    def load_batch(self, batch, rng):
+        from ..data.images import resize
+        bs, crop = self.batch_size, self.crop_size
+        out = batch.data.mutable_cpu_data()
+        out[...] = 0
+        labels = []
+        num_fg = int(np.float32(bs) * np.float32(self.fg_fraction))
+        item = 0
+        for is_fg, count in ((0, bs - num_fg), (1, num_fg)):
+            windows = self.fg if is_fg else self.bg
+            for _ in range(count):
+                r = int(rng.randint(0, 2 ** 32, dtype=np.uint32))
+                img_index, label, x1, y1, x2, y2 = windows[r % len(windows)]
+                do_mirror = self.mirror and int(rng.randint(0, 2 ** 32, dtype=np.uint32)) % 2
+                img = self._image(img_index)
+                ih, iw = img.shape[1:]
+                pad_w = pad_h = 0
+                size_w = size_h = crop
+                if self.context_pad > 0 or self.square:
+                    cscale = crop / (crop - 2 * self.context_pad)
+                    half_h = (y2 - y1 + 1) / 2.0
+                    half_w = (x2 - x1 + 1) / 2.0
+                    cx, cy = x1 + half_w, y1 + half_h
+                    if self.square:
+                        half_h = half_w = max(half_h, half_w)
+                    x1 = int(round(cx - half_w * cscale))
+                    x2 = int(round(cx + half_w * cscale))
+                    y1 = int(round(cy - half_h * cscale))
+                    y2 = int(round(cy + half_h * cscale))
+                    uh, uw = y2 - y1 + 1, x2 - x1 + 1
+                    px1, py1 = max(0, -x1), max(0, -y1)
+                    px2, py2 = max(0, x2 - iw + 1), max(0, y2 - ih + 1)
+                    x1, x2, y1, y2 = x1 + px1, x2 - px2, y1 + py1, y2 - py2
+                    sx, sy = crop / uw, crop / uh
+                    size_w = int(round((x2 - x1 + 1) * sx))
+                    size_h = int(round((y2 - y1 + 1) * sy))
+                    px1, px2 = int(round(px1 * sx)), int(round(px2 * sx))
+                    py1 = int(round(py1 * sy))
+                    pad_h = py1
+                    pad_w = px2 if do_mirror else px1
+                    size_h = min(size_h, crop - pad_h)
+                    size_w = min(size_w, crop - pad_w)
+                if not (0 <= x1 <= x2 < iw and 0 <= y1 <= y2 < ih):
+                    raise MinicaffeError(f"{self.where()}: window ({x1}, {y1}, {x2}, {y2}) is "
+                                         f"outside the {iw}x{ih} image")
+                win = resize(np.ascontiguousarray(img[:, y1:y2 + 1, x1:x2 + 1]), size_h, size_w)
+                if do_mirror:
+                    win = win[:, :, ::-1]
+                o = out[item, :, pad_h:pad_h + size_h, pad_w:pad_w + size_w]
+                if self.mean is not None:
+                    off = (self.mean.shape[2] - crop) // 2
+                    m = self.mean[:, off + pad_h:off + pad_h + size_h, off + pad_w:off + pad_w + size_w]
+                    np.subtract(win, m, out=o)
+                elif self.mean_values is not None:
+                    np.subtract(win, self.mean_values.reshape(-1, 1, 1), out=o)
+                else:
+                    o[...] = win
+                o *= self.scale
+                labels.append(label)
+                item += 1
+        batch.label.mutable_cpu_data()[...] = labels
+
+
+@register_layer("WindowData")
+class WindowDataLayer(BasePrefetchingDataLayer):
+    """Windows of images for R-CNN style training (``window_data_param``: source (a window
+    file), batch_size, fg_threshold, bg_threshold, fg_fraction, context_pad, crop_mode
+    "warp" or "square", cache_images, root_folder, scale; ``transform_param``: crop_size
+    (required), mirror, mean_file or mean_value).  Each batch holds batch_size*(1-fg_fraction)
+    background windows (overlap < bg_threshold, label 0) then foreground windows (overlap >=
+    fg_threshold), sampled at random, warped to crop_size (with context_pad pixels of
+    context), as Caffe's window_data_layer.cpp."""
+    exact_num_top_blobs = 2
+    min_top_blobs = max_top_blobs = -1
+
+    def data_layer_setup(self, bottom, top):
+        p = self.layer_param.window_data_param
+        t = self.transformer
+        if not p.source:
+            raise self.error("window_data_param.source is not set")
+        crop = t.crop_size
+        if crop <= 0:
+            raise self.error("transform_param.crop_size must be positive for WindowData")
+        if p.crop_mode not in ("warp", "square"):
+            raise self.error(f"crop_mode must be 'warp' or 'square', got '{p.crop_mode}'")
+        if 2 * p.context_pad >= crop:
+            raise self.error(f"context_pad {p.context_pad} leaves nothing of a {crop} crop")
+        batch_size = int(p.batch_size)
+        if batch_size <= 0:
+            raise self.error("window_data_param.batch_size must be positive")
+        log.info("Window data layer: foreground (object) overlap threshold: %g; background "
+                 "(non-object) overlap threshold: %g; foreground sampling fraction: %g; "
+                 "cache_images: %s; root_folder: %s", p.fg_threshold, p.bg_threshold,
+                 p.fg_fraction, p.cache_images, p.root_folder)
+        try:
+            images = read_window_file(p.source, p.root_folder)
+        except MinicaffeError as e:
+            raise self.error(str(e)) from None
+        fg, bg = [], []
+        hist = {0: 0}
+        for i, (_, _, wins) in enumerate(images):
+            for lab, ov, x1, y1, x2, y2 in wins:
+                if ov >= p.fg_threshold:
+                    if lab <= 0:
+                        raise self.error(f"{p.source}: image #{i}: foreground window with "
+                                         f"label {lab} (must be > 0)")
+                    fg.append((i, lab, x1, y1, x2, y2))
+                    hist[lab] = hist.get(lab, 0) + 1
+                elif ov < p.bg_threshold:
+                    bg.append((i, 0, x1, y1, x2, y2))
+                    hist[0] += 1
+        log.info("Number of images: %d", len(images))
+        for k in sorted(hist):
+            log.info("class %d has %d samples", k, hist[k])
+        log.info("Amount of context padding: %d", p.context_pad)
+        log.info("Crop mode: %s", p.crop_mode)
+        num_fg = int(np.float32(batch_size) * np.float32(p.fg_fraction))
+        if num_fg and not fg:
+            raise self.error(f"{p.source}: no foreground windows (overlap >= {p.fg_threshold})")
+        if batch_size - num_fg and not bg:
+            raise self.error(f"{p.source}: no background windows (overlap < {p.bg_threshold})")
+        channels = images[0][1][0]
+        if channels != 3:
+            raise self.error(f"{p.source}: image #0 has {channels} channels; WindowData reads "
+                             "colour images (3)")
+        mean = None
+        if t.mean is not None:
+            if t.mean.shape[0] != channels or t.mean.shape[1] != t.mean.shape[2] or \
+                    t.mean.shape[1] < crop:
+                raise self.error(f"the mean file {t.mean_file} has shape "
+                                 f"{_fmt(t.mean.shape)}; WindowData needs a square mean of "
+                                 f"{channels} channels at least {crop} wide")
+            mean = t.mean
+        mv = None
+        if t.mean_values is not None:
+            if len(t.mean_values) not in (1, channels):
+                raise self.error(f"specify either 1 mean_value or as many as channels: {channels}")
+            mv = np.broadcast_to(t.mean_values, (channels,)).astype(np.float32) \
+                if len(t.mean_values) == 1 else t.mean_values
+        cache = None
+        if p.cache_images:
+            cache = []
+            for i, (path, _, _) in enumerate(images):
+                try:
+                    with open(path, "rb") as f:
+                        cache.append(f.read())
+                except OSError as e:
+                    raise self.error(f"{p.source}: image #{i}: cannot read {path} ({e})") from None
+        top[0].reshape((batch_size, channels, crop, crop))
+        _log_output_size(top[0].shape)
+        top[1].reshape((batch_size,))
+        return WindowLoader(p.source, images, fg, bg, batch_size, crop, t.mirror, p.scale, mean,
+                            mv, p.context_pad, p.crop_mode == "square", p.fg_fraction, cache)
