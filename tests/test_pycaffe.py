@@ -633,3 +633,54 @@ def test_gpu_timer_uses_events():
     (a @ a).sum()
     t.stop()
     assert t._gpu and t.ms > 0
+
+
+@pytest.mark.multi_gpu
+def test_nccl_two_ranks_in_threads(tmp_path, train_file):
+    """pycaffe's train.py flow with one thread per GPU: bcast makes the weights equal,
+    then every step averages the gradients, so the ranks stay equal."""
+    pytest.importorskip("minicaffe.solvers")
+    if not caffe.has_nccl():
+        pytest.skip("CuPy NCCL not available")
+    import threading
+    solver_file = _solver_file(tmp_path, train_file, "momentum: 0.9\n")
+    uid = caffe.NCCL.new_uid()
+    barrier = threading.Barrier(2)
+    results, errors = {}, []
+
+    def run(rank):
+        try:
+            caffe.set_device(rank)
+            caffe.set_mode_gpu()
+            caffe.set_solver_rank(rank)
+            solver = caffe.SGDSolver(solver_file)  # random_seed + rank: different weights
+            rng = np.random.RandomState(rank)
+            solver.net.blobs["data"].data[...] = rng.randn(4, 3)
+            solver.net.blobs["label"].data[...] = rng.randint(0, 3, 4)
+            barrier.wait()
+            nccl = caffe.NCCL(solver, uid)
+            barrier.wait()
+            nccl.bcast()
+            results[("init", rank)] = solver.net.params["ip1"][0].data.copy()
+            solver.add_callback(nccl)
+            if solver.param.layer_wise_reduce:
+                solver.net.after_backward(nccl)
+            solver.step(3)
+            results[("end", rank)] = solver.net.params["ip1"][0].data.copy()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+            barrier.abort()
+
+    caffe.set_solver_count(2)
+    try:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        caffe.set_solver_count(1)
+    assert not errors, errors
+    np.testing.assert_array_equal(results[("init", 0)], results[("init", 1)])
+    np.testing.assert_allclose(results[("end", 0)], results[("end", 1)], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(results[("init", 0)], results[("end", 0)])
