@@ -33,8 +33,6 @@ from .pycaffe import Timer, NCCL, has_nccl
 from . import io
 from . import net_spec
 from .net_spec import NetSpec, to_proto, params
-from . import draw
-from .classify import Classifier
 
 # Caffe's log(text) is a function and minicaffe.log a module: make the module callable,
 # so ``caffe.log("msg")`` and ``from . import log; log.info(...)`` both work.
@@ -85,6 +83,14 @@ _SOLVER_NAMES = ("Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSP
 
 
 def _lazy(name):
+    # draw and classify are also ``python -m`` entry points: importing them here eagerly
+    # would make runpy warn that the module was imported before it ran
+    if name == "draw":
+        import importlib
+        return importlib.import_module(".draw", __name__)
+    if name == "Classifier":
+        from .classify import Classifier
+        return Classifier
     if name in _SOLVER_NAMES:
         try:
             from . import solvers
@@ -119,4 +125,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_SOLVER_NAMES) | {"Layer"})
+    return sorted(set(globals()) | set(_SOLVER_NAMES) | {"Layer", "draw", "Classifier"})

@@ -155,6 +155,16 @@ def test_draw_net_tool(tmp_path):
         assert r.returncode == 1 and "Graphviz" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_python_dash_m_entry_point(tmp_path):
+    proto = tmp_path / "net.prototxt"
+    proto.write_text(NET)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "minicaffe.draw", str(proto),
+                        str(tmp_path / "o.gv")], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert (tmp_path / "o.gv").read_text().startswith('digraph "TinyNet"')
+
+
 def test_draw_v1_prototxt_is_upgraded(fixtures_dir):
     dot = draw.get_dot(str(fixtures_dir / "lenet_v1_train_test.prototxt"), phase=caffe.TEST)
     assert '"conv1_Convolution"' in dot and '"accuracy_Accuracy"' in dot

@@ -593,6 +593,7 @@ def test_classify_command_line(fixtures_dir, mnist_dir, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "Classifying 6 inputs." in r.stdout and "CPU mode" in r.stdout
+    assert "Warning" not in r.stderr
     pred = np.load(out)
     assert pred.shape == (6, 10) and (pred.argmax(1) == labels).all()
     r = subprocess.run(cmd[:5] + ["--model_def", "nope.prototxt", "--pretrained_model", "x"] +
