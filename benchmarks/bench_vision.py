@@ -145,7 +145,8 @@ def main():
     ap.add_argument("--torch", action="store_true")
     ap.add_argument("--clock", choices=["wall", "process"], default="wall",
                     help="process: this process's CPU time (meaningful with one BLAS "
-                         "thread; steadier than wall time on a shared machine)")
+                         "thread, OPENBLAS_NUM_THREADS=1; steadier than wall time on a "
+                         "shared machine; torch then runs one thread too)")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "process" else time.perf_counter
@@ -161,6 +162,8 @@ def main():
                   f"{old[net][1] / new[net][1]:.2f}x (median)")
     if args.torch:
         import torch
+        if args.clock == "process":  # CPU time of spinning threads is not work: one thread
+            torch.set_num_threads(1)
         report(f"torch {torch.__version__} conv2d forward+backward, "
                f"threads={torch.get_num_threads()}", bench(args.repeat, "torch"))
 
