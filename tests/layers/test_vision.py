@@ -828,7 +828,7 @@ GPU_CASES = [
 ]
 
 
-def _run_mode(text, gpu, x_values, dy_seed, phase=caffe_pb2.TEST):
+def _run_mode(text, gpu, x_values, dy_seed, phase=caffe_pb2.TEST, extra_bottoms=()):
     if gpu:
         context.set_mode_gpu()
     else:
@@ -836,10 +836,13 @@ def _run_mode(text, gpu, x_values, dy_seed, phase=caffe_pb2.TEST):
     context.set_random_seed(1701)
     layer = make_layer(text, phase=phase)
     x = make_blob(x_values.shape, dtype=np.float32, values=x_values)
-    top, = setup(layer, x)
-    layer.forward([x], [top])
+    others = [make_blob(v.shape, dtype=np.float32, values=v) for v in extra_bottoms]
+    top, = setup(layer, x, *others)
+    layer.forward([x] + others, [top])
+    if "STOCHASTIC" in text:  # TEST mode samples nothing: there is no backward
+        return [top.data.copy()]
     top.diff[...] = np.random.RandomState(dy_seed).randn(*top.shape)
-    layer.backward([top], [True], [x])
+    layer.backward([top], [True] + [False] * len(others), [x] + others)
     out = [top.data.copy(), x.diff.copy()] + [b.diff.copy() for b in layer.blobs]
     context.set_mode_cpu()
     return out
@@ -854,11 +857,52 @@ def _close(a, b, rel=1e-5):
 @pytest.mark.parametrize("text", GPU_CASES)
 def test_cpu_gpu_parity(text):
     x = np.random.RandomState(0).uniform(0.1, 1.0, (4, 8, 11, 10)).astype(np.float32)
-    if "STOCHASTIC" in text:  # random sampling differs between generators: TEST mode only
-        cpu = _run_mode(text, False, x, 1, caffe_pb2.TEST)
-        gpu = _run_mode(text, True, x, 1, caffe_pb2.TEST)
-    else:
-        cpu = _run_mode(text, False, x, 1)
-        gpu = _run_mode(text, True, x, 1)
+    # (stochastic pooling runs in TEST mode: the generators differ between CPU and GPU)
+    cpu = _run_mode(text, False, x, 1)
+    gpu = _run_mode(text, True, x, 1)
     for a, b in zip(cpu, gpu):
         _close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("text,shape,extra", [
+    ('type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 pad: 1 stride: 2 '
+     'weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } }', (2, 3, 6, 7, 5),
+     ()),
+    ('type: "Deconvolution" convolution_param { num_output: 4 kernel_size: 2 stride: 2 '
+     'weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } }', (2, 3, 3, 4, 2),
+     ()),
+    ('type: "Crop" crop_param { axis: 1 offset: 1 offset: 2 offset: 0 }', (3, 5, 7, 6),
+     ((3, 2, 4, 6),)),
+])
+def test_cpu_gpu_parity_nd_and_crop(text, shape, extra):
+    x = np.random.RandomState(0).uniform(-1, 1, shape).astype(np.float32)
+    others = [np.zeros(s, np.float32) for s in extra]
+    context.set_random_seed(1701)
+    cpu = _run_mode(text, False, x, 1, extra_bottoms=others)
+    gpu = _run_mode(text, True, x, 1, extra_bottoms=others)
+    for a, b in zip(cpu, gpu):
+        _close(a, b)
+
+
+@pytest.mark.gpu
+def test_stochastic_pooling_train_on_gpu_samples_window_elements():
+    """Random case: the GPU generator differs from the CPU one, so check what
+    must hold for any sample (the value is its window's element at the index)."""
+    context.set_mode_gpu()
+    try:
+        x = make_blob((2, 3, 7, 6), dtype=np.float32,
+                      values=np.random.RandomState(0).uniform(0.1, 1, (2, 3, 7, 6)))
+        layer = make_layer('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 3 '
+                           'stride: 2 }', phase=caffe_pb2.TRAIN)
+        top, = forward(layer, x)
+        idx = layer.mask.get() if hasattr(layer.mask, "get") else layer.mask
+        for n, c, i, j in np.ndindex(*top.shape):
+            h, w = divmod(int(idx[n, c, i, j]), 6)
+            assert 2 * i <= h < 2 * i + 3 and 2 * j <= w < 2 * j + 3
+            assert top.data[n, c, i, j] == x.data[n, c, h, w]
+        top.diff[...] = 1.0
+        layer.backward([top], [True], [x])
+        assert x.diff.sum() == pytest.approx(top.count())
+    finally:
+        context.set_mode_cpu()
