@@ -103,12 +103,18 @@ def time_loader(src, batch, transform, nbatches):
     b = Batch((batch,) + t.output_shape(first.shape), (batch,))
     rng = np.random.RandomState(0)
     loader.load_batch(b, rng)  # warm up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(nbatches):
         loader.load_batch(b, rng)
-    dt = time.perf_counter() - start
+    dt, dcpu = time.perf_counter() - start, time.process_time() - cpu
     loader.close()
-    return nbatches * batch / dt
+    return rates(nbatches * batch, dt, dcpu)
+
+
+def rates(n, wall, cpu):
+    """'N images/s (M per CPU-second)': the second figure is what the process got done
+    per second of CPU time (all its threads), which moves less with the machine's load."""
+    return f"{n / wall:,.0f} images/s ({n / cpu:,.0f} per CPU-second)"
 
 
 def time_forward(layer, nbatches):
@@ -116,12 +122,11 @@ def time_forward(layer, nbatches):
     layer.setup([], top)
     for _ in range(3):
         layer.forward([], top)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(nbatches):
         layer.forward([], top)
-    dt = time.perf_counter() - t
-    n = nbatches * top[0].shape[0]
-    return n / dt, layer
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
+    return rates(nbatches * top[0].shape[0], dt, dcpu), layer
 
 
 def data_layer(src, batch, transform):
@@ -146,31 +151,33 @@ def main():
                           "data", "mnist")
     mnist_dir = a.mnist or (shared if os.path.isdir(shared) else None)
     context.set_random_seed(1)
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; numpy {np.__version__}")
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; numpy {np.__version__}; "
+          f"load average {os.getloadavg()[0]:.2f}; decode threads "
+          f"{__import__('minicaffe.layers.data_layers', fromlist=['x']).decode_threads()}")
     tmp = tempfile.mkdtemp(prefix="minicaffe-bench-")
     try:
         db, what = mnist_db(tmp, mnist_dir)
         mn = "scale: 0.00390625"
         ips = time_loader(db, 64, mn, a.batches)
-        print(f"MNIST LMDB ({what}), batch 64, scale: loader alone {ips:,.0f} images/s")
+        print(f"MNIST LMDB ({what}), batch 64, scale: loader alone {ips}")
         ips, layer = time_forward(data_layer(db, 64, mn), a.batches)
         layer.close()
-        print(f"MNIST LMDB, batch 64: Data layer forward (prefetch thread) {ips:,.0f} images/s")
+        print(f"MNIST LMDB, batch 64: Data layer forward (prefetch thread) {ips}")
 
         root, lst, jdb, avg = jpeg_set(tmp, a.jpegs)
         tf = "crop_size: 227 mirror: true mean_value: 104 mean_value: 117 mean_value: 123"
         ips = time_loader(jdb, 50, tf, a.jpeg_batches)
         print(f"{a.jpegs} encoded 256x256 JPEGs (avg {avg / 1024:.1f} KiB) in LMDB, batch 50, "
-              f"227x227 random crop + mirror + mean: loader alone {ips:,.0f} images/s")
+              f"227x227 random crop + mirror + mean: loader alone {ips}")
         ips, layer = time_forward(data_layer(jdb, 50, tf), a.jpeg_batches)
         layer.close()
-        print(f"same, Data layer forward (prefetch thread) {ips:,.0f} images/s")
+        print(f"same, Data layer forward (prefetch thread) {ips}")
         il = make_layer(f'name: "i" type: "ImageData" top: "data" top: "label" '
                         f'image_data_param {{ source: "{lst}" root_folder: "{root}/" '
                         f'batch_size: 50 }} transform_param {{ {tf} }}', context_phase())
         ips, il = time_forward(il, a.jpeg_batches)
         il.close()
-        print(f"same, ImageData layer forward from the JPEG files {ips:,.0f} images/s")
+        print(f"same, ImageData layer forward from the JPEG files {ips}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -289,3 +289,26 @@ def test_compute_image_mean(tmp_path):
         t.commit()
     with pytest.raises(Exception, match="bad: key b: incorrect data field size"):
         convert.compute_image_mean(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("tool", ["convert_mnist", "convert_cifar", "convert_imageset",
+                                  "compute_image_mean"])
+def test_tools_have_help(tool, capsys):
+    import importlib
+    mod = importlib.import_module(f"minicaffe.tools.{tool}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    assert "usage: python -m minicaffe.tools." + tool in capsys.readouterr().out
+
+
+def test_tool_runs_as_a_module(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "minicaffe.tools.compute_image_mean",
+                        str(tmp_path / "nodb")], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == \
+        f"compute_image_mean: error: {tmp_path / 'nodb'}: no such database (the directory does not exist)"
+    assert "Traceback" not in r.stderr
