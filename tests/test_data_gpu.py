@@ -98,17 +98,18 @@ def test_no_race_between_upload_and_compute(tmp_path):
     layer = data_layer(src, batch=16, prefetch=2, transform="scale: 1")
     top = [Blob(), Blob()]
     layer.setup([], top)
-    sums = []
-    for _ in range(40):
+    sums = cp.zeros(40, dtype=cp.float64)
+    for i in range(40):  # no host synchronisation inside the loop
         layer.forward([], top)
         x = top[0].gpu_data()
         y = x
         for _ in range(20):  # keep the compute stream busy reading the batch
             y = cp.tanh(y * 0.001) + x
-        sums.append(float(x.sum()))
+        sums[i] = (y - y + x).sum(dtype=cp.float64)  # read x last, after the busy work
+    got = cp.asnumpy(sums)
     layer.close()
     context.set_mode_cpu()
-    np.testing.assert_allclose(sums, [float(a.sum()) for a, _ in cpu], rtol=1e-6)
+    np.testing.assert_allclose(got, [float(a.astype(np.float64).sum()) for a, _ in cpu], rtol=1e-9)
 
 
 def test_gpu_net_runs_and_thread_stops(tmp_path):
