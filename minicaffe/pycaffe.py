@@ -82,6 +82,8 @@ def _batch(self, blobs):
 def forward_all(self, blobs=None, **kwargs):
     """Run the net forward over all samples in ``kwargs`` (input name -> array of any
     length), batch by batch; return {output (and ``blobs``) name: array of all samples}."""
+    if not kwargs:  # nothing to batch: one forward from the data layers
+        return {k: v.copy() for k, v in self.forward(blobs=blobs).items()}
     all_outs = {out: [] for out in set(self.outputs + list(blobs or []))}
     for batch in self._batch(kwargs):
         outs = self.forward(blobs=blobs, **batch)

@@ -264,6 +264,9 @@ def test_forward_all_pads_the_last_batch(deploy_file):
     net.before_forward(lambda i: calls.append(i) if i == 0 else None)
     net.forward_all(data=x)
     assert len(calls) == 3
+    # without inputs it is one forward from the data layers
+    net.blobs["data"].data[...] = x[:4]
+    np.testing.assert_allclose(net.forward_all()["ip2"], z[:4], rtol=1e-5, atol=1e-5)
     batches = list(net._batch({"data": x}))
     assert [b["data"].shape[0] for b in batches] == [4, 4, 4]
     assert not batches[-1]["data"][2:].any()
