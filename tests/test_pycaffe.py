@@ -446,8 +446,9 @@ def test_solvers_pycaffe_surface(tmp_path, train_file):
         assert hasattr(caffe, n), n
     solver = caffe.SGDSolver(_solver_file(tmp_path, train_file, "momentum: 0.9\n"))
     for attr in ["net", "test_nets", "iter", "step", "solve", "restore", "snapshot",
-                 "add_callback", "param", "apply_update"]:
+                 "add_callback", "param", "apply_update", "share_weights", "lr"]:
         assert hasattr(solver, attr), attr
+    assert solver.lr == pytest.approx(0.1)
     assert solver.iter == 0 and solver.param.max_iter == 4
     assert isinstance(solver.net, caffe.Net) and solver.test_nets == []
     x = np.random.RandomState(6).randn(4, 3).astype(np.float32)
@@ -463,8 +464,13 @@ def test_solvers_pycaffe_surface(tmp_path, train_file):
         def on_gradients_ready(self):
             events.append("grad")
     solver.add_callback(CB())
+    solver.add_callback(lambda: events.append("start2"), lambda: events.append("grad2"))
     solver.step(3)
-    assert solver.iter == 3 and events == ["start", "grad"] * 3
+    assert solver.iter == 3 and events == ["start", "start2", "grad", "grad2"] * 3
+    # share_weights: a net of the same definition sees the solver net's weights
+    other = caffe.Net(train_file, caffe.TEST)
+    solver.share_weights(other)
+    np.testing.assert_array_equal(other.params["ip1"][0].data, solver.net.params["ip1"][0].data)
     assert float(solver.net.forward()["loss"]) < first
     # get_solver picks the class from the file's type
     ad = caffe.get_solver(_solver_file(tmp_path, train_file, 'type: "Adam"\n'))

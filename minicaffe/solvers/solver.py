@@ -48,6 +48,14 @@ def _fmt(x):
     return "%g" % float(x)
 
 
+class _FunctionCallback:
+    """pycaffe's add_callback(on_start, on_gradients_ready) as a callback object."""
+
+    def __init__(self, on_start, on_gradients_ready):
+        self.on_start = on_start
+        self.on_gradients_ready = on_gradients_ready
+
+
 class Solver:
     """Base solver.  ``Solver(file_or_param)``; pycaffe surface: ``net``,
     ``test_nets``, ``iter``, ``step(n)``, ``solve(resume_file=None)``,
@@ -208,10 +216,19 @@ class Solver:
         self.mean_scores = [[] for _ in self.test_nets]
 
     # -- callbacks and action requests ----------------------------------------------
-    def add_callback(self, callback):
+    def add_callback(self, callback, on_gradients_ready=None):
         """``callback.on_start()`` runs before each forward-backward, and
-        ``callback.on_gradients_ready()`` before each update (Caffe's Solver::Callback)."""
+        ``callback.on_gradients_ready()`` before each update (Caffe's Solver::Callback).
+        pycaffe's form ``add_callback(on_start, on_gradients_ready)`` (two functions) works too."""
+        if on_gradients_ready is not None:
+            callback = _FunctionCallback(callback, on_gradients_ready)
         self.callbacks.append(callback)
+
+    @property
+    def lr(self):
+        """The learning rate of the current iteration (computed, nothing logged or advanced)."""
+        return float(lr_policy.learning_rate(self.param, self.iter, self.current_step,
+                                             log_steps=False)[0])
 
     def set_action_function(self, fn):
         """``fn()`` returns SolverAction.NONE/STOP/SNAPSHOT (or Caffe's names)."""
