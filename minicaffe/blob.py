@@ -57,6 +57,19 @@ def blob_proto_bytes(shape, data, diff=None):
     return b"".join(out)
 
 
+class _Count(int):
+    """An int (the blob's element count, as pycaffe's ``blob.count``) that can also be
+    called with (start, end) as Caffe's ``Blob::count``."""
+
+    def __new__(cls, blob):
+        obj = int.__new__(cls, blob._count)
+        obj._blob = blob
+        return obj
+
+    def __call__(self, start=0, end=None):
+        return self._blob._count_range(start, end)
+
+
 class Blob:
     def __init__(self, shape=(), dtype=np.float32):
         self.dtype = np.dtype(dtype)
@@ -99,7 +112,13 @@ class Blob:
     def num_axes(self):
         return len(self._shape)
 
-    def count(self, start=0, end=None):
+    @property
+    def count(self):
+        """Caffe's ``count(start=0, end=None)`` method and pycaffe's ``count`` number, both:
+        ``blob.count == blob.count()`` and ``blob.count(1)`` counts from axis 1."""
+        return _Count(self)
+
+    def _count_range(self, start=0, end=None):
         if end is None:
             end = len(self._shape)
         if start == 0 and end == len(self._shape):

@@ -29,6 +29,8 @@ commands:
   train           train or finetune a model
   test            score a model
   device_query    show GPU diagnostic information
+  draw            draw a net definition (draw NET.prototxt OUT.{dot,png,svg,pdf} [--rankdir LR]
+                  [--phase TRAIN|TEST|ALL] [--display_lrm]), as pycaffe's draw_net.py
   time            benchmark model execution time
 
 flags:
@@ -521,6 +523,9 @@ def _flush_log():
 
 
 def _main(argv):
+    if argv and argv[0] == "draw":  # pycaffe's draw_net.py, as a subcommand
+        from .draw import main as draw_main
+        return draw_main(list(argv[1:]))
     command, flags = parse_args(argv)
     if command == "help":
         print(USAGE, end="")

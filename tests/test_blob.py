@@ -119,3 +119,9 @@ def test_to_proto_matches_protobuf_encoding():
     ref.shape.dim.extend([2, 2])
     ref.data.extend([1.5, -2, 0, 3])
     assert a.to_proto().SerializeToString() == ref.SerializeToString()
+
+
+def test_count_is_pycaffe_number_and_caffe_method():
+    b = Blob((2, 3, 4))
+    assert b.count == 24 and b.count() == 24 and b.count(1) == 12 and b.count(1, 2) == 3
+    assert isinstance(b.count, int) and b.count + 1 == 25

@@ -491,3 +491,16 @@ def test_progress_bar_on_a_terminal_only(tmp_path):
     r = subprocess.run([sys.executable, "-m", "minicaffe", "train", "--solver", "solver.prototxt"],
                        cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "/300 [" not in r.stderr and "\r" not in r.stderr
+
+
+def test_draw_subcommand_writes_dot(tmp_path):
+    from minicaffe import cli
+    net = tmp_path / "n.prototxt"
+    net.write_text('name: "n" layer { name: "d" type: "Input" top: "x" '
+                   'input_param { shape { dim: 1 dim: 2 } } } '
+                   'layer { name: "r" type: "ReLU" bottom: "x" top: "y" }')
+    out = tmp_path / "n.dot"
+    assert cli.main(["draw", str(net), str(out)]) in (0, None)
+    text = out.read_text()
+    assert text.startswith('digraph "n"')
+    assert '"x_blob" -> "r_ReLU"' in text and '"r_ReLU" -> "y_blob"' in text
