@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from ._backend import (FLT_MAX, FLT_MIN, _cupy, as_pair, cuda_type,
                        is_cupy_array, launch, raw_kernel)
@@ -131,6 +132,241 @@ def _i32(*vals):
 
 
 # --------------------------------------------------------------------------
+# numpy fast path: flat phase planes
+# --------------------------------------------------------------------------
+# The padded input is split once into sh*sw phase planes (rows a::sh, columns
+# b::sw), each stored flat over (N, C, Hq, Wq).  The window offset (i, j) of
+# every output then lies in plane (i % sh, j % sw) at a constant flat shift
+# (i // sh) * Wq + j // sw from the output's own position (hq, wq), so every
+# per-offset step is ONE contiguous 1-D operation over N*C*Hq*Wq elements
+# instead of a doubly-strided 4-D one.  Outputs are computed on the extended
+# grid (Hq, Wq) >= (PH, PW); the extra rows/columns are discarded (forward)
+# or held at zero (backward).  Only used when that extension wastes little.
+FAST_PATH = True          # tests switch it off to compare with the general path
+SEPARABLE_MAX = True      # MAX forward fallback when the phase planes waste too much
+FAST_MAX_WASTE = 1.6      # use the fast path when Hq*Wq <= this * PH*PW
+
+
+class _Phase:
+    __slots__ = ("N", "C", "H", "W", "kh", "kw", "sh", "sw", "ph", "pw", "PH", "PW",
+                 "Hq", "Wq", "L", "extra")
+
+    def __init__(self, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+        self.N, self.C, self.H, self.W = N, C, H, W
+        self.kh, self.kw, self.sh, self.sw, self.ph, self.pw = kh, kw, sh, sw, ph, pw
+        self.PH, self.PW = PH, PW
+        Hp = max(ph + H, (PH - 1) * sh + kh)
+        Wp = max(pw + W, (PW - 1) * sw + kw)
+        self.Hq, self.Wq = -(-Hp // sh), -(-Wp // sw)
+        self.L = N * C * self.Hq * self.Wq
+        self.extra = ((kh - 1) // sh) * self.Wq + (kw - 1) // sw
+
+    def ok(self):
+        return FAST_PATH and self.Hq * self.Wq <= FAST_MAX_WASTE * self.PH * self.PW
+
+    def offsets(self, reverse=False):
+        """(i, j, a, b, shift) for every window offset, row-major (or reversed)."""
+        out = [(i, j, i % self.sh, j % self.sw, (i // self.sh) * self.Wq + j // self.sw)
+               for i in range(self.kh) for j in range(self.kw)]
+        return out[::-1] if reverse else out
+
+    def _blocks(self):
+        """(a, b, image rows slice, image cols slice, hq0, wq0) per phase plane."""
+        for a in range(self.sh):
+            h0 = (a - self.ph) % self.sh
+            if h0 >= self.H:
+                continue
+            hq0 = (h0 + self.ph) // self.sh
+            for b in range(self.sw):
+                w0 = (b - self.pw) % self.sw
+                if w0 >= self.W:
+                    continue
+                wq0 = (w0 + self.pw) // self.sw
+                yield a, b, slice(h0, None, self.sh), slice(w0, None, self.sw), hq0, wq0
+
+    def grid(self, flat):
+        return flat[:self.L].reshape(self.N, self.C, self.Hq, self.Wq)
+
+    def split(self, x, fill):
+        """Phase planes of x padded with ``fill``: array (sh, sw, L + extra)."""
+        buf = np.full((self.sh, self.sw, self.L + self.extra), fill, dtype=x.dtype)
+        for a, b, rs, cs, hq0, wq0 in self._blocks():
+            src = x[:, :, rs, cs]
+            self.grid(buf[a, b])[:, :, hq0:hq0 + src.shape[2], wq0:wq0 + src.shape[3]] = src
+        return buf
+
+    def merge(self, buf, dtype):
+        """The image part of phase planes ``buf`` as a fresh (N, C, H, W) array."""
+        dx = np.empty((self.N, self.C, self.H, self.W), dtype=dtype)
+        for a, b, rs, cs, hq0, wq0 in self._blocks():
+            dst = dx[:, :, rs, cs]
+            dst[...] = self.grid(buf[a, b])[:, :, hq0:hq0 + dst.shape[2],
+                                            wq0:wq0 + dst.shape[3]]
+        return dx
+
+    def extend(self, a, fill=0):
+        """(N, C, PH, PW) ``a`` placed on the (Hq, Wq) grid, flat; the rest ``fill``."""
+        ext = np.full(self.L, fill, dtype=a.dtype)
+        self.grid(ext)[:, :, :self.PH, :self.PW] = a
+        return ext
+
+    def crop(self, ext):
+        return np.ascontiguousarray(self.grid(ext)[:, :, :self.PH, :self.PW])
+
+
+def _small_uint(limit):
+    """The smallest unsigned dtype holding 0..limit."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if limit <= np.iinfo(dt).max:
+            return dt
+    return np.uint64
+
+
+def _max_fwd_fast(x, P):
+    """MAX forward on phase planes.  The first maximum in Caffe's scan order is
+    found without masked copies: each offset ``k`` (row-major) contributes
+    ``(x_k == y) * (K - k)`` to a running integer maximum, so the winner is the
+    smallest ``k`` holding ``y`` (``==`` never holds for NaN)."""
+    floor = _dtype_const(-FLT_MAX, x.dtype)
+    buf = P.split(x, -np.inf)
+    L = P.L
+    offs = P.offsets()
+    K = len(offs)
+    y = np.full(L, floor, dtype=x.dtype)
+    for i, j, a, b, s in offs:
+        np.fmax(y, buf[a, b, s:s + L], out=y)
+    kdt = _small_uint(K)
+    rank = np.zeros(L, dtype=kdt)
+    eq = np.empty(L, dtype=bool)
+    tmp = np.empty(L, dtype=kdt)
+    for k, (i, j, a, b, s) in enumerate(offs):
+        np.equal(buf[a, b, s:s + L], y, out=eq)
+        np.multiply(eq, kdt(K - k), out=tmp)
+        np.maximum(rank, tmp, out=rank)
+    yc = P.crop(y)
+    table = np.full(K + 1, -1, dtype=np.int32)       # rank K - k -> i*W + j
+    for k, (i, j, a, b, s) in enumerate(offs):
+        table[K - k] = i * P.W + j
+    mask = np.take(table, P.crop(rank))
+    base = ((np.arange(P.PH) * P.sh - P.ph)[:, None] * P.W
+            + (np.arange(P.PW) * P.sw - P.pw)[None, :]).astype(np.int32)
+    mask += base
+    none = ~(yc > floor)
+    if none.any():
+        np.copyto(mask, np.int32(-1), where=none)
+    return yc, mask
+
+
+def _max_fwd_separable(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+    """MAX pooling as a row pass then a column pass, both on contiguous data.
+
+    The input is laid out (padded with -inf where needed) as rows of
+    ``Wr = sw*PWe`` values, so the row pass ``r[row, q] = fmax_j x[row, q*sw + j]``
+    is, for each ``j``, ONE 1-D view of the flat input with step ``sw``.  With
+    ``Hr = sh*PHe`` rows per plane, the column pass ``y[u, q] = fmax_i r[u*sh + i, q]``
+    is, for each ``i``, one 2-D view of ``r`` with contiguous rows.  Outputs are
+    computed on the extended grid (PHe, PWe) and cropped.  The first maximum in
+    Caffe's (h, w) scan order is the first row of the window holding the
+    maximum, and in it the first column holding the row's maximum: the row pass
+    keeps ``rk = kw - j`` of its first maximum, the column pass the largest key
+    ``(kh - i)*kw + rk - 1`` over the rows equal to ``y`` (fmax and == never
+    select NaN).  ``mask`` follows from the key through a small table."""
+    floor = _dtype_const(-FLT_MAX, x.dtype)
+    Hp = max(ph + H, (PH - 1) * sh + kh)
+    Wp = max(pw + W, (PW - 1) * sw + kw)
+    PHe, PWe = -(-Hp // sh), -(-Wp // sw)
+    Hr, Wr = sh * PHe, sw * PWe
+    NC = N * C
+    Lr = NC * Hr * PWe                        # row-pass outputs
+    if ph == pw == 0 and (Hr, Wr) == (H, W) and kw <= sw and x.flags.c_contiguous:
+        xf = x.reshape(-1)
+    else:
+        xf = np.empty(NC * Hr * Wr + kw, dtype=x.dtype)
+        g = xf[:NC * Hr * Wr].reshape(N, C, Hr, Wr)
+        g[:, :, :ph] = -np.inf
+        g[:, :, ph + H:] = -np.inf
+        g[:, :, ph:ph + H, :pw] = -np.inf
+        g[:, :, ph:ph + H, pw + W:] = -np.inf
+        xf[NC * Hr * Wr:] = -np.inf
+        g[:, :, ph:ph + H, pw:pw + W] = x
+    # row pass (r gets kh extra rows so the column pass's views stay in bounds)
+    r = np.empty(Lr + kh * PWe, dtype=x.dtype)
+    r[Lr:] = -np.inf
+    rv = r[:Lr]
+    views = [xf[j:j + sw * (Lr - 1) + 1:sw] for j in range(kw)]
+    if kw == 1:
+        np.copyto(rv, views[0])
+    else:
+        np.fmax(views[0], views[1], out=rv)
+        for j in range(2, kw):
+            np.fmax(rv, views[j], out=rv)
+    rdt = _small_uint(kw)
+    rk = np.zeros(Lr + kh * PWe, dtype=rdt)
+    rkv = rk[:Lr]
+    eq = np.empty(Lr, dtype=bool)
+    tmp = np.empty(Lr, dtype=rdt)
+    for j in range(kw):
+        np.equal(views[j], rv, out=eq)
+        np.multiply(eq, rdt(kw - j), out=tmp)
+        np.maximum(rkv, tmp, out=rkv)
+    # column pass on the extended grid (NC*PHe, PWe)
+    U = NC * PHe
+    isz, ksz = r.itemsize, rk.itemsize
+
+    def rows(a, i, sz):
+        return as_strided(a[i * PWe:], (U, PWe), (sh * PWe * sz, sz), writeable=False)
+
+    y = np.full((U, PWe), floor, dtype=x.dtype)
+    for i in range(kh):
+        np.fmax(y, rows(r, i, isz), out=y)
+    kdt = _small_uint((kh + 1) * kw)
+    key = np.zeros((U, PWe), dtype=kdt)
+    eq2 = np.empty((U, PWe), dtype=bool)
+    t2 = np.empty((U, PWe), dtype=kdt)
+    for i in range(kh):
+        np.equal(rows(r, i, isz), y, out=eq2)
+        np.add(rows(rk, i, ksz), kdt((kh - i) * kw - 1), out=t2, casting="unsafe")
+        np.multiply(t2, eq2, out=t2)
+        np.maximum(key, t2, out=key)
+    y = np.ascontiguousarray(y.reshape(N, C, PHe, PWe)[:, :, :PH, :PW])
+    key = key.reshape(N, C, PHe, PWe)[:, :, :PH, :PW]
+    # key = (kh - i)*kw + (kw - 1 - j)  ->  i*W + j
+    table = np.zeros((kh + 1) * kw, dtype=np.int32)
+    kk = np.arange(kw, (kh + 1) * kw)
+    table[kw:] = (kh - kk // kw) * W + (kw - 1 - kk % kw)
+    base = ((np.arange(PH) * sh - ph)[:, None] * W
+            + (np.arange(PW) * sw - pw)[None, :]).astype(np.int32)
+    mask = np.take(table, key)
+    mask += base
+    none = ~(y > floor)
+    if none.any():
+        np.copyto(mask, np.int32(-1), where=none)
+    return y, mask
+
+
+def _ave_fwd_fast(x, psize, P):
+    buf = P.split(x, 0)
+    L = P.L
+    acc = np.zeros(L, dtype=x.dtype)
+    for i, j, a, b, s in P.offsets():
+        acc += buf[a, b, s:s + L]
+    acc = P.crop(acc)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.divide(acc, psize, out=acc)
+    return acc
+
+
+def _ave_bwd_fast(gdiv, P):
+    ge = P.extend(gdiv)
+    dbuf = np.zeros((P.sh, P.sw, P.L + P.extra), dtype=gdiv.dtype)
+    L = P.L
+    for i, j, a, b, s in P.offsets(reverse=True):
+        dst = dbuf[a, b, s:s + L]
+        dst += ge
+    return P.merge(dbuf, gdiv.dtype)
+
+
+# --------------------------------------------------------------------------
 # MAX
 # --------------------------------------------------------------------------
 def max_pool_forward(x, kernel, stride=1, pad=0):
@@ -138,6 +374,11 @@ def max_pool_forward(x, kernel, stride=1, pad=0):
     g = _geom(x.shape, kernel, stride, pad)
     if is_cupy_array(x):
         return _max_fwd_cupy(x, *g)
+    P = _Phase(*g)
+    if P.ok():
+        return _max_fwd_fast(x, P)
+    if FAST_PATH and SEPARABLE_MAX:
+        return _max_fwd_separable(x, *g)
     N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
     xp = _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, -np.inf)
     floor = _dtype_const(-FLT_MAX, x.dtype)
@@ -180,7 +421,33 @@ def max_pool_backward(dy, mask, x_shape, kernel=None, stride=None, pad=0):
     """
     if is_cupy_array(dy):
         return _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad)
+    return _index_backward_dispatch(dy, mask, x_shape, kernel, stride, pad)
+
+
+def _index_backward_dispatch(dy, mask, x_shape, kernel, stride, pad):
+    """numpy: ``np.add.at`` in float32, in output order (Caffe's CPU order), or
+    the float64 bincount of the general path."""
+    if FAST_PATH:
+        return _index_backward_addat(dy, mask, x_shape)
     return _index_backward_numpy(dy, mask, x_shape)
+
+
+def _index_backward_addat(dy, mask, x_shape):
+    N, C, H, W = (int(v) for v in x_shape)
+    M = N * C * H * W
+    dy = np.asarray(dy)
+    idx = np.asarray(mask).astype(np.intp)          # a copy: modified below
+    if idx.shape != dy.shape or idx.ndim != 4 or idx.shape[:2] != (N, C):
+        raise ValueError(f"dy {dy.shape} / mask {idx.shape} do not match x_shape {x_shape}")
+    invalid = idx < 0
+    idx += (np.arange(N * C, dtype=np.intp) * (H * W)).reshape(N, C, 1, 1)
+    # -1 (nothing selected) goes to a spare slot past the end
+    dx = np.zeros(M + 1, dtype=dy.dtype)
+    if invalid.any():
+        np.copyto(idx, M, where=invalid)
+    # np.add.at adds one at a time in index order: (ph, pw) ascending per pixel
+    np.add.at(dx, idx.reshape(-1), dy.reshape(-1))
+    return dx[:M].reshape(N, C, H, W)
 
 
 # --------------------------------------------------------------------------
@@ -192,6 +459,10 @@ def ave_pool_forward(x, kernel, stride=1, pad=0):
     if is_cupy_array(x):
         return _ave_fwd_cupy(x, *g)
     N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
+    P = _Phase(*g)
+    if P.ok():
+        psize = _ave_pool_size(H, W, kh, kw, sh, sw, ph, pw, PH, PW).astype(x.dtype)
+        return _ave_fwd_fast(x, psize, P)
     xp = _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, 0)
     acc = np.zeros((N, C, PH, PW), dtype=x.dtype)
     for i in range(kh):
@@ -213,6 +484,9 @@ def ave_pool_backward(dy, x_shape, kernel, stride=1, pad=0):
     psize = _ave_pool_size(H, W, kh, kw, sh, sw, ph, pw, PH, PW).astype(dy.dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         gdiv = dy / psize
+    P = _Phase(*g)
+    if P.ok():
+        return _ave_bwd_fast(gdiv, P)
     Hp = max(ph + H, (PH - 1) * sh + kh)
     Wp = max(pw + W, (PW - 1) * sw + kw)
     dxp = np.zeros((N, C, Hp, Wp), dtype=dy.dtype)
@@ -292,7 +566,7 @@ def stochastic_pool_backward(dy, idx, x_shape, kernel=None, stride=None, pad=0):
     _check_no_pad(pad)
     if is_cupy_array(dy):
         return _index_bwd_cupy(dy, idx, x_shape, kernel, stride, 0)
-    return _index_backward_numpy(dy, idx, x_shape)
+    return _index_backward_dispatch(dy, idx, x_shape, kernel, stride, 0)
 
 
 # --------------------------------------------------------------------------
