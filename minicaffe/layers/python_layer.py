@@ -18,7 +18,7 @@ and the module defines it as pycaffe users do::
 
 The module is imported when the layer is created (its directory must be on
 ``sys.path``/``PYTHONPATH``, as with Caffe).  The blobs a Python layer sees are
-pycaffe-style views of the net's blobs (:class:`PyBlob`): ``data``/``diff`` are numpy
+the net's blobs themselves (:class:`PyBlob`): ``data``/``diff`` are numpy
 arrays that write through, ``reshape(*shape)``, ``shape``, ``num``/``channels``/
 ``height``/``width`` and ``count`` as a number.  ``self.blobs`` holds the layer's
 parameters (``self.blobs.add_blob(*shape)`` adds one); they are the net's learnable
@@ -42,48 +42,14 @@ from ..proto import caffe_pb2
 from ..registry import register_layer
 
 
-class _Count(int):
-    """pycaffe's ``blob.count`` is a number, minicaffe's ``Blob.count(start, end)`` a
-    method: this is both (``b.count == 6``, ``b.count(1) == 3``)."""
-
-    def __new__(cls, blob):
-        obj = super().__new__(cls, _prod(blob.shape))
-        obj._blob = blob
-        return obj
-
-    def __call__(self, start=0, end=None):
-        shape = self._blob.shape
-        return _prod(shape[start:len(shape) if end is None else end])
-
-
-def _prod(dims):
-    n = 1
-    for d in dims:
-        n *= int(d)
-    return n
-
-
 class PyBlob(Blob):
-    """A pycaffe-flavoured view of a :class:`Blob`.
-
-    The view shares the blob's whole state (the two objects share one ``__dict__``), so
-    a reshape or a write through either is seen by both; it differs only in that
-    ``count`` is a number (which may still be called, as minicaffe's own code does)."""
+    """A blob as pycaffe hands it to Python layers.  minicaffe's :class:`Blob` already is
+    one (``count`` is both pycaffe's number and Caffe's method), so ``of`` returns the
+    blob itself and new parameter blobs are plain Blobs of this class."""
 
     @classmethod
     def of(cls, blob):
-        if isinstance(blob, cls):
-            return blob
-        view = cls.__new__(cls)
-        view.__dict__ = blob.__dict__
-        return view
-
-    @property
-    def count(self):
-        return _Count(self)
-
-    def __repr__(self):
-        return f"PyBlob{self.shape}"
+        return blob
 
 
 class BlobVec(list):
@@ -131,7 +97,7 @@ class PythonLayerBase:
 
 
 def _views(blobs):
-    return [PyBlob.of(b) for b in blobs]
+    return list(blobs)
 
 
 def _where(exc):
@@ -148,6 +114,14 @@ class PythonLayer(Layer):
     """Runs a user's :class:`PythonLayerBase` subclass named by ``python_param``
     (``module``, ``layer``, ``param_str``).  Its object is ``self.py_layer``; its
     ``blobs`` are this layer's parameter blobs."""
+
+    def __getattr__(self, name):
+        """pycaffe's ``net.layers[i]`` is the user's object; attributes this wrapper does
+        not have are looked up on it."""
+        obj = self.__dict__.get("py_layer")
+        if obj is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(obj, name)
 
     def __init__(self, param):
         self.py_layer = None

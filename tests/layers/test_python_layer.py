@@ -298,3 +298,27 @@ def test_python_layer_in_gpu_mode(pymod):
         context.set_mode_cpu()
     for c, g in zip(*results):
         np.testing.assert_allclose(g, c, rtol=1e-6)
+
+
+def test_user_attributes_reachable_through_the_net_layer(tmp_path, monkeypatch):
+    mod = tmp_path / "attr_layer_mod.py"
+    mod.write_text(
+        "import minicaffe as caffe\n"
+        "class L(caffe.Layer):\n"
+        "    def setup(self, bottom, top):\n"
+        "        self.greeting = 'hi ' + self.param_str\n"
+        "    def reshape(self, bottom, top):\n"
+        "        top[0].reshape(*bottom[0].data.shape)\n"
+        "    def forward(self, bottom, top):\n"
+        "        top[0].data[...] = bottom[0].data\n"
+        "    def backward(self, top, propagate_down, bottom):\n"
+        "        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from minicaffe.testing import make_layer
+    layer = make_layer('type: "Python" python_param { module: "attr_layer_mod" layer: "L" '
+                       'param_str: "there" }')
+    x = Blob((2,), np.float32)
+    layer.setup([x], [Blob((), np.float32)])
+    assert layer.greeting == "hi there"
+    with pytest.raises(AttributeError):
+        layer.no_such_attribute
