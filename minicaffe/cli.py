@@ -312,6 +312,9 @@ def train(flags, stream=None):
             if bar is not None:
                 stream.bar = None
                 bar.close()
+            for net in [solver.net] + list(solver.test_nets):  # stop the prefetch threads
+                if net is not None:
+                    net.close()
     log.info("Optimization Done.")
     return 0
 

@@ -615,3 +615,27 @@ def test_window_data_context_pad_mirror_and_errors(window_file):
         for _ in range(5):
             layer.forward([], top)
     layer.close()
+
+
+def test_net_close_stops_prefetch_threads_now(tmp_path):
+    """Net.close() (called by `minicaffe train` when training ends) stops every prefetch
+    thread at once, without waiting for garbage collection."""
+    import numpy as np
+    from minicaffe.data.convert import convert_mnist
+    from minicaffe.datasets import write_idx
+    from minicaffe.net import Net, TRAIN
+    from minicaffe.protoio import parse_text
+    from minicaffe.proto import caffe_pb2
+    pytest.importorskip("lmdb")
+    rs = np.random.RandomState(0)
+    write_idx(str(tmp_path / "i.idx"), rs.randint(0, 255, (20, 28, 28)).astype(np.uint8))
+    write_idx(str(tmp_path / "l.idx"), rs.randint(0, 10, 20).astype(np.uint8))
+    convert_mnist(str(tmp_path / "i.idx"), str(tmp_path / "l.idx"), str(tmp_path / "db"))
+    text = ('layer { name: "d" type: "Data" top: "data" top: "label" '
+            f'data_param {{ source: "{tmp_path / "db"}" backend: LMDB batch_size: 4 }} }}')
+    net = Net(parse_text(text, caffe_pb2.NetParameter()), TRAIN)
+    net.forward()
+    assert prefetch_threads()
+    net.close()
+    assert not prefetch_threads()
+    del net
