@@ -46,6 +46,7 @@ when a scatter-add is used).
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -147,6 +148,30 @@ SEPARABLE_MAX = True      # MAX forward fallback when the phase planes waste too
 FAST_MAX_WASTE = 1.6      # use the fast path when Hq*Wq <= this * PH*PW
 
 
+# Per-thread scratch arrays reused across calls (a fresh array of this size
+# costs its page faults on every call): never returned to the caller.
+SCRATCH_BYTES = 256 << 20
+_SCRATCH = threading.local()
+
+
+def _scratch(key, shape, dtype, fill=None):
+    """A reusable per-thread array for ``key``; ``fill`` is applied when the
+    array is made (callers that need it filled every call fill it themselves)."""
+    cache = getattr(_SCRATCH, "arrays", None)
+    if cache is None:
+        cache = _SCRATCH.arrays = {}
+    k = (key, tuple(shape), np.dtype(dtype).str)
+    a = cache.pop(k, None)
+    if a is None:
+        a = (np.empty(shape, dtype) if fill is None else np.full(shape, fill, dtype))
+        if a.nbytes > SCRATCH_BYTES:
+            return a
+        while cache and sum(v.nbytes for v in cache.values()) + a.nbytes > SCRATCH_BYTES:
+            del cache[next(iter(cache))]          # the least recently used
+    cache[k] = a
+    return a
+
+
 class _Phase:
     __slots__ = ("N", "C", "H", "W", "kh", "kw", "sh", "sw", "ph", "pw", "PH", "PW",
                  "Hq", "Wq", "L", "extra")
@@ -187,31 +212,42 @@ class _Phase:
     def grid(self, flat):
         return flat[:self.L].reshape(self.N, self.C, self.Hq, self.Wq)
 
+    def geometry(self):
+        return (self.N, self.C, self.H, self.W, self.kh, self.kw, self.sh, self.sw,
+                self.ph, self.pw)
+
     def split(self, x, fill):
-        """Phase planes of x padded with ``fill``: array (sh, sw, L + extra)."""
-        buf = np.full((self.sh, self.sw, self.L + self.extra), fill, dtype=x.dtype)
+        """Phase planes of x padded with ``fill``: array (sh, sw, L + extra).  A
+        scratch array: its non-image positions keep the fill between calls."""
+        buf = _scratch(("split", float(fill)) + self.geometry(),
+                       (self.sh, self.sw, self.L + self.extra), x.dtype, fill)
         for a, b, rs, cs, hq0, wq0 in self._blocks():
             src = x[:, :, rs, cs]
             self.grid(buf[a, b])[:, :, hq0:hq0 + src.shape[2], wq0:wq0 + src.shape[3]] = src
         return buf
 
-    def merge(self, buf, dtype):
-        """The image part of phase planes ``buf`` as a fresh (N, C, H, W) array."""
-        dx = np.empty((self.N, self.C, self.H, self.W), dtype=dtype)
+    def merge(self, buf, dtype, out=None):
+        """The image part of phase planes ``buf`` as (N, C, H, W) (into ``out``)."""
+        dx = np.empty((self.N, self.C, self.H, self.W), dtype=dtype) if out is None else out
         for a, b, rs, cs, hq0, wq0 in self._blocks():
             dst = dx[:, :, rs, cs]
             dst[...] = self.grid(buf[a, b])[:, :, hq0:hq0 + dst.shape[2],
                                             wq0:wq0 + dst.shape[3]]
         return dx
 
-    def extend(self, a, fill=0):
-        """(N, C, PH, PW) ``a`` placed on the (Hq, Wq) grid, flat; the rest ``fill``."""
-        ext = np.full(self.L, fill, dtype=a.dtype)
+    def extend(self, a):
+        """(N, C, PH, PW) ``a`` placed on the (Hq, Wq) grid, flat; the rest 0
+        (a scratch array: the extra rows and columns stay 0 between calls)."""
+        ext = _scratch(("extend",) + self.geometry(), (self.L,), a.dtype, 0)
         self.grid(ext)[:, :, :self.PH, :self.PW] = a
         return ext
 
-    def crop(self, ext):
-        return np.ascontiguousarray(self.grid(ext)[:, :, :self.PH, :self.PW])
+    def crop(self, ext, out=None):
+        g = self.grid(ext)[:, :, :self.PH, :self.PW]
+        if out is None:
+            return np.ascontiguousarray(g)
+        np.copyto(out, g)
+        return out
 
 
 def _small_uint(limit):
@@ -222,7 +258,7 @@ def _small_uint(limit):
     return np.uint64
 
 
-def _max_fwd_fast(x, P):
+def _max_fwd_fast(x, P, out=None):
     """MAX forward on phase planes.  The first maximum in Caffe's scan order is
     found without masked copies: each offset ``k`` (row-major) contributes
     ``(x_k == y) * (K - k)`` to a running integer maximum, so the winner is the
@@ -232,18 +268,20 @@ def _max_fwd_fast(x, P):
     L = P.L
     offs = P.offsets()
     K = len(offs)
-    y = np.full(L, floor, dtype=x.dtype)
+    y = _scratch("y", (L,), x.dtype)
+    y.fill(floor)
     for i, j, a, b, s in offs:
         np.fmax(y, buf[a, b, s:s + L], out=y)
     kdt = _small_uint(K)
-    rank = np.zeros(L, dtype=kdt)
-    eq = np.empty(L, dtype=bool)
-    tmp = np.empty(L, dtype=kdt)
+    rank = _scratch("rank", (L,), kdt)
+    rank.fill(0)
+    eq = _scratch("eq", (L,), bool)
+    tmp = _scratch("tmp", (L,), kdt)
     for k, (i, j, a, b, s) in enumerate(offs):
         np.equal(buf[a, b, s:s + L], y, out=eq)
         np.multiply(eq, kdt(K - k), out=tmp)
         np.maximum(rank, tmp, out=rank)
-    yc = P.crop(y)
+    yc = P.crop(y, out)
     table = np.full(K + 1, -1, dtype=np.int32)       # rank K - k -> i*W + j
     for k, (i, j, a, b, s) in enumerate(offs):
         table[K - k] = i * P.W + j
@@ -344,41 +382,65 @@ def _max_fwd_separable(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
     return y, mask
 
 
-def _ave_fwd_fast(x, psize, P):
+def _ave_fwd_fast(x, psize, P, out=None):
     buf = P.split(x, 0)
     L = P.L
-    acc = np.zeros(L, dtype=x.dtype)
+    acc = _scratch("acc", (L,), x.dtype)
+    acc.fill(0)
     for i, j, a, b, s in P.offsets():
         acc += buf[a, b, s:s + L]
-    acc = P.crop(acc)
+    acc = P.crop(acc, out)
     with np.errstate(divide="ignore", invalid="ignore"):
         np.divide(acc, psize, out=acc)
     return acc
 
 
-def _ave_bwd_fast(gdiv, P):
+def _ave_bwd_fast(gdiv, P, out=None):
     ge = P.extend(gdiv)
-    dbuf = np.zeros((P.sh, P.sw, P.L + P.extra), dtype=gdiv.dtype)
+    dbuf = _scratch("dbuf", (P.sh, P.sw, P.L + P.extra), gdiv.dtype)
+    dbuf.fill(0)
     L = P.L
     for i, j, a, b, s in P.offsets(reverse=True):
         dst = dbuf[a, b, s:s + L]
         dst += ge
-    return P.merge(dbuf, gdiv.dtype)
+    return P.merge(dbuf, gdiv.dtype, out)
 
 
 # --------------------------------------------------------------------------
 # MAX
 # --------------------------------------------------------------------------
-def max_pool_forward(x, kernel, stride=1, pad=0):
-    """MAX pooling -> ``(y, mask)``; ``mask`` int32 plane index ``h*W+w``."""
+def _to(out, a):
+    """``a``, or ``a`` copied into ``out`` (then ``out``)."""
+    if out is None:
+        return a
+    out[...] = a
+    return out
+
+
+def _direct(out, shape, dtype):
+    """Whether a numpy body may write straight into ``out``."""
+    return out is None or (isinstance(out, np.ndarray) and out.flags.c_contiguous
+                           and tuple(out.shape) == tuple(shape) and out.dtype == dtype)
+
+
+def max_pool_forward(x, kernel, stride=1, pad=0, out=None):
+    """MAX pooling -> ``(y, mask)``; ``mask`` int32 plane index ``h*W+w``.
+    ``out`` (optional) receives ``y`` and is returned as ``y``."""
     g = _geom(x.shape, kernel, stride, pad)
     if is_cupy_array(x):
-        return _max_fwd_cupy(x, *g)
+        y, mask = _max_fwd_cupy(x, *g)
+        return _to(out, y), mask
     P = _Phase(*g)
-    if P.ok():
-        return _max_fwd_fast(x, P)
+    if P.ok() and _direct(out, (P.N, P.C, P.PH, P.PW), x.dtype):
+        return _max_fwd_fast(x, P, out)
     if FAST_PATH and SEPARABLE_MAX:
-        return _max_fwd_separable(x, *g)
+        y, mask = _max_fwd_separable(x, *g)
+        return _to(out, y), mask
+    y, mask = _max_fwd_general(x, *g)
+    return _to(out, y), mask
+
+
+def _max_fwd_general(x, *g):
     N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
     xp = _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, -np.inf)
     floor = _dtype_const(-FLT_MAX, x.dtype)
@@ -412,57 +474,68 @@ def _index_backward_numpy(dy, idx, x_shape):
     return dx.astype(dy.dtype, copy=False).reshape(N, C, H, W)
 
 
-def max_pool_backward(dy, mask, x_shape, kernel=None, stride=None, pad=0):
+def max_pool_backward(dy, mask, x_shape, kernel=None, stride=None, pad=0, out=None):
     """Route ``dy`` to the argmax positions in ``mask``.
 
     ``kernel``/``stride``/``pad`` (the forward geometry) are optional: the
     numpy body does not need them; the CuPy body uses Caffe's deterministic
-    gather kernel when they are given and a scatter-add otherwise.
+    gather kernel when they are given and a scatter-add otherwise.  ``out``
+    (optional) receives ``dx`` and is returned.
     """
     if is_cupy_array(dy):
-        return _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad)
-    return _index_backward_dispatch(dy, mask, x_shape, kernel, stride, pad)
+        return _to(out, _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad))
+    return _index_backward_dispatch(dy, mask, x_shape, out)
 
 
-def _index_backward_dispatch(dy, mask, x_shape, kernel, stride, pad):
-    """numpy: ``np.add.at`` in float32, in output order (Caffe's CPU order), or
-    the float64 bincount of the general path."""
-    if FAST_PATH:
-        return _index_backward_addat(dy, mask, x_shape)
-    return _index_backward_numpy(dy, mask, x_shape)
-
-
-def _index_backward_addat(dy, mask, x_shape):
-    N, C, H, W = (int(v) for v in x_shape)
-    M = N * C * H * W
+def _index_backward_dispatch(dy, mask, x_shape, out=None):
+    """numpy: ``np.add.at`` in the array's dtype, in output order (Caffe's CPU
+    order), or the float64 bincount of the general path."""
     dy = np.asarray(dy)
+    if FAST_PATH:
+        if _direct(out, tuple(int(v) for v in x_shape), dy.dtype):
+            return _index_backward_addat(dy, mask, x_shape, out)
+        return _to(out, _index_backward_addat(dy, mask, x_shape))
+    return _to(out, _index_backward_numpy(dy, mask, x_shape))
+
+
+def _index_backward_addat(dy, mask, x_shape, out=None):
+    N, C, H, W = (int(v) for v in x_shape)
     idx = np.asarray(mask).astype(np.intp)          # a copy: modified below
     if idx.shape != dy.shape or idx.ndim != 4 or idx.shape[:2] != (N, C):
         raise ValueError(f"dy {dy.shape} / mask {idx.shape} do not match x_shape {x_shape}")
     invalid = idx < 0
     idx += (np.arange(N * C, dtype=np.intp) * (H * W)).reshape(N, C, 1, 1)
-    # -1 (nothing selected) goes to a spare slot past the end
-    dx = np.zeros(M + 1, dtype=dy.dtype)
-    if invalid.any():
-        np.copyto(idx, M, where=invalid)
+    idx, vals = idx.reshape(-1), dy.reshape(-1)
+    if invalid.any():                               # -1: nothing selected, nothing routed
+        keep = ~invalid.reshape(-1)
+        idx, vals = idx[keep], vals[keep]
+    dx = np.zeros((N, C, H, W), dtype=dy.dtype) if out is None else out
+    if out is not None:
+        dx.fill(0)
     # np.add.at adds one at a time in index order: (ph, pw) ascending per pixel
-    np.add.at(dx, idx.reshape(-1), dy.reshape(-1))
-    return dx[:M].reshape(N, C, H, W)
+    np.add.at(dx.reshape(-1), idx, vals)
+    return dx
 
 
 # --------------------------------------------------------------------------
 # AVE
 # --------------------------------------------------------------------------
-def ave_pool_forward(x, kernel, stride=1, pad=0):
-    """AVE pooling with Caffe's divisor (see module docstring) -> ``y``."""
+def ave_pool_forward(x, kernel, stride=1, pad=0, out=None):
+    """AVE pooling with Caffe's divisor (see module docstring) -> ``y``
+    (written into ``out`` when given)."""
     g = _geom(x.shape, kernel, stride, pad)
     if is_cupy_array(x):
-        return _ave_fwd_cupy(x, *g)
+        return _to(out, _ave_fwd_cupy(x, *g))
     N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
     P = _Phase(*g)
-    if P.ok():
+    if P.ok() and _direct(out, (N, C, PH, PW), x.dtype):
         psize = _ave_pool_size(H, W, kh, kw, sh, sw, ph, pw, PH, PW).astype(x.dtype)
-        return _ave_fwd_fast(x, psize, P)
+        return _ave_fwd_fast(x, psize, P, out)
+    return _to(out, _ave_fwd_general(x, *g))
+
+
+def _ave_fwd_general(x, *g):
+    N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
     xp = _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, 0)
     acc = np.zeros((N, C, PH, PW), dtype=x.dtype)
     for i in range(kh):
@@ -473,11 +546,19 @@ def ave_pool_forward(x, kernel, stride=1, pad=0):
         return acc / psize
 
 
-def ave_pool_backward(dy, x_shape, kernel, stride=1, pad=0):
-    """Adjoint of :func:`ave_pool_forward` -> ``dx`` of shape ``x_shape``."""
+def ave_pool_backward(dy, x_shape, kernel, stride=1, pad=0, out=None):
+    """Adjoint of :func:`ave_pool_forward` -> ``dx`` of shape ``x_shape``
+    (written into ``out`` when given)."""
     g = _geom(x_shape, kernel, stride, pad)
     if is_cupy_array(dy):
-        return _ave_bwd_cupy(dy, *g)
+        return _to(out, _ave_bwd_cupy(dy, *g))
+    N, C, H, W = g[:4]
+    if _direct(out, (N, C, H, W), dy.dtype):
+        return _ave_bwd_numpy(dy, g, out)
+    return _to(out, _ave_bwd_numpy(dy, g))
+
+
+def _ave_bwd_numpy(dy, g, out=None):
     N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
     if tuple(dy.shape) != (N, C, PH, PW):
         raise ValueError(f"dy has shape {dy.shape}, expected {(N, C, PH, PW)}")
@@ -486,7 +567,7 @@ def ave_pool_backward(dy, x_shape, kernel, stride=1, pad=0):
         gdiv = dy / psize
     P = _Phase(*g)
     if P.ok():
-        return _ave_bwd_fast(gdiv, P)
+        return _ave_bwd_fast(gdiv, P, out)
     Hp = max(ph + H, (PH - 1) * sh + kh)
     Wp = max(pw + W, (PW - 1) * sw + kw)
     dxp = np.zeros((N, C, Hp, Wp), dtype=dy.dtype)
@@ -494,7 +575,7 @@ def ave_pool_backward(dy, x_shape, kernel, stride=1, pad=0):
     for i in range(kh - 1, -1, -1):
         for j in range(kw - 1, -1, -1):
             dxp[_win(i, j, sh, sw, PH, PW)] += gdiv
-    return np.ascontiguousarray(dxp[:, :, ph:ph + H, pw:pw + W])
+    return _to(out, np.ascontiguousarray(dxp[:, :, ph:ph + H, pw:pw + W]))
 
 
 # --------------------------------------------------------------------------
@@ -561,12 +642,12 @@ def stochastic_pool_forward_test(x, kernel, stride=1, pad=0):
         return cumval / cumsum
 
 
-def stochastic_pool_backward(dy, idx, x_shape, kernel=None, stride=None, pad=0):
+def stochastic_pool_backward(dy, idx, x_shape, kernel=None, stride=None, pad=0, out=None):
     """Route ``dy`` to the sampled positions ``idx`` (like max backward)."""
     _check_no_pad(pad)
     if is_cupy_array(dy):
-        return _index_bwd_cupy(dy, idx, x_shape, kernel, stride, 0)
-    return _index_backward_dispatch(dy, idx, x_shape, kernel, stride, 0)
+        return _to(out, _index_bwd_cupy(dy, idx, x_shape, kernel, stride, 0))
+    return _index_backward_dispatch(dy, idx, x_shape, out)
 
 
 # --------------------------------------------------------------------------

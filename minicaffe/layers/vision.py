@@ -781,12 +781,14 @@ class PoolingLayer(Layer):
     def forward_xp(self, xp, bottom, top):
         x = bottom[0].data_for(xp)
         geo = (self.kernel, self.stride, self.pad)
+        # CEIL geometry (the usual case): the kernels write straight into the top
+        out = top[0].mutable_data_for(xp) if self.out_shape == tuple(self.ceil_shape) else None
         if self.method == _Pool.MAX:
-            y, self.mask = K.max_pool_forward(x, *geo)
+            y, self.mask = K.max_pool_forward(x, *geo, out=out)
             if len(top) > 1:
                 top[1].mutable_data_for(xp)[...] = self._crop(self.mask)
         elif self.method == _Pool.AVE:
-            y = K.ave_pool_forward(x, *geo)
+            y = K.ave_pool_forward(x, *geo, out=out)
         elif self.phase == caffe_pb2.TRAIN:
             shape = x.shape[:2] + tuple(self.ceil_shape)
             u = (context.rng().uniform(0, 1, size=shape).astype(x.dtype) if xp is np
@@ -794,7 +796,8 @@ class PoolingLayer(Layer):
             y, self.mask = K.stochastic_pool_forward_train(x, u, *geo)
         else:
             y = K.stochastic_pool_forward_test(x, *geo)
-        top[0].mutable_data_for(xp)[...] = self._crop(y)
+        if y is not out:
+            top[0].mutable_data_for(xp)[...] = self._crop(y)
 
     def backward_xp(self, xp, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -802,18 +805,18 @@ class PoolingLayer(Layer):
         dy = self._uncrop(xp, top[0].diff_for(xp))
         shape = bottom[0].shape
         geo = (self.kernel, self.stride, self.pad)
+        out = bottom[0].mutable_diff_for(xp)   # the kernels write the gradient into it
         if self.method == _Pool.MAX:
             mask = self.mask
             if mask is None:  # backward without a forward: the mask top has it
                 mask = self._uncrop(xp, top[1].data_for(xp).astype(np.int32) + 1) - 1
-            dx = K.max_pool_backward(dy, mask, shape, *geo)
+            K.max_pool_backward(dy, mask, shape, *geo, out=out)
         elif self.method == _Pool.AVE:
-            dx = K.ave_pool_backward(dy, shape, *geo)
+            K.ave_pool_backward(dy, shape, *geo, out=out)
         else:
             if self.mask is None:
                 raise self.error("stochastic pooling backward needs a TRAIN forward first")
-            dx = K.stochastic_pool_backward(dy, self.mask, shape, *geo)
-        bottom[0].mutable_diff_for(xp)[...] = dx
+            K.stochastic_pool_backward(dy, self.mask, shape, *geo, out=out)
 
 
 # ---------------------------------------------------------------------------

@@ -200,3 +200,56 @@ def test_fast_path_choice():
     assert phase_ok((100, 32, 32, 32), 3, 2, 0)
     assert phase_ok((64, 20, 24, 24), 2, 2, 0)
     assert not phase_ok((2, 2, 6, 5), (6, 5), 1, 0)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_out_arguments(fast, monkeypatch):
+    """``out=`` receives the result (written in place when it is a C-contiguous
+    array of the right shape and dtype, copied into otherwise) and is returned."""
+    monkeypatch.setattr(pl, "FAST_PATH", fast)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 9, 9)).astype(np.float32)
+    geo = (3, 2, 1)
+    y, m = pl.max_pool_forward(x, *geo)
+    ya = pl.ave_pool_forward(x, *geo)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dxm = pl.max_pool_backward(dy, m, x.shape, *geo)
+    dxa = pl.ave_pool_backward(dy, x.shape, *geo)
+    for out_y, out_x in ((np.full(y.shape, 7, np.float32), np.full(x.shape, 7, np.float32)),
+                         (np.full(y.shape, 7, np.float64), np.full(x.shape, 7, np.float64)),
+                         (np.full(y.shape[:2] + (8, 8), 7, np.float32)[:, :, :5, :5],
+                          np.full(x.shape[:2] + (9, 10), 7, np.float32)[:, :, :, :9])):
+        r, m2 = pl.max_pool_forward(x, *geo, out=out_y)
+        assert r is out_y
+        np.testing.assert_array_equal(out_y, y)
+        np.testing.assert_array_equal(m2, m)
+        assert pl.ave_pool_forward(x, *geo, out=out_y) is out_y
+        np.testing.assert_array_equal(out_y, ya)
+        assert pl.max_pool_backward(dy, m, x.shape, *geo, out=out_x) is out_x
+        np.testing.assert_array_equal(out_x, dxm)
+        assert pl.ave_pool_backward(dy, x.shape, *geo, out=out_x) is out_x
+        np.testing.assert_array_equal(out_x, dxa)
+    m[0, 0, 0, 0] = -1                                  # nothing routed from there
+    out_x = np.full(x.shape, 7, np.float32)
+    pl.max_pool_backward(dy, m, x.shape, *geo, out=out_x)
+    # the general path sums in float64 (bincount): equal up to float rounding
+    np.testing.assert_allclose(out_x, naive_route(dy, m, x.shape), rtol=1e-6, atol=1e-6)
+
+
+def test_scratch_reuse_keeps_results_independent():
+    """Scratch arrays are reused across calls and geometries: earlier results stay
+    intact and a geometry with the same buffer size sees its own padding."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2, 8, 8)).astype(np.float32)
+    y1, m1 = pl.max_pool_forward(x, 3, 2, 0)
+    keep = y1.copy()
+    pl.max_pool_forward(-x, 3, 2, 0)
+    np.testing.assert_array_equal(y1, keep)
+    for pad in (0, 1, 2):                                 # same shapes, different padding
+        for k in (3, 4):
+            y, m = pl.max_pool_forward(x, k, 2, pad)
+            ry, rm = naive_max(x, (k, k), (2, 2), (pad, pad))
+            np.testing.assert_array_equal(y, ry)
+            np.testing.assert_array_equal(m, rm)
+            np.testing.assert_array_equal(pl.ave_pool_forward(x, k, 2, pad),
+                                          pl.ave_pool_forward(x.copy(), k, 2, pad))
