@@ -36,9 +36,17 @@ Window of output ``(ph, pw)``: ``hstart = ph*stride_h - pad_h``.
 
 Global pooling is ``kernel = (H, W)``, ``stride = 1``, ``pad = 0``.
 
-Backward functions return ``dx`` of shape ``x_shape``.  The numpy bodies are
-vectorised over N and C and loop only over the kernel window offsets; the
-CuPy bodies are RawKernels mirroring Caffe's (one thread per output element
+Backward functions return ``dx`` of shape ``x_shape``; MAX/AVE forward and
+every backward take an optional ``out=`` array that receives the result.
+The numpy bodies are vectorised over N and C and loop only over the kernel
+window offsets.  MAX/AVE use "phase planes" (below) when the geometry allows:
+each window offset is then one contiguous 1-D operation; MAX finds its first
+maximum with integer ranks instead of masked copies, and MAX/STOCHASTIC
+backward is ``np.add.at`` in the array's dtype, in output order, i.e. Caffe's
+CPU summation order.  Everything else (``FAST_PATH = False``, global pooling
+and other geometries where the planes would waste work) runs the general
+path on strided views, with the same results (the general MAX/STOCHASTIC
+backward sums in float64: equal up to float rounding).  The CuPy bodies are RawKernels mirroring Caffe's (one thread per output element
 forward, one thread per input element backward: deterministic gathers, no
 atomics, unless the window geometry is not given to max/stochastic backward,
 when a scatter-add is used).
@@ -49,7 +57,6 @@ import math
 import threading
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from ._backend import (FLT_MAX, FLT_MIN, _cupy, as_pair, cuda_type,
                        is_cupy_array, launch, raw_kernel)
@@ -144,7 +151,6 @@ def _i32(*vals):
 # grid (Hq, Wq) >= (PH, PW); the extra rows/columns are discarded (forward)
 # or held at zero (backward).  Only used when that extension wastes little.
 FAST_PATH = True          # tests switch it off to compare with the general path
-SEPARABLE_MAX = True      # MAX forward fallback when the phase planes waste too much
 FAST_MAX_WASTE = 1.6      # use the fast path when Hq*Wq <= this * PH*PW
 
 
@@ -295,93 +301,6 @@ def _max_fwd_fast(x, P, out=None):
     return yc, mask
 
 
-def _max_fwd_separable(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
-    """MAX pooling as a row pass then a column pass, both on contiguous data.
-
-    The input is laid out (padded with -inf where needed) as rows of
-    ``Wr = sw*PWe`` values, so the row pass ``r[row, q] = fmax_j x[row, q*sw + j]``
-    is, for each ``j``, ONE 1-D view of the flat input with step ``sw``.  With
-    ``Hr = sh*PHe`` rows per plane, the column pass ``y[u, q] = fmax_i r[u*sh + i, q]``
-    is, for each ``i``, one 2-D view of ``r`` with contiguous rows.  Outputs are
-    computed on the extended grid (PHe, PWe) and cropped.  The first maximum in
-    Caffe's (h, w) scan order is the first row of the window holding the
-    maximum, and in it the first column holding the row's maximum: the row pass
-    keeps ``rk = kw - j`` of its first maximum, the column pass the largest key
-    ``(kh - i)*kw + rk - 1`` over the rows equal to ``y`` (fmax and == never
-    select NaN).  ``mask`` follows from the key through a small table."""
-    floor = _dtype_const(-FLT_MAX, x.dtype)
-    Hp = max(ph + H, (PH - 1) * sh + kh)
-    Wp = max(pw + W, (PW - 1) * sw + kw)
-    PHe, PWe = -(-Hp // sh), -(-Wp // sw)
-    Hr, Wr = sh * PHe, sw * PWe
-    NC = N * C
-    Lr = NC * Hr * PWe                        # row-pass outputs
-    if ph == pw == 0 and (Hr, Wr) == (H, W) and kw <= sw and x.flags.c_contiguous:
-        xf = x.reshape(-1)
-    else:
-        xf = np.empty(NC * Hr * Wr + kw, dtype=x.dtype)
-        g = xf[:NC * Hr * Wr].reshape(N, C, Hr, Wr)
-        g[:, :, :ph] = -np.inf
-        g[:, :, ph + H:] = -np.inf
-        g[:, :, ph:ph + H, :pw] = -np.inf
-        g[:, :, ph:ph + H, pw + W:] = -np.inf
-        xf[NC * Hr * Wr:] = -np.inf
-        g[:, :, ph:ph + H, pw:pw + W] = x
-    # row pass (r gets kh extra rows so the column pass's views stay in bounds)
-    r = np.empty(Lr + kh * PWe, dtype=x.dtype)
-    r[Lr:] = -np.inf
-    rv = r[:Lr]
-    views = [xf[j:j + sw * (Lr - 1) + 1:sw] for j in range(kw)]
-    if kw == 1:
-        np.copyto(rv, views[0])
-    else:
-        np.fmax(views[0], views[1], out=rv)
-        for j in range(2, kw):
-            np.fmax(rv, views[j], out=rv)
-    rdt = _small_uint(kw)
-    rk = np.zeros(Lr + kh * PWe, dtype=rdt)
-    rkv = rk[:Lr]
-    eq = np.empty(Lr, dtype=bool)
-    tmp = np.empty(Lr, dtype=rdt)
-    for j in range(kw):
-        np.equal(views[j], rv, out=eq)
-        np.multiply(eq, rdt(kw - j), out=tmp)
-        np.maximum(rkv, tmp, out=rkv)
-    # column pass on the extended grid (NC*PHe, PWe)
-    U = NC * PHe
-    isz, ksz = r.itemsize, rk.itemsize
-
-    def rows(a, i, sz):
-        return as_strided(a[i * PWe:], (U, PWe), (sh * PWe * sz, sz), writeable=False)
-
-    y = np.full((U, PWe), floor, dtype=x.dtype)
-    for i in range(kh):
-        np.fmax(y, rows(r, i, isz), out=y)
-    kdt = _small_uint((kh + 1) * kw)
-    key = np.zeros((U, PWe), dtype=kdt)
-    eq2 = np.empty((U, PWe), dtype=bool)
-    t2 = np.empty((U, PWe), dtype=kdt)
-    for i in range(kh):
-        np.equal(rows(r, i, isz), y, out=eq2)
-        np.add(rows(rk, i, ksz), kdt((kh - i) * kw - 1), out=t2, casting="unsafe")
-        np.multiply(t2, eq2, out=t2)
-        np.maximum(key, t2, out=key)
-    y = np.ascontiguousarray(y.reshape(N, C, PHe, PWe)[:, :, :PH, :PW])
-    key = key.reshape(N, C, PHe, PWe)[:, :, :PH, :PW]
-    # key = (kh - i)*kw + (kw - 1 - j)  ->  i*W + j
-    table = np.zeros((kh + 1) * kw, dtype=np.int32)
-    kk = np.arange(kw, (kh + 1) * kw)
-    table[kw:] = (kh - kk // kw) * W + (kw - 1 - kk % kw)
-    base = ((np.arange(PH) * sh - ph)[:, None] * W
-            + (np.arange(PW) * sw - pw)[None, :]).astype(np.int32)
-    mask = np.take(table, key)
-    mask += base
-    none = ~(y > floor)
-    if none.any():
-        np.copyto(mask, np.int32(-1), where=none)
-    return y, mask
-
-
 def _ave_fwd_fast(x, psize, P, out=None):
     buf = P.split(x, 0)
     L = P.L
@@ -433,9 +352,6 @@ def max_pool_forward(x, kernel, stride=1, pad=0, out=None):
     P = _Phase(*g)
     if P.ok() and _direct(out, (P.N, P.C, P.PH, P.PW), x.dtype):
         return _max_fwd_fast(x, P, out)
-    if FAST_PATH and SEPARABLE_MAX:
-        y, mask = _max_fwd_separable(x, *g)
-        return _to(out, y), mask
     y, mask = _max_fwd_general(x, *g)
     return _to(out, y), mask
 

@@ -1,5 +1,4 @@
-"""The numpy fast paths of kernels/pooling.py (phase planes, the separable MAX
-forward, np.add.at backward) against the general path and naive loops of
+"""The numpy fast paths of kernels/pooling.py (phase planes, np.add.at backward) against the general path and naive loops of
 Caffe's formulas: exact equality where the summation order is the same,
 first-maximum ties, NaN / +-inf / -FLT_MAX inputs and empty windows."""
 import itertools
@@ -40,11 +39,11 @@ def general():
     return run
 
 
-@pytest.fixture(params=["phase", "separable"])
+@pytest.fixture(params=["phase", "general"])
 def max_path(request, monkeypatch):
-    """MAX forward through the phase planes, or through the separable body
-    (the phase planes refused by a zero waste limit)."""
-    if request.param == "separable":
+    """Every geometry through the phase planes (no waste limit), or through the
+    general path (the phase planes refused by a zero waste limit)."""
+    if request.param == "general":
         monkeypatch.setattr(pl, "FAST_MAX_WASTE", 0.0)
     else:
         monkeypatch.setattr(pl, "FAST_MAX_WASTE", 1e9)
