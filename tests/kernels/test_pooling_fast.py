@@ -23,6 +23,7 @@ GEOMS = [
     (1, 2, 3, 2, (3, 3), (1, 1), (1, 1)),     # kernel wider than the image (pad)
     (2, 2, 11, 10, (3, 3), (1, 1), (1, 1)),   # stride 1 (LRN WITHIN_CHANNEL's pooling)
     (1, 2, 13, 13, (5, 5), (4, 4), (2, 2)),
+    (1, 2, 34, 34, (17, 17), (17, 17), (0, 0)),  # 289 offsets: 16-bit ranks
 ]
 
 
