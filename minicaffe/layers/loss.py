@@ -227,13 +227,8 @@ class EuclideanLossLayer(LossLayer):
         return True
 
 
-@register_layer("HingeLoss")
-class HingeLossLayer(LossLayer):
-    """One-vs-all hinge loss of scores bottom[0] (N, dim...) against labels bottom[1] (N).
-
-    With t = -1 for the true class and +1 otherwise, m = max(0, 1 + t x):
-    L1: loss = sum m / N,   dx = sign(t m) * loss_weight / N;
-    L2: loss = sum m^2 / N, dx = 2 t m * loss_weight / N."""
+class _OneLabelPerItemLoss(LossLayer):
+    """Predictions (N, dim...) flattened to (N, dim) against one integer label per item."""
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -242,6 +237,15 @@ class HingeLossLayer(LossLayer):
         if bottom[1].count() != self.num:
             raise self.error(f"needs one label per item: {self.num} items, "
                              f"{bottom[1].count()} labels ({bottom[1].shape})")
+
+
+@register_layer("HingeLoss")
+class HingeLossLayer(_OneLabelPerItemLoss):
+    """One-vs-all hinge loss of scores bottom[0] (N, dim...) against labels bottom[1] (N).
+
+    With t = -1 for the true class and +1 otherwise, m = max(0, 1 + t x):
+    L1: loss = sum m / N,   dx = sign(t m) * loss_weight / N;
+    L2: loss = sum m^2 / N, dx = 2 t m * loss_weight / N."""
 
     def _sign_margin(self, xp, bottom):
         x = bottom[0].data_for(xp).reshape(self.num, self.dim)
@@ -367,18 +371,10 @@ class InfogainLossLayer(LossLayer):
 
 
 @register_layer("MultinomialLogisticLoss")
-class MultinomialLogisticLossLayer(LossLayer):
+class MultinomialLogisticLossLayer(_OneLabelPerItemLoss):
     """loss = -sum_n log(max(p[n, label_n], 1e-20)) / N for probabilities bottom[0]
     (N, dim...) and labels bottom[1] (N); dp[n, label_n] = -loss_weight / N / max(p, 1e-20),
     zero elsewhere."""
-
-    def reshape(self, bottom, top):
-        super().reshape(bottom, top)
-        self.num = bottom[0].shape[0]
-        self.dim = bottom[0].count() // max(self.num, 1)
-        if bottom[1].count() != self.num:
-            raise self.error(f"needs one label per item: {self.num} items, "
-                             f"{bottom[1].count()} labels ({bottom[1].shape})")
 
     def _picked(self, xp, bottom):
         p = bottom[0].data_for(xp).reshape(self.num, self.dim)

@@ -180,16 +180,20 @@ class SGDSolver(Solver):
             t *= local_decay
         g += t
 
+    def _update_inputs(self, xp, i, rate):
+        """Param i's dtype scalar type, its rate (lr x lr_mult), its gradient (which the
+        update rule overwrites with the update) and its first history blob."""
+        b = self.net.learnable_params[i]
+        dt = b.dtype.type
+        return dt, self._local_rate(i, rate, dt), b.mutable_diff_for(xp), \
+            self.history[i].mutable_data_for(xp)
+
     def _local_rate(self, i, rate, dt):
         return dt(np.float32(rate) * np.float32(self.net.params_lr[i]))
 
     def compute_update_value(self, xp, i, rate):
-        b = self.net.learnable_params[i]
-        dt = b.dtype.type
+        dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         momentum = dt(self.param.momentum)
-        local_rate = self._local_rate(i, rate, dt)
-        g = b.mutable_diff_for(xp)
-        h = self.history[i].mutable_data_for(xp)
         if xp is not np:
             gpu_kernel("sgd")(momentum, local_rate, g, h)
             return
@@ -264,12 +268,8 @@ class NesterovSolver(SGDSolver):
     """Nesterov's accelerated gradient (Caffe's NesterovSolver)."""
 
     def compute_update_value(self, xp, i, rate):
-        b = self.net.learnable_params[i]
-        dt = b.dtype.type
+        dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         momentum = dt(self.param.momentum)
-        local_rate = self._local_rate(i, rate, dt)
-        g = b.mutable_diff_for(xp)
-        h = self.history[i].mutable_data_for(xp)
         if xp is not np:
             gpu_kernel("nesterov")(momentum, local_rate, g, h)
             return
@@ -293,12 +293,8 @@ class AdaGradSolver(SGDSolver):
             raise ConfigError(f"{self.source}: momentum cannot be used with AdaGrad")
 
     def compute_update_value(self, xp, i, rate):
-        b = self.net.learnable_params[i]
-        dt = b.dtype.type
+        dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         delta = dt(self.param.delta)
-        local_rate = self._local_rate(i, rate, dt)
-        g = b.mutable_diff_for(xp)
-        h = self.history[i].mutable_data_for(xp)
         if xp is not np:
             gpu_kernel("adagrad")(delta, local_rate, g, h)
             return
@@ -322,13 +318,9 @@ class RMSPropSolver(SGDSolver):
             raise ConfigError(f"{self.source}: rms_decay should lie between 0 and 1")
 
     def compute_update_value(self, xp, i, rate):
-        b = self.net.learnable_params[i]
-        dt = b.dtype.type
+        dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         delta = dt(self.param.delta)
         rms_decay = dt(self.param.rms_decay)
-        local_rate = self._local_rate(i, rate, dt)
-        g = b.mutable_diff_for(xp)
-        h = self.history[i].mutable_data_for(xp)
         if xp is not np:
             gpu_kernel("rmsprop")(rms_decay, delta, local_rate, g, h)
             return
@@ -351,14 +343,10 @@ class AdaDeltaSolver(SGDSolver):
     n_history_sets = 2
 
     def compute_update_value(self, xp, i, rate):
-        b = self.net.learnable_params[i]
-        dt = b.dtype.type
+        dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         delta = dt(self.param.delta)
         momentum = dt(self.param.momentum)
-        local_rate = self._local_rate(i, rate, dt)
         n = len(self.net.learnable_params)
-        g = b.mutable_diff_for(xp)
-        h = self.history[i].mutable_data_for(xp)
         h2 = self.history[n + i].mutable_data_for(xp)
         if xp is not np:
             gpu_kernel("adadelta")(momentum, delta, local_rate, g, h, h2)
@@ -389,9 +377,7 @@ class AdamSolver(SGDSolver):
     n_history_sets = 2
 
     def compute_update_value(self, xp, i, rate):
-        b = self.net.learnable_params[i]
-        dt = b.dtype.type
-        local_rate = self._local_rate(i, rate, dt)
+        dt, local_rate, g, m = self._update_inputs(xp, i, rate)
         beta1 = dt(self.param.momentum)
         beta2 = dt(self.param.momentum2)
         eps_hat = dt(self.param.delta)
@@ -399,8 +385,6 @@ class AdamSolver(SGDSolver):
         # Caffe: sqrt(Dtype(1) - pow(beta2, t)) / (Dtype(1) - pow(beta1, t)), in double
         correction = dt(math.sqrt(1.0 - float(beta2) ** t_) / (1.0 - float(beta1) ** t_))
         n = len(self.net.learnable_params)
-        g = b.mutable_diff_for(xp)
-        m = self.history[i].mutable_data_for(xp)
         v = self.history[n + i].mutable_data_for(xp)
         if xp is not np:
             gpu_kernel("adam")(beta1, beta2, eps_hat, dt(local_rate * correction), g, m, v)
