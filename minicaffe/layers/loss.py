@@ -11,6 +11,7 @@ unset) means VALID if true, BATCH_SIZE if false.
 """
 import numpy as np
 
+from .. import backend
 from ..blob import Blob
 from ..errors import MinicaffeError
 from ..layer import Layer, LossLayer
@@ -78,6 +79,48 @@ def _no_label_backprop(layer, propagate_down, indices=(1,), what="label"):
             raise layer.error(f"cannot backpropagate to {what} inputs (bottom {i})")
 
 
+_SOFTMAX_LOSS_SRC = r"""
+extern "C" __global__ void softmax_loss_fwd(const T* x, const T* label, T* prob, T* loss,
+    T* valid, int* bad, long long n, int C, int inner, int has_ignore, int ignore_label) {
+  CUDA_KERNEL_LOOP(idx, n) {
+    long long o = idx / inner, i = idx % inner;
+    const T* xr = x + o * C * inner + i;
+    T* pr = prob + o * C * inner + i;
+    T m = xr[0];
+    for (int c = 1; c < C; ++c) { T v = xr[(long long)c * inner]; m = v > m ? v : m; }
+    T s = 0;
+    for (int c = 0; c < C; ++c) {
+      T e = exp(xr[(long long)c * inner] - m);
+      pr[(long long)c * inner] = e;
+      s += e;
+    }
+    for (int c = 0; c < C; ++c) pr[(long long)c * inner] /= s;
+    int lab = (int)label[idx];
+    bool ok = !(has_ignore && lab == ignore_label);
+    if (ok && (lab < 0 || lab >= C)) { *bad = 1; ok = false; }
+    T p = ok ? pr[(long long)lab * inner] : (T)1;
+    loss[idx] = ok ? -log(p > (T)MC_FLT_MIN ? p : (T)MC_FLT_MIN) : (T)0;
+    valid[idx] = ok ? (T)1 : (T)0;
+  }
+}
+
+extern "C" __global__ void softmax_loss_bwd(const T* prob, const T* label, const T* valid,
+    const T* loss_weight, T inv_norm, T* dx, long long n, int C, int inner) {
+  CUDA_KERNEL_LOOP(j, n) {
+    long long i = j % inner, oc = j / inner, c = oc % C, o = oc / C;
+    long long idx = o * inner + i;
+    T d = prob[j] - ((int)label[idx] == c ? (T)1 : (T)0);
+    dx[j] = d * valid[idx] * (loss_weight[0] * inv_norm);
+  }
+}
+"""
+
+
+def _softmax_loss_kernel(name, dtype):
+    from ..kernels._backend import cuda_type, raw_kernel
+    return raw_kernel(_SOFTMAX_LOSS_SRC, name, cuda_type(dtype))
+
+
 @register_layer("SoftmaxWithLoss")
 class SoftmaxWithLossLayer(LossLayer):
     """Multinomial logistic loss of the softmax of bottom[0] over ``softmax_param.axis``.
@@ -138,6 +181,46 @@ class SoftmaxWithLossLayer(LossLayer):
         d3[...] = p.reshape(self.outer, C, self.inner) - _onehot(xp, self._safe, C, p.dtype)
         d3 *= self._valid[:, None, :]
         d3 *= _loss_weight(xp, top) / normalizer(self.norm, self.outer, self.inner, self._count)
+
+    # GPU: the same math fused into two kernels, with one read back to the host (the loss
+    # sum, the count of valid labels, and whether any label was out of range).
+    def forward_gpu(self, bottom, top):
+        from ..kernels._backend import launch
+        cp = backend.cp
+        x = bottom[0].gpu_data()
+        C = x.shape[self.axis]
+        n = self.outer * self.inner
+        label = bottom[1].gpu_data()
+        p = self.prob.mutable_gpu_data()
+        loss = cp.empty(n, dtype=x.dtype)
+        valid = cp.empty(n, dtype=x.dtype)
+        bad = cp.zeros(1, dtype=np.int32)
+        launch(_softmax_loss_kernel("softmax_loss_fwd", x.dtype), n,
+               (x, label, p, loss, valid, bad, np.int64(n), np.int32(C), np.int32(self.inner),
+                np.int32(self.has_ignore), np.int32(self.ignore_label)))
+        total, count, any_bad = cp.stack([loss.sum(dtype=np.float64), valid.sum(dtype=np.float64),
+                                          bad[0].astype(np.float64)]).get()
+        if any_bad:  # the error path: find the offending value as the CPU body does
+            _checked_labels(self, cp, label.reshape(self.outer, self.inner), C,
+                            self.has_ignore, self.ignore_label)
+        self._valid = valid
+        self._count = int(count)
+        top[0].mutable_gpu_data()[...] = total / normalizer(self.norm, self.outer, self.inner,
+                                                            self._count)
+        if len(top) == 2:
+            top[1].mutable_gpu_data()[...] = p
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels._backend import launch
+        _no_label_backprop(self, propagate_down)
+        if not propagate_down[0]:
+            return
+        p = self.prob.gpu_data()
+        C = p.shape[self.axis]
+        inv_norm = p.dtype.type(1.0 / normalizer(self.norm, self.outer, self.inner, self._count))
+        launch(_softmax_loss_kernel("softmax_loss_bwd", p.dtype), p.size,
+               (p, bottom[1].gpu_data(), self._valid, top[0].gpu_diff(), inv_norm,
+                bottom[0].mutable_gpu_diff(), np.int64(p.size), np.int32(C), np.int32(self.inner)))
 
 
 @register_layer("SigmoidCrossEntropyLoss")

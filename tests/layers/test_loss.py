@@ -501,3 +501,34 @@ def test_gpu_parity(name):
     assert loss_g == pytest.approx(loss_c, rel=1e-5)
     for c, g in zip(out_c, out_g):
         np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("text,ntop", [
+    ('type: "SoftmaxWithLoss" loss_param { ignore_label: 3 } loss_weight: 2', 1),
+    ('type: "SoftmaxWithLoss" loss_param { ignore_label: 3 normalization: BATCH_SIZE } '
+     'loss_weight: 1 loss_weight: 0', 2),
+    ('type: "SoftmaxWithLoss" softmax_param { axis: 3 } loss_weight: 0.5', 1),
+])
+def test_gpu_parity_softmax_loss_fused_kernels(text, ntop):
+    """The GPU body's fused kernels: ignored labels, normalization, the probability top,
+    another softmax axis."""
+    x = rs(5).randn(4, 5, 2, 3).astype(np.float32) * 3
+    if "axis: 3" in text:
+        lab = rs(6).randint(0, 3, (4, 5, 2, 1)).astype(np.float32)
+    else:
+        lab = rs(6).randint(0, 5, (4, 1, 2, 3)).astype(np.float32)
+    loss_c, out_c = _forward_backward(text, [x, lab], ntop, [0], gpu=False)
+    loss_g, out_g = _forward_backward(text, [x, lab], ntop, [0], gpu=True)
+    assert loss_g == pytest.approx(loss_c, rel=1e-5)
+    for c, g in zip(out_c, out_g):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_softmax_loss_label_out_of_range_is_one_line():
+    with pytest.raises(LayerError, match="label 7 is out of range") as e:
+        _forward_backward('type: "SoftmaxWithLoss"',
+                          [np.zeros((2, 5), np.float32), np.array([1, 7], np.float32)],
+                          1, [0], gpu=True)
+    assert "\n" not in str(e.value)
