@@ -125,3 +125,20 @@ def test_count_is_pycaffe_number_and_caffe_method():
     b = Blob((2, 3, 4))
     assert b.count == 24 and b.count() == 24 and b.count(1) == 12 and b.count(1, 2) == 3
     assert isinstance(b.count, int) and b.count + 1 == 25
+
+
+def test_cached_views_follow_reshape_sharing_and_user_shape_changes():
+    b = Blob((2, 3))
+    v = b.data
+    assert b.data is v  # same buffer, same shape: the cached view
+    b.reshape((3, 2))
+    assert b.data.shape == (3, 2)
+    v2 = b.data
+    v2.shape = (6,)  # a user reshaping the view in place must not leak into the blob
+    assert b.data.shape == (3, 2)
+    other = Blob((3, 2))
+    other.data[...] = 7
+    b.share_data(other)
+    assert (b.data == 7).all()
+    b.drop_views()
+    assert (b.data == 7).all()
