@@ -36,17 +36,15 @@ def _cupy():
 
 
 def is_cupy_array(a) -> bool:
-    """True iff ``a`` is a ``cupy.ndarray`` (never imports CuPy for others)."""
-    mod = type(a).__module__
-    if not mod.startswith("cupy"):
-        return False
-    cp = _cupy()
-    return cp is not None and isinstance(a, cp.ndarray)
+    """True iff ``a`` is a ``cupy.ndarray`` (minicaffe.backend.is_gpu_array)."""
+    from .. import backend
+    return backend.is_gpu_array(a)
 
 
 def get_array_module(a):
-    """``cupy`` for CuPy arrays, ``numpy`` for everything else."""
-    return _cupy() if is_cupy_array(a) else np
+    """``cupy`` for CuPy arrays, ``numpy`` for everything else (minicaffe.backend's)."""
+    from .. import backend
+    return backend.get_array_module(a)
 
 
 def as_pair(v, name="value"):
