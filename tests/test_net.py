@@ -6,6 +6,7 @@ from minicaffe.errors import ConfigError, MinicaffeError
 from minicaffe.net import Net, read_net_param, insert_splits, filter_net
 from minicaffe.proto import caffe_pb2
 from minicaffe.protoio import parse_text
+from test_solver_nets import LENET_MEMORY
 
 TINY = """
 name: "tiny"
@@ -323,33 +324,9 @@ def test_bvlc_lenet_v1_scores_as_in_caffe(fixtures_dir, mnist_dir):
     assert acc == pytest.approx(0.9905, abs=1e-6)  # one image is 1e-4
 
 
-LENET_MEM = """
-name: "LeNet"
-layer { name: "mnist" type: "MemoryData" top: "data" top: "label"
-        memory_data_param { batch_size: 64 channels: 1 height: 28 width: 28 } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-        param { lr_mult: 1 } param { lr_mult: 2 }
-        convolution_param { num_output: 20 kernel_size: 5 stride: 1
-          weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
-layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
-        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
-        param { lr_mult: 1 } param { lr_mult: 2 }
-        convolution_param { num_output: 50 kernel_size: 5 stride: 1
-          weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
-layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
-        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
-        param { lr_mult: 1 } param { lr_mult: 2 }
-        inner_product_param { num_output: 500 weight_filler { type: "xavier" }
-          bias_filler { type: "constant" } } }
-layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
-layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
-        param { lr_mult: 1 } param { lr_mult: 2 }
-        inner_product_param { num_output: 10 weight_filler { type: "xavier" }
-          bias_filler { type: "constant" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
-"""
+# Caffe's LeNet with MemoryData (shared with the solver tests); in TRAIN phase its data
+# layer has batch 64 and there is no accuracy layer.
+LENET_MEM = LENET_MEMORY % {"train_batch": 64, "test_batch": 100}
 
 
 def test_lenet_trains_with_plain_sgd_loop():

@@ -51,6 +51,25 @@ def decode_threads():
     return n if n > 0 else min(4, os.cpu_count() or 1)
 
 
+def _decode_check_transform(loader, batch, rng, pool, decode, items, wheres, mismatch):
+    """Decode ``items`` (in ``pool`` when there is one), check that every image has one
+    shape (and, unless batch_size is 1, the first batch's shape), then transform them into
+    ``batch.data``.  ``mismatch(where, shape, expected, vs_first_batch)`` makes the error."""
+    if pool is not None:
+        images = list(pool.map(decode, items, wheres))
+    else:
+        images = [decode(x, w) for x, w in zip(items, wheres)]
+    shape0 = images[0].shape
+    if loader.batch_size > 1 and shape0 != loader.first_shape:
+        raise mismatch(wheres[0], shape0, loader.first_shape, True)
+    for img, w in zip(images, wheres):
+        if img.shape != shape0:
+            raise mismatch(w, img.shape, shape0, False)
+    oshape = loader.transformer.output_shape(shape0, wheres[0])
+    batch.data.reshape((loader.batch_size,) + oshape)
+    loader.transformer.transform(images, batch.data.mutable_cpu_data(), rng, wheres[0], pool)
+
+
 def decode_pool(loader):
     """The loader's thread pool for decoding (Pillow and numpy release the GIL), made on
     first use; None when one thread is asked for."""
@@ -131,23 +150,12 @@ class DBLoader:
         records = self.read(self.batch_size)
         wheres = [f"{self.source}: key {key_text(k)}" for k, _ in records]
         pool = decode_pool(self) if records[0][1].encoded else None
-        if pool is not None:
-            images = list(pool.map(self.transformer.decode, [d for _, d in records], wheres))
-        else:
-            images = [self.transformer.decode(d, w) for (_, d), w in zip(records, wheres)]
-        shape0 = images[0].shape
-        if self.batch_size > 1 and shape0 != self.first_shape:
-            raise DBError(f"{wheres[0]}: Datum shape {_fmt(shape0)} differs from the first "
-                          f"datum's {_fmt(self.first_shape)} (records of one shape are needed "
-                          "unless batch_size is 1)")
-        for img, w in zip(images, wheres):
-            if img.shape != shape0:
-                raise DBError(f"{w}: Datum shape {_fmt(img.shape)} differs from the first "
-                              f"datum's {_fmt(shape0)}")
+        _decode_check_transform(
+            self, batch, rng, pool, self.transformer.decode, [d for _, d in records], wheres,
+            lambda w, s, ref, first: DBError(
+                f"{w}: Datum shape {_fmt(s)} differs from the first datum's {_fmt(ref)}"
+                + (" (records of one shape are needed unless batch_size is 1)" if first else "")))
         self.key = records[0][0]
-        oshape = self.transformer.output_shape(shape0, wheres[0])
-        batch.data.reshape((self.batch_size,) + oshape)
-        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, wheres[0], pool)
         if self.output_labels:
             batch.label.mutable_cpu_data()[...] = [d.label for _, d in records]
 
@@ -277,25 +285,14 @@ class ImageListLoader:
                 if self.shuffle:
                     self.rng.shuffle(self.order)
         wheres = [f"{self.list_file}:{n} ({name})" for name, _, n in entries]
-        pool = decode_pool(self)
-        paths = [self.root + name for name, _, _ in entries]
-        if pool is not None:
-            images = list(pool.map(self._read_path, paths, wheres))
-        else:
-            images = [self._read_path(p, w) for p, w in zip(paths, wheres)]
-        shape0 = images[0].shape
-        if self.batch_size > 1 and shape0 != self.first_shape:
-            raise ImageError(f"{wheres[0]}: image of shape {_fmt(shape0)} differs from the first "
-                             f"image's {_fmt(self.first_shape)}; set new_height/new_width or "
-                             "use batch_size 1")
-        for img, w in zip(images, wheres):
-            if img.shape != shape0:
-                raise ImageError(f"{w}: image of shape {_fmt(img.shape)} differs from the "
-                                 f"batch's first {_fmt(shape0)}; set new_height/new_width")
+        _decode_check_transform(
+            self, batch, rng, decode_pool(self), self._read_path,
+            [self.root + name for name, _, _ in entries], wheres,
+            lambda w, s, ref, first: ImageError(
+                f"{w}: image of shape {_fmt(s)} differs from the "
+                + (f"first image's {_fmt(ref)}; set new_height/new_width or use batch_size 1"
+                   if first else f"batch's first {_fmt(ref)}; set new_height/new_width")))
         self.current = entries[0]
-        oshape = self.transformer.output_shape(shape0, wheres[0])
-        batch.data.reshape((self.batch_size,) + oshape)
-        self.transformer.transform(images, batch.data.mutable_cpu_data(), rng, wheres[0], pool)
         if self.output_labels:
             batch.label.mutable_cpu_data()[...] = [e[1] for e in entries]
 
