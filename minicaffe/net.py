@@ -399,6 +399,18 @@ class Net:
                 for param_id in range(len(layer.blobs)):
                     layer.set_param_propagate_down(param_id, True)
 
+    def flat_params(self):
+        """The learnable parameters' data and diffs as one flat buffer each
+        (:class:`~minicaffe.flat_params.FlatBuffer`, in ``learnable_params`` order), made on
+        first use and again if a reshape detached a parameter; shared parameters follow
+        their owners."""
+        from .flat_params import FlatBuffer
+        fb = getattr(self, "_flat_params", None)
+        if fb is None or not fb.intact():
+            fb = self._flat_params = FlatBuffer(self.learnable_params)
+            self.share_weights()
+        return fb
+
     def share_weights(self):
         for i, owner in enumerate(self.param_owners):
             if owner >= 0:
@@ -451,6 +463,10 @@ class Net:
 
     def clear_param_diffs(self):
         xp = context.xp()
+        fb = getattr(self, "_flat_params", None)
+        if fb is not None and fb.intact():
+            (fb.diff.mutable_gpu_data() if xp is not np else fb.diff.mutable_cpu_data()).fill(0)
+            return
         for b in self.learnable_params:
             b.mutable_diff_for(xp)[...] = 0
 

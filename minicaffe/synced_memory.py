@@ -141,3 +141,64 @@ class SyncedMemory:
 
     def __repr__(self):
         return f"SyncedMemory({self.size}, {self.dtype}, {self.head})"
+
+
+class SyncedMemorySlice:
+    """A window [offset, offset + size) of a parent SyncedMemory, sharing its automaton.
+
+    The parameters of a net live in one flat buffer (``flat_params.FlatBuffer``) so that
+    the solver updates them in one kernel and multi-GPU reduces them in contiguous
+    buckets; each parameter Blob keeps its own shape through a slice.  The head is the
+    parent's: touching one slice on the host brings the whole buffer there, exactly as
+    Caffe's automaton would for one big blob, so no slice can ever disagree with the
+    buffer it belongs to.
+    """
+    __slots__ = ("parent", "offset", "size", "_views")
+
+    def __init__(self, parent, offset, size):
+        if offset < 0 or offset + size > parent.size:
+            raise ValueError(f"slice [{offset}, {offset + size}) outside a buffer of {parent.size}")
+        self.parent = parent
+        self.offset = int(offset)
+        self.size = int(size)
+        self._views = [None, None]  # (parent array, slice) for the host and device sides
+
+    dtype = property(lambda self: self.parent.dtype)
+    nbytes = property(lambda self: self.size * self.parent.dtype.itemsize)
+    head = property(lambda self: self.parent.head)
+    device = property(lambda self: self.parent.device)
+
+    def _slice(self, arr, side):
+        cached = self._views[side]
+        if cached is not None and cached[0] is arr:
+            return cached[1]
+        v = arr[self.offset: self.offset + self.size]
+        self._views[side] = (arr, v)
+        return v
+
+    def to_cpu(self):
+        self.parent.to_cpu()
+
+    def to_gpu(self):
+        self.parent.to_gpu()
+
+    def cpu_data(self):
+        return self._slice(self.parent.cpu_data(), 0)
+
+    def mutable_cpu_data(self):
+        return self._slice(self.parent.mutable_cpu_data(), 0)
+
+    def gpu_data(self):
+        return self._slice(self.parent.gpu_data(), 1)
+
+    def mutable_gpu_data(self):
+        return self._slice(self.parent.mutable_gpu_data(), 1)
+
+    def set_cpu_data(self, array):
+        raise RuntimeError("a slice of a flat buffer cannot adopt another array; "
+                           "reshape the blob to detach it first")
+
+    set_gpu_data = set_cpu_data
+
+    def __repr__(self):
+        return f"SyncedMemorySlice({self.offset}:{self.offset + self.size} of {self.parent!r})"

@@ -103,10 +103,15 @@ class SGDSolver(Solver):
     n_history_sets = 1
 
     def pre_solve(self):
+        # the parameters, their diffs and each history set live in flat buffers of one
+        # layout: the GPU update is one kernel over them, multi-GPU reduces slices of them
+        flat = self.net.flat_params()
         self.history = []
+        self.history_flat = []
         for _ in range(self.n_history_sets):
-            for b in self.net.learnable_params:
-                self.history.append(Blob(b.shape, b.dtype))
+            hist = [Blob(b.shape, b.dtype) for b in self.net.learnable_params]
+            self.history_flat.append(flat.like(hist))
+            self.history.extend(hist)
         self._temp = {}
 
     # -- helpers ------------------------------------------------------------------------
