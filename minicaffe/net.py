@@ -432,6 +432,25 @@ class Net:
                 cb(i)
         return loss
 
+    def forward_device(self, start, end=None, ring_addr=0, counter=None, ring=1):
+        """GPU: run layers [start, end] without reading anything back; each loss top adds
+        sum(data * loss weight) into ``ring[counter % ring]`` (a float64 ring in mapped
+        host memory at ``ring_addr``) on the device (gpu/graph.py)."""
+        from .kernels.step import loss_accumulate
+        if end is None:
+            end = len(self.layers) - 1
+        for i in range(start, end + 1):
+            for cb in self._before_forward:
+                cb(i)
+            layer = self.layers[i]
+            layer.forward_body(self.bottom_vecs[i], self.top_vecs[i])
+            if ring_addr:
+                for j, t in enumerate(self.top_vecs[i]):
+                    if layer.loss(j):
+                        loss_accumulate(t.gpu_data(), t.gpu_diff(), ring_addr, counter, ring)
+            for cb in self._after_forward:
+                cb(i)
+
     def forward_prefilled(self):
         """Run every layer; return the total weighted loss (Caffe's ``Forward(&loss)``)."""
         return self.forward_from_to(0, len(self.layers) - 1)
