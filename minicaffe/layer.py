@@ -35,6 +35,9 @@ class Layer:
     # a data layer: its forward is host work plus a copy into its tops, run before the
     # captured part of the iteration each time (gpu/graph.py)
     graph_prologue = False
+    # set by the Net: a later layer rewrites one of this layer's tops in place, so a
+    # backward that reads the top data would read the later value (cuDNN's pooling does)
+    top_rewritten = False
 
     def __init__(self, param):
         self.layer_param = param

@@ -282,6 +282,11 @@ class Net:
                 for blob_id in self.top_id_vecs[-1]:
                     self._blob_need_backward[blob_id] = True
         self._analyse_backward(param)
+        for lid, layer in enumerate(self.layers):
+            tops = set(self.top_id_vecs[lid])
+            layer.top_rewritten = any(
+                b in tops and b in self.bottom_id_vecs[j]
+                for j in range(lid + 1, len(self.layers)) for b in self.top_id_vecs[j])
         self.output_blob_indices = [name_to_idx[n] for n in sorted(available)]
         for i in self.output_blob_indices:
             log.info("This network produces output %s", self.blob_names[i])

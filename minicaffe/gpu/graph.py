@@ -119,6 +119,7 @@ class GpuStep:
         self.graphs, self.pools, self.warm = {}, {}, set()
         self.shapes = None
         self.mems = []
+        self._h2d = None
 
     # -- the host's side of an iteration ------------------------------------------------
     def full(self):
@@ -140,6 +141,9 @@ class GpuStep:
 
     def forward_backward(self, first, with_update):
         net = self.net
+        if self._h2d is not None:   # the host may write the inputs again only once the
+            self._h2d.synchronize()  # copy of their last contents has run
+            self._h2d = None
         with self.stream:
             for i in range(self.first_body):
                 for cb in net._before_forward:
@@ -188,8 +192,12 @@ class GpuStep:
     def _prepare(self):
         """Bring what the body reads to the device (a user may have written inputs or
         weights on the host since the last iteration)."""
+        copied = False
         for b in self.input_blobs:
+            copied |= b.data_mem.head == HEAD_AT_CPU
             b.gpu_data()
+        if copied:
+            self._h2d = self.stream.record()
         self.update.flat.data.mutable_gpu_data()
         self.update.flat.diff.mutable_gpu_data()
         for h in self.update.hist:

@@ -54,15 +54,6 @@ FULL_CONV_RATIO = 3
 NHWC_MIN_CHANNELS = 8
 
 
-def _engine_note(layer, param, engine_enum):
-    """Caffe picks cuDNN or its own engine at creation; minicaffe has only its
-    own.  Asking for another logs one line and falls back, never an error."""
-    name = engine_enum.Name(param.engine)
-    if name not in ("DEFAULT", "CAFFE"):
-        log.info("layer '%s': engine %s is not available; using minicaffe's %s engine",
-                 layer.name, name, layer.type)
-
-
 def _per_axis(repeated, h_field, w_field, param, n_spatial, default, name, layer):
     """Caffe's kernel/stride/pad/dilation: either ``X_h``/``X_w`` (2-D only) or a
     repeated field with 0, 1 or n_spatial values."""
@@ -499,7 +490,6 @@ class BaseConvolutionLayer(_ConvGeometry):
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.convolution_param
-        _engine_note(self, p, caffe_pb2.ConvolutionParameter.Engine)
         self.read_geometry(bottom)
         self.num_output = p.num_output
         if self.num_output <= 0:
@@ -726,7 +716,6 @@ class PoolingLayer(Layer):
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.pooling_param
-        _engine_note(self, p, _Pool.Engine)
         self.global_pooling = p.global_pooling
         has_kh = p.HasField("kernel_h") or p.HasField("kernel_w")
         if self.global_pooling:
@@ -862,7 +851,6 @@ class LRNLayer(Layer):
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.lrn_param
-        _engine_note(self, p, _LRN.Engine)
         self.size = p.local_size
         if self.size % 2 != 1:
             raise self.error(f"LRN only supports odd values for local_size, got {self.size}")
@@ -915,7 +903,6 @@ class SPPLayer(Layer):
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.spp_param
-        _engine_note(self, p, caffe_pb2.SPPParameter.Engine)
         self.pyramid_height = p.pyramid_height
         if self.pyramid_height < 1:
             raise self.error(f"pyramid_height must be at least 1, got {self.pyramid_height}")
