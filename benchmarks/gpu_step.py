@@ -89,6 +89,8 @@ def main():
     shape = {"lenet": [1, 28, 28], "cifar10": [3, 32, 32]}
     sh = [int(v) for v in a.shape.split(",")] if a.shape else \
         next((v for k, v in shape.items() if k in a.model), [3, 224, 224])
+    from minicaffe import log
+    log.init_log()
     context.set_mode_gpu()
     net = synthetic(a.model, a.batch, sh)
     from minicaffe.gpu import cudnn, pool
@@ -104,6 +106,19 @@ def main():
         ms = timeit(s, a.iters, a.repeats)
         print(f"{a.model} b{a.batch} {name:7s} {ms:8.3f} ms/iter  {a.batch / ms * 1e3:10.0f} img/s"
               f"  peak {pool.peak_bytes() / 2**30:.2f} GiB", flush=True)
+        st = getattr(s, "_gpu_step_obj", None)
+        if st is not None and st.graphs:
+            g = next(iter(st.graphs.values()))
+            cp = backend.cp
+            st.stream.synchronize()
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(st.stream)
+            for _ in range(a.iters):
+                g.launch(st.stream)
+            e1.record(st.stream)
+            e1.synchronize()
+            print(f"    replay only: {cp.cuda.get_elapsed_time(e0, e1) / a.iters:.3f} ms/iter "
+                  f"(GPU time of the captured step)", flush=True)
 
 
 if __name__ == "__main__":

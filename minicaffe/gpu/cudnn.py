@@ -31,7 +31,6 @@ LRN_CROSS_CHANNEL = 0
 SOFTMAX_ACCURATE, SOFTMAX_LOG = 1, 2
 SOFTMAX_MODE_CHANNEL = 1
 BN_SPATIAL, BN_SPATIAL_PERSISTENT = 1, 2
-BN_MIN_EPSILON = 1e-5   # older cuDNN releases refuse smaller values
 
 _v, _i, _u, _d, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_double, ctypes.c_size_t
 _ip = ctypes.POINTER(ctypes.c_int)
@@ -148,6 +147,7 @@ def available():
     with _lock:
         if not _state["checked"]:
             _state["checked"] = True
+            _state["error"] = None
             try:
                 if not options.cudnn:
                     raise OSError("switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))")

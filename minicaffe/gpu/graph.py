@@ -35,7 +35,7 @@ from .. import backend, log
 from ..blob import Blob
 from ..kernels import step as step_kernels
 from ..solvers.fused import FusedUpdate
-from ..synced_memory import SyncedMemory, HEAD_AT_GPU
+from ..synced_memory import SyncedMemory, HEAD_AT_CPU, HEAD_AT_GPU
 
 RING = 64
 N_SCALARS = 2   # learning rate, Adam's bias correction

@@ -362,7 +362,7 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         super().reshape(bottom, top)
         b = bottom[0]
         self._use = (context.is_gpu() and b.num_axes in (4, 5) and b.dtype in cudnn.DATA
-                     and self.eps >= cudnn.BN_MIN_EPSILON)
+                     and self.eps > 0)
         if not self._use:
             return
         if getattr(self, "_desc_key", None) != b.shape:

@@ -16,6 +16,7 @@ class InputLayer(Layer):
     """Tops of fixed shapes that the user fills (``input_param { shape { dim: ... } }``,
     one shape for all tops or one per top)."""
     capturable = True
+    graph_prologue = True   # the user writes these tops between iterations
     min_top_blobs = 1
 
     def layer_setup(self, bottom, top):

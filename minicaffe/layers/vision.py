@@ -710,6 +710,11 @@ class PoolingLayer(Layer):
     input); optional second top: the MAX argmax mask (flat h*W+w, as float).
     Backward routes dy to the argmax (MAX), the sampled element (STOCHASTIC)
     or spreads dy/pool_size over the window (AVE)."""
+    @property
+    def capturable(self):
+        """STOCHASTIC pooling in TRAIN draws from CuPy's generator (cuRAND): not capturable."""
+        return not (self.method == _Pool.STOCHASTIC and self.phase == caffe_pb2.TRAIN)
+
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
     max_top_blobs = 2
