@@ -85,8 +85,11 @@ def main():
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--legacy", action="store_true")
+    ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--allocator", default="default")
     a = ap.parse_args()
-    shape = {"lenet": [1, 28, 28], "cifar10": [3, 32, 32]}
+    shape = {"lenet": [1, 28, 28], "cifar10": [3, 32, 32], "alexnet": [3, 227, 227],
+             "caffenet": [3, 227, 227]}
     sh = [int(v) for v in a.shape.split(",")] if a.shape else \
         next((v for k, v in shape.items() if k in a.model), [3, 224, 224])
     from minicaffe import log
@@ -95,7 +98,8 @@ def main():
     net = synthetic(a.model, a.batch, sh)
     from minicaffe.gpu import cudnn, pool
     print(cudnn.describe(), "|", pool.describe())
-    rows = [("graph", make(net, True)), ("eager", make(net, False))]
+    pool.use(a.allocator)
+    rows = [("graph", make(net, True))] + ([] if a.no_eager else [("eager", make(net, False))])
     if a.legacy:
         from minicaffe.solvers.solver import Solver
         s = make(net, False)

@@ -287,6 +287,7 @@ class Net:
             layer.top_rewritten = any(
                 b in tops and b in self.bottom_id_vecs[j]
                 for j in range(lid + 1, len(self.layers)) for b in self.top_id_vecs[j])
+        self._fuse_relus()
         self.output_blob_indices = [name_to_idx[n] for n in sorted(available)]
         for i in self.output_blob_indices:
             log.info("This network produces output %s", self.blob_names[i])
@@ -365,6 +366,26 @@ class Net:
             self.has_params_decay[lid] = True
             self.params_weight_decay[lid] = spec.decay_mult
 
+    def _fuse_relus(self):
+        """Let a layer that can apply a ReLU itself (``fuse_relu`` attribute: the cuDNN
+        convolution) do so for a plain ReLU that follows it in place on its only top."""
+        self._fused = []
+        for lid in range(len(self.layers) - 1):
+            a, b = self.layers[lid], self.layers[lid + 1]
+            if (hasattr(a, "fuse_relu") and b.type == "ReLU"
+                    and b.layer_param.relu_param.negative_slope == 0
+                    and len(self.top_id_vecs[lid]) == 1
+                    and self.bottom_id_vecs[lid + 1] == self.top_id_vecs[lid]
+                    and self.top_id_vecs[lid + 1] == self.top_id_vecs[lid]):
+                a.fuse_relu = b
+                self._fused.append((lid, a, b))
+
+    def _plan_fusion(self, start, end):
+        """Fuse a pair only when this pass runs both of its layers."""
+        for lid, a, b in self._fused:
+            a.fuse_relu = b if start <= lid and lid + 1 <= end else None
+            b.relu_done = False
+
     def _analyse_backward(self, param):
         under_loss, skip_backp = set(), set()
         for layer_id in range(len(self.layers) - 1, -1, -1):
@@ -426,6 +447,7 @@ class Net:
     def forward_from_to(self, start=0, end=None):
         if end is None:
             end = len(self.layers) - 1
+        self._plan_fusion(start, end)
         loss = 0.0
         for i in range(start, end + 1):
             for cb in self._before_forward:
@@ -444,6 +466,7 @@ class Net:
         from .kernels.step import loss_accumulate
         if end is None:
             end = len(self.layers) - 1
+        self._plan_fusion(start, end)
         for i in range(start, end + 1):
             for cb in self._before_forward:
                 cb(i)

@@ -225,6 +225,34 @@ def test_cudnn_convolution_captures(gpu):
     np.testing.assert_array_equal(cp.asnumpy(top.gpu_data()), ref)
 
 
+def test_convolution_applies_the_following_relu_itself(gpu):
+    from minicaffe import Net
+    text = """
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 dim: 9 dim: 9 } } }
+    layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+      convolution_param { num_output: 6 kernel_size: 3 engine: ENGINE
+        weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } } }
+    layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+    layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+      inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+    """
+    x = np.random.RandomState(0).randn(4, 3, 9, 9).astype(np.float32)
+    outs = {}
+    for engine in ("CUDNN", "CAFFE"):
+        context.set_random_seed(3)
+        net = Net(text.replace("ENGINE", engine), phase=caffe_pb2.TRAIN)
+        net.blobs["data"].data[...] = x
+        if engine == "CUDNN":
+            assert net.layers[1].fuse_relu is net.layers[2]
+        ip = net.forward()["ip"].copy()
+        conv = net.blobs["conv"].data.copy()
+        net.forward(end="conv")            # a pass that stops before the ReLU: no fusion
+        outs[engine] = [ip, conv, net.blobs["conv"].data.copy()]
+    for a, b in zip(outs["CUDNN"], outs["CAFFE"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert (outs["CUDNN"][2] < 0).any() and not (outs["CUDNN"][1] < 0).any()
+
+
 # -- dropout's counter-based generator ------------------------------------------------------
 def test_philox_dropout_masks(gpu):
     cp = gpu

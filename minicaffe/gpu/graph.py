@@ -90,6 +90,7 @@ class GpuStep:
         self.losses = HostRing(RING, np.float64)
         self.norms = HostRing(RING, np.float32)
         self.counter = cp.zeros(1, dtype=np.int64)
+        self.scalars = cp.zeros(N_SCALARS, dtype=np.float32)
         self.sumsq = cp.zeros(1, dtype=np.float32)
         self.partial = cp.zeros(step_kernels.SUMSQ_BLOCKS, dtype=np.float64)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -222,8 +223,8 @@ class GpuStep:
             step_kernels.sumsq(self.update.flat.diff.mutable_gpu_data(), self.partial, self.sumsq,
                                self.norms.ptr, self.counter, RING)
             sumsq = self.sumsq
-        self.update.launch(self.sched.ptr, N_SCALARS, self.counter, RING, sumsq)
-        step_kernels.counter_increment(self.counter)
+        step_kernels.fetch_and_advance(self.counter, self.sched.ptr, N_SCALARS, RING, self.scalars)
+        self.update.launch(self.scalars, sumsq)
 
     def _shape_key(self):
         return tuple(b.shape for b in self.input_blobs)

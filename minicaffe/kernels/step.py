@@ -28,8 +28,16 @@ extern "C" __global__ void mc_loss_accumulate(const T* data, const T* diff, long
   }
 }
 
-extern "C" __global__ void mc_counter_increment(long long* counter) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) *counter += 1;
+// copy this iteration's scalars from the host ring into device memory (one read over the
+// bus instead of one per thread of the update), then advance the iteration counter
+extern "C" __global__ void mc_fetch_and_advance(long long* counter,
+                                                unsigned long long sched_addr, int S, int K,
+                                                float* cur) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    const float* sc = ((const float*)sched_addr) + ((*counter) % K) * S;
+    for (int j = 0; j < S; ++j) cur[j] = sc[j];
+    *counter += 1;
+  }
 }
 
 // stage 1 of sum(g^2): block b sums its contiguous range into partial[b]
@@ -80,8 +88,9 @@ def loss_accumulate(data, diff, ring_addr, counter, K):
                                                       np.uint64(ring_addr), counter, np.int32(K)))
 
 
-def counter_increment(counter):
-    _k("mc_counter_increment")((1,), (1,), (counter,))
+def fetch_and_advance(counter, sched_addr, S, K, cur):
+    _k("mc_fetch_and_advance")((1,), (1,), (counter, np.uint64(sched_addr), np.int32(S),
+                                             np.int32(K), cur))
 
 
 def sumsq(g, partial, out, ring_addr, counter, K):

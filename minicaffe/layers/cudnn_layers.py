@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import backend, context
 from ..gpu import cudnn, options
+from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
 from ..registry import register_cudnn
 from .common import SoftmaxLayer
@@ -93,6 +94,11 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
         self._desc_key = key
 
+    # An in-place ReLU right after this convolution (set by the Net) is folded into the
+    # forward call: y = max(W * x + b, 0) by cudnnConvolutionBiasActivationForward, and
+    # the ReLU layer skips its forward once (its backward is unchanged: it reads y).
+    fuse_relu = None
+
     def forward_gpu(self, bottom, top):
         if self._cudnn_key is None:
             return super().forward_gpu(bottom, top)
@@ -101,6 +107,17 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         ws = workspace(self.workspace_bytes)
         wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
         w = self.blobs[0].gpu_data()
+        if self.fuse_relu is not None and self.bias_term and len(bottom) == 1:
+            if getattr(self, "_act", None) is None:
+                self._act = cudnn.ActDesc(cudnn.ACT_RELU)
+            y = top[0].mutable_gpu_data()
+            cudnn.call("cudnnConvolutionBiasActivationForward", h, cudnn.one(dt),
+                       self.x_desc.ptr, _ptr(bottom[0].gpu_data()), self.w_desc.ptr, _ptr(w),
+                       self.conv_desc.ptr, self.fwd[0], wsp, wsn, cudnn.zero(dt),
+                       self.y_desc.ptr, _ptr(y), self.b_desc.ptr,
+                       _ptr(self.blobs[1].gpu_data()), self._act.ptr, self.y_desc.ptr, _ptr(y))
+            self.fuse_relu.relu_done = True
+            return
         for b, t in zip(bottom, top):
             y = t.mutable_gpu_data()
             cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), self.x_desc.ptr,
@@ -109,6 +126,13 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
             if self.bias_term:
                 cudnn.call("cudnnAddTensor", h, cudnn.one(dt), self.b_desc.ptr,
                            _ptr(self.blobs[1].gpu_data()), cudnn.one(dt), self.y_desc.ptr, _ptr(y))
+
+    def _partial(self, dy):
+        n = partial_size(dy.shape[0], dy.shape[1])
+        p = getattr(self, "_partial_buf", None)
+        if p is None or p.size < n:
+            p = self._partial_buf = backend.cp.empty(n, dtype=np.float64)
+        return p
 
     def backward_gpu(self, top, propagate_down, bottom):
         if self._cudnn_key is None:
@@ -121,9 +145,9 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         for i, (b, t) in enumerate(zip(bottom, top)):
             dy = t.gpu_diff()
             if self.bias_term and self.get_param_propagate_down(1):
-                cudnn.call("cudnnConvolutionBackwardBias", h, cudnn.one(dt), self.y_desc.ptr,
-                           _ptr(dy), cudnn.one(dt), self.b_desc.ptr,
-                           _ptr(self.blobs[1].mutable_gpu_diff()))
+                # our own deterministic reduction: cuDNN's BackwardBias was several times
+                # slower on small maps (kernels/reduce.py)
+                channel_sum(dy, self.blobs[1].mutable_gpu_diff(), self._partial(dy))
             if self.get_param_propagate_down(0):
                 cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt), self.x_desc.ptr,
                            _ptr(b.gpu_data()), self.y_desc.ptr, _ptr(dy), self.conv_desc.ptr,
@@ -249,6 +273,9 @@ class _CuDNNActivation:
         return True
 
     def forward_gpu(self, bottom, top):
+        if getattr(self, "relu_done", False):  # the convolution before already applied it
+            self.relu_done = False
+            return
         if not self._act_ready(bottom):
             return super().forward_gpu(bottom, top)
         dt = bottom[0].dtype

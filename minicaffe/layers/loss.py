@@ -107,6 +107,26 @@ extern "C" __global__ void softmax_loss_fwd(const T* x, const T* label, T* prob,
   }
 }
 
+// one block: total loss and valid count in a fixed order; top = total / normaliser,
+// inv_norm = 1 / normaliser (VALID: max(1, count); the other modes pass theirs)
+extern "C" __global__ void softmax_loss_finish(const T* loss, const T* valid, long long n,
+    int valid_mode, double fixed_norm, T* top, double* inv_norm) {
+  __shared__ double sl[256], sv[256];
+  double a = 0, b = 0;
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) { a += (double)loss[i]; b += (double)valid[i]; }
+  sl[threadIdx.x] = a; sv[threadIdx.x] = b;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (threadIdx.x < w) { sl[threadIdx.x] += sl[threadIdx.x + w]; sv[threadIdx.x] += sv[threadIdx.x + w]; }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    double norm = valid_mode ? (sv[0] > 1.0 ? sv[0] : 1.0) : fixed_norm;
+    inv_norm[0] = 1.0 / norm;
+    top[0] = (T)(sl[0] * (1.0 / norm));
+  }
+}
+
 extern "C" __global__ void softmax_loss_bwd(const T* prob, const T* label, const T* valid,
     const T* loss_weight, const double* inv_norm, T* dx, long long n, int C, int inner) {
   CUDA_KERNEL_LOOP(j, n) {
@@ -201,19 +221,20 @@ class SoftmaxWithLossLayer(LossLayer):
         p = self.prob.mutable_gpu_data()
         if getattr(self, "_bad", None) is None:
             self._bad = cp.zeros(2, dtype=np.int32)
-        loss = cp.empty(n, dtype=x.dtype)
-        valid = cp.empty(n, dtype=x.dtype)
+        if getattr(self, "_loss_buf", None) is None or self._loss_buf.size != n or \
+                self._loss_buf.dtype != x.dtype:
+            self._loss_buf = cp.empty(n, dtype=x.dtype)
+            self._valid = cp.empty(n, dtype=x.dtype)
+        loss, valid = self._loss_buf, self._valid
         launch(_softmax_loss_kernel("softmax_loss_fwd", x.dtype), n,
                (x, label, p, loss, valid, self._bad, np.int64(n), np.int32(C),
                 np.int32(self.inner), np.int32(self.has_ignore), np.int32(self.ignore_label)))
-        total = loss.sum(dtype=np.float64)
-        if self.norm == _Norm.VALID:
-            norm = cp.maximum(valid.sum(dtype=np.float64), 1.0)
-        else:
-            norm = cp.full((), normalizer(self.norm, self.outer, self.inner, -1), np.float64)
-        self._valid = valid
-        self._inv_norm = 1.0 / norm
-        top[0].mutable_gpu_data()[...] = total * self._inv_norm
+        if getattr(self, "_inv_norm", None) is None:
+            self._inv_norm = cp.zeros((), np.float64)
+        fixed = normalizer(self.norm, self.outer, self.inner, -1)
+        _softmax_loss_kernel("softmax_loss_finish", x.dtype)(
+            (1,), (256,), (loss, valid, np.int64(n), np.int32(self.norm == _Norm.VALID),
+                           np.float64(fixed), top[0].mutable_gpu_data(), self._inv_norm))
         if len(top) == 2:
             top[1].mutable_gpu_data()[...] = p
 

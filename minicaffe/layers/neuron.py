@@ -50,6 +50,14 @@ def _sigmoid(xp, x):
 class ReLULayer(_SavesInput):
     """y = max(x, 0) + negative_slope * min(x, 0);  dx = dy * (x > 0 ? 1 : negative_slope)."""
 
+    relu_done = False   # set by a cuDNN convolution that applied this ReLU itself
+
+    def forward_gpu(self, bottom, top):
+        if self.relu_done:
+            self.relu_done = False
+            return
+        super().forward_gpu(bottom, top)
+
     def forward_xp(self, xp, bottom, top):
         slope = self.layer_param.relu_param.negative_slope
         # in place with a negative slope, y's sign no longer tells x's

@@ -9,9 +9,10 @@ element finds its parameter through a chunk table (the layout aligns parameters 
 ``ALIGN`` elements, so a 64-element chunk never straddles two), and reads that
 parameter's lr_mult and decay from small tables.
 
-Per-iteration scalars (the learning rate, Adam's bias correction) are read from a slot
-of a ring in mapped host memory indexed by the device's iteration counter, so the same
-launch replays correctly from a CUDA graph while the host writes later slots.  With the
+Per-iteration scalars (the learning rate, Adam's bias correction) come from a slot of a
+ring in mapped host memory indexed by the device's iteration counter, copied once into
+device memory by a one-thread kernel before the update (``kernels/step.py``), so the
+same launch replays correctly from a CUDA graph while the host writes later slots.  With the
 project's NVRTC options (no multiply-add contraction) each element is rounded exactly as
 the numpy bodies round it.
 """
@@ -48,10 +49,8 @@ RULES = {
 _TEMPLATE = r"""
 extern "C" __global__ void mc_update(T* w, T* gdiff, T* h, T* h2, const int* table,
     const float* lr_tab, const float* decay_tab, const long long* off_tab,
-    const long long* cnt_tab, unsigned long long sched_addr, int S,
-    const long long* counter, int K, const float* sumsq, float clip, float inv_iter_size,
-    int l1, long long n, EXTRA) {
-  const float* sc = ((const float*)sched_addr) + ((*counter) % K) * S;
+    const long long* cnt_tab, const float* sc, const float* sumsq, float clip,
+    float inv_iter_size, int l1, long long n, EXTRA) {
   const float rate = sc[0];
   float clip_scale = 1.0f;
   bool clipping = false;
@@ -139,9 +138,10 @@ class FusedUpdate:
     def intact(self):
         return self.flat.intact() and all(h.intact() for h in self.hist)
 
-    def launch(self, sched_addr, S, counter, K, sumsq=None):
-        """One launch on the current stream.  ``sumsq`` (a device float[1] holding the
-        squared global norm) turns clipping on."""
+    def launch(self, scalars, sumsq=None):
+        """One launch on the current stream.  ``scalars``: this iteration's scalars in
+        device memory (the learning rate, the rule's extra); ``sumsq`` (a device float[1]
+        holding the squared global norm) turns clipping on."""
         from ..kernels._backend import launch
         w = self.flat.data.mutable_gpu_data()
         g = self.flat.diff.mutable_gpu_data()
@@ -149,6 +149,5 @@ class FusedUpdate:
         h2 = self.hist[1].data.mutable_gpu_data() if len(self.hist) > 1 else h
         launch(self.kernel, w.size,
                (w, g, h, h2, self.table, self.lr_tab, self.decay_tab, self.off_tab, self.cnt_tab,
-                np.uint64(sched_addr),
-                np.int32(S), counter, np.int32(K), sumsq if sumsq is not None else np.uint64(0),
+                scalars, sumsq if sumsq is not None else np.uint64(0),
                 self.clip, self.inv_iter_size, self.l1, np.int64(w.size)) + self.scalars)
