@@ -367,24 +367,31 @@ class Net:
             self.params_weight_decay[lid] = spec.decay_mult
 
     def _fuse_relus(self):
-        """Let a layer that can apply a ReLU itself (``fuse_relu`` attribute: the cuDNN
-        convolution) do so for a plain ReLU that follows it in place on its only top."""
+        """Pairs a GPU engine layer may compute as one: a cuDNN convolution and the plain
+        ReLU after it in place on its only top (``fuse_relu``); a cuDNN BatchNorm and the
+        learned Scale after it in place (``fuse_scale``)."""
         self._fused = []
         for lid in range(len(self.layers) - 1):
             a, b = self.layers[lid], self.layers[lid + 1]
+            in_place_next = (len(self.top_id_vecs[lid]) == 1
+                             and self.bottom_id_vecs[lid + 1] == self.top_id_vecs[lid]
+                             and self.top_id_vecs[lid + 1] == self.top_id_vecs[lid])
+            if not in_place_next:
+                continue
             if (hasattr(a, "fuse_relu") and b.type == "ReLU"
-                    and b.layer_param.relu_param.negative_slope == 0
-                    and len(self.top_id_vecs[lid]) == 1
-                    and self.bottom_id_vecs[lid + 1] == self.top_id_vecs[lid]
-                    and self.top_id_vecs[lid + 1] == self.top_id_vecs[lid]):
+                    and b.layer_param.relu_param.negative_slope == 0):
                 a.fuse_relu = b
-                self._fused.append((lid, a, b))
+                self._fused.append((lid, a, b, "fuse_relu"))
+            elif (hasattr(a, "fuse_scale") and b.type == "Scale" and not a.use_global_stats
+                    and len(b.blobs) >= 1 and b.per_channel(self.bottom_vecs[lid + 1])):
+                a.fuse_scale = b
+                self._fused.append((lid, a, b, "fuse_scale"))
 
     def _plan_fusion(self, start, end):
         """Fuse a pair only when this pass runs both of its layers."""
-        for lid, a, b in self._fused:
-            a.fuse_relu = b if start <= lid and lid + 1 <= end else None
-            b.relu_done = False
+        for lid, a, b, attr in self._fused:
+            setattr(a, attr, b if start <= lid and lid + 1 <= end else None)
+            b.relu_done = b.scale_done = b.scale_bwd_done = False
 
     def _analyse_backward(self, param):
         under_loss, skip_backp = set(), set()

@@ -253,6 +253,46 @@ def test_convolution_applies_the_following_relu_itself(gpu):
     assert (outs["CUDNN"][2] < 0).any() and not (outs["CUDNN"][1] < 0).any()
 
 
+def test_batchnorm_applies_the_following_scale_itself(gpu):
+    from minicaffe import Net
+    text = """
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 8 dim: 4 dim: 5 dim: 5 } } }
+    layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+      convolution_param { num_output: 6 kernel_size: 3 bias_term: false
+        weight_filler { type: "gaussian" std: 0.5 } } }
+    layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+    layer { name: "scale" type: "Scale" bottom: "conv" top: "conv"
+      scale_param { bias_term: true filler { type: "uniform" min: 0.5 max: 1.5 }
+                    bias_filler { type: "uniform" min: -0.5 max: 0.5 } } }
+    layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+    layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+      inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+    """
+    from minicaffe.gpu import options, cudnn
+    x = np.random.RandomState(0).randn(8, 4, 5, 5).astype(np.float32)
+    outs = {}
+    for use in (True, False):
+        old = options.cudnn
+        options.set_cudnn(use)
+        cudnn._state["checked"] = False
+        try:
+            context.set_random_seed(3)
+            net = Net(text, phase=caffe_pb2.TRAIN)
+        finally:
+            options.set_cudnn(old)
+            cudnn._state["checked"] = False
+        assert (net.layers[2].fuse_scale is net.layers[3]) == use
+        net.blobs["data"].data[...] = x
+        net.forward()
+        net.blobs["ip"].diff[...] = np.random.RandomState(1).randn(8, 3)
+        net.backward()
+        outs[use] = [net.blobs["ip"].data.copy(), net.blobs["data"].diff.copy()] + \
+            [b.diff.copy() for b in net.learnable_params] + \
+            [b.data.copy() for b in net.layers[2].blobs]
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
 # -- dropout's counter-based generator ------------------------------------------------------
 def test_philox_dropout_masks(gpu):
     cp = gpu

@@ -408,6 +408,12 @@ class EltwiseLayer(Layer):
             y = xs[0] * xs[1]
             for x in xs[2:]:
                 y *= x
+        elif self.op == _SUM and not in_place and all(c == 1 for c in self.coeffs):
+            y = top[0].mutable_data_for(xp)      # one pass per operand, written in place
+            xp.add(xs[0], xs[1], out=y)
+            for x in xs[2:]:
+                y += x
+            return
         elif self.op == _SUM:
             y = xs[0] * xs[0].dtype.type(self.coeffs[0])
             for c, x in zip(self.coeffs[1:], xs[1:]):

@@ -43,6 +43,17 @@ def _ptr(a):
     return a.data.ptr
 
 
+def scratch(name, nbytes):
+    """A transient buffer of this thread on the current device, shared by every layer
+    (used within one call, never across calls); grown at the first, eager, run."""
+    handles = context.get().handles
+    key = "scratch:" + name
+    buf = handles.get(key)
+    if buf is None or buf.nbytes < nbytes:
+        buf = handles[key] = backend.cp.empty(int(nbytes), dtype=np.uint8)
+    return buf
+
+
 @register_cudnn("Convolution")
 class CuDNNConvolutionLayer(ConvolutionLayer):
     """Convolution through cuDNN: y = W * x + b; dW += dy (x) x; db += sum dy;
@@ -408,6 +419,13 @@ class CuDNNBatchNormLayer(BatchNormLayer):
             self._desc_key = b.shape
         self._x_copy_needed = bottom[0] is top[0] and not self.use_global_stats
 
+    # The Scale layer right after us, in place on our top, per channel (set by the Net):
+    # training with batch statistics applies its scale and bias in the same cuDNN call
+    # (y = gamma x_hat + beta) and its backward gives their gradients, as PyTorch's affine
+    # batch norm does; the Scale layer skips its own bodies for that pass.
+    fuse_scale = None
+    _fused = None
+
     def _kernel(self, name, dt):
         from ..kernels._backend import cuda_type, raw_kernel
         return raw_kernel(_BN_FOLD, name, cuda_type(dt))
@@ -436,9 +454,17 @@ class CuDNNBatchNormLayer(BatchNormLayer):
                        _ptr(y), self.p_desc.ptr, _ptr(self._ones), _ptr(self._zeros),
                        _ptr(self._mean), _ptr(self._var), float(self.eps))
             return
+        sc = self.fuse_scale if self.fuse_scale is not None and self.fuse_scale.per_channel(
+            top) else None
+        gamma, beta = self._ones, self._zeros
+        if sc is not None:
+            gamma = sc.blobs[0].gpu_data()
+            beta = sc.blobs[1].gpu_data() if sc.bias_term else self._zeros
+            sc.scale_done = sc.scale_bwd_done = True
+        self._fused = sc
         cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL, cudnn.one(dt),
                    cudnn.zero(dt), self.x_desc.ptr, _ptr(x), self.x_desc.ptr, _ptr(y),
-                   self.p_desc.ptr, _ptr(self._ones), _ptr(self._zeros), 1.0, _ptr(self._mean),
+                   self.p_desc.ptr, _ptr(gamma), _ptr(beta), 1.0, _ptr(self._mean),
                    _ptr(self._var), float(self.eps), _ptr(self._save_mean), _ptr(self._save_inv))
         self._kernel("mc_bn_fold", dt)(grid, (256,), (stats[0], stats[1], stats[2], self._mean,
                                                       self._var, dt.type(self.moving_average_fraction),
@@ -460,14 +486,21 @@ class CuDNNBatchNormLayer(BatchNormLayer):
             return
         x = self._x_saved if self._x_copy_needed else bottom[0].gpu_data()
         out = dx
-        if bottom[0] is top[0]:  # in place: cuDNN writes dx into a buffer of its own
-            out = getattr(self, "_dx_tmp", None)
-            if out is None or out.shape != dx.shape:
-                out = self._dx_tmp = backend.cp.empty_like(dx)
+        if bottom[0] is top[0]:  # in place: cuDNN writes dx into a shared scratch buffer
+            out = scratch("bn_dx", dx.nbytes)[:dx.nbytes].view(dx.dtype).reshape(dx.shape)
+        sc = self._fused
+        gamma, dgamma, dbeta, pbeta = self._ones, self._dscale, self._dbias, cudnn.zero(dt)
+        if sc is not None:      # the Scale after us: its parameters and their gradients
+            gamma = sc.blobs[0].gpu_data()
+            dgamma = sc.blobs[0].mutable_gpu_diff() if sc.get_param_propagate_down(0) \
+                else self._dscale
+            if sc.bias_term and sc.get_param_propagate_down(1):
+                dbeta = sc.blobs[1].mutable_gpu_diff()
+            pbeta = cudnn.one(dt)   # parameter diffs accumulate (into the scratch too)
         cudnn.call("cudnnBatchNormalizationBackward", h, cudnn.BN_SPATIAL, cudnn.one(dt),
-                   cudnn.zero(dt), cudnn.one(dt), cudnn.zero(dt), self.x_desc.ptr, _ptr(x),
+                   cudnn.zero(dt), cudnn.one(dt), pbeta, self.x_desc.ptr, _ptr(x),
                    self.x_desc.ptr, _ptr(dy), self.x_desc.ptr, _ptr(out), self.p_desc.ptr,
-                   _ptr(self._ones), _ptr(self._dscale), _ptr(self._dbias), float(self.eps),
+                   _ptr(gamma), _ptr(dgamma), _ptr(dbeta), float(self.eps),
                    _ptr(self._save_mean), _ptr(self._save_inv))
         if out is not dx:
             dx[...] = out

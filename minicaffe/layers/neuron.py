@@ -603,6 +603,30 @@ class ScaleLayer(Layer):
     def _scale_blob(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
 
+    # A cuDNN BatchNorm right before this layer (set by the Net) may apply the scale and
+    # bias itself and compute their gradients in its backward; these flags skip this
+    # layer's bodies for that pass.
+    scale_done = False
+    scale_bwd_done = False
+
+    def forward_gpu(self, bottom, top):
+        if self.scale_done:
+            self.scale_done = False
+            return
+        super().forward_gpu(bottom, top)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if self.scale_bwd_done:
+            self.scale_bwd_done = False
+            return
+        super().backward_gpu(top, propagate_down, bottom)
+
+    def per_channel(self, bottom):
+        """True when this Scale is a learned per-channel (axis 1) scale of one bottom."""
+        p = self.layer_param.scale_param
+        return len(bottom) == 1 and self.blobs[0].num_axes == 1 and \
+            bottom[0].canonical_axis_index(p.axis) == 1
+
     def reshape(self, bottom, top):
         self.dims = _broadcast_dims(self, bottom[0], self._scale_blob(bottom),
                                     self.layer_param.scale_param.axis, "scale")
