@@ -566,7 +566,19 @@ class P2PManager:
                 self._requests.append(action)
 
     def fail(self, rank, exc, message=None, remote=False):
-        """Record the run's first failure and abort every collective and barrier."""
+        """Record the run's first failure and abort every collective and barrier.  In
+        process mode a failure another process already published is the run's failure (an
+        aborted collective here is only its echo)."""
+        if self.abort_channel is not None and not remote and self.failure is None:
+            echo = _is_comm_failure(exc)
+            deadline = time.monotonic() + (2.0 if echo else 0.0)
+            while True:
+                published = self.abort_channel.poll()
+                if published is not None or time.monotonic() >= deadline:
+                    break
+                time.sleep(self.poll_s)
+            if published is not None:
+                message, remote = published, True
         with self._lock:
             first = self.failure is None
             if first:
@@ -621,6 +633,12 @@ class P2PManager:
                 self.fail(None, None, msg, remote=True)
 
 
+def _is_comm_failure(exc):
+    """An error a collective raises when a peer failed (ours, NCCL's or CUDA's)."""
+    return isinstance(exc, comm_mod.CommAborted) or \
+        type(exc).__name__ in ("NcclError", "CUDARuntimeError", "CUDADriverError")
+
+
 def _failure_message(manager, rank, exc):
     if rank is None:
         where = "the run"
@@ -639,8 +657,9 @@ def _failure_message(manager, rank, exc):
 def train_threads(solver_param, devices, source=None, snapshot=None, weights=None,
                   action_function=None, comm_kind=None, progress=None, grace_s=30.0):
     """Data-parallel training with one thread per device (GPU ids, or None for CPU ranks
-    with a FakeComm); the global batch is the prototxt's.  Returns the P2PManager (its
-    ``rates``, ``exposed`` and ``syncs[0].solver``, the root solver)."""
+    with a FakeComm); the global batch is the prototxt's.  ``progress(root_solver)`` may
+    return a progress bar (``update(n)``).  Returns the P2PManager (its ``rates``,
+    ``exposed`` and ``syncs[0].solver``, the root solver)."""
     from .solvers import solver_class
     n = len(devices)
     param = prepare_solver_param(solver_param, n, source)
@@ -662,7 +681,8 @@ def train_threads(solver_param, devices, source=None, snapshot=None, weights=Non
             context.set_mode_cpu()
         context.set_solver_rank(0)
         solver = solver_class(param.type, source or "solver")(param, source=source)
-        solver.progress = progress
+        if progress is not None:
+            solver.progress = progress(solver)
         if snapshot:
             log.info("Resuming from %s", snapshot)
             solver.restore(snapshot)
