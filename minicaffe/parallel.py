@@ -36,7 +36,6 @@ Process mode (one process per GPU) is in ``parallel_launch.py``.
 import collections
 import contextlib
 import logging
-import math
 import os
 import threading
 import time

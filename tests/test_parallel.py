@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minicaffe import context, parallel
-from minicaffe.comm import CommAborted, FakeComm, FakeWorld, share_uid_by_file, \
+from minicaffe.comm import CommAborted, FakeComm, share_uid_by_file, \
     share_uid_by_mpi, encode_uid, decode_uid
 from minicaffe.data.db import open_db
 from minicaffe.errors import MinicaffeError

@@ -3,14 +3,12 @@ train_rank (one rank of a run of one process per GPU) with threads standing in f
 processes, a FakeComm and the file channel of --init_file."""
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
 import time
 
 import numpy as np
-import pytest
 
 from minicaffe import parallel
 from minicaffe.comm import FakeComm
