@@ -1,6 +1,6 @@
 """Multi-GPU scaling of `minicaffe train`: images/s on 1, 2 and 4 GPUs, thread and process
 modes, for AlexNet (models/bvlc_alexnet, 128 images per GPU) and CIFAR-10 quick (100 per
-GPU), both on synthetic data (DummyData) so that no dataset is needed.
+GPU), both on synthetic data (DummyData, constant) so that no dataset is needed.
 
     python benchmarks/multi_gpu_scaling.py [--nets alexnet,cifar10_quick] [--gpus 1,2,4]
         [--modes thread,process] [--iters 100] [--warmup 30] [--out DIR]
@@ -44,8 +44,10 @@ EXPOSED = re.compile(r"all-reduce not hidden under backward: ([0-9.]+) ms")
 
 
 def synthetic_net(src, dst, batch, c, h, w):
-    """``src`` with its Data layers replaced by DummyData of ``batch`` x c x h x w (gaussian)
-    and labels (zeros), TRAIN phase only (tools/dummy_data_net.py does the same)."""
+    """``src`` with its Data layers replaced by DummyData of ``batch`` x c x h x w and labels
+    (zeros), TRAIN phase only.  The data filler is constant, so DummyData fills it once at
+    setup (a gaussian one is drawn on the host every forward, which would dominate a small
+    net's iteration and measure the host rather than the GPUs)."""
     from google.protobuf import text_format
     from minicaffe.net import read_net_param
     from minicaffe.proto import caffe_pb2
@@ -63,7 +65,7 @@ def synthetic_net(src, dst, batch, c, h, w):
             layer.type = "DummyData"
             d = layer.dummy_data_param
             d.shape.add().dim.extend([batch, c, h, w])
-            d.data_filler.add(type="gaussian", std=1.0)
+            d.data_filler.add(type="constant", value=0.5)
             if len(tops) > 1:
                 d.shape.add().dim.append(batch)
                 d.data_filler.add(type="constant", value=0)
