@@ -335,10 +335,13 @@ def train(flags, stream=None):
 
 def _train_parallel(flags, param, path, gpus, stream):
     """Several GPUs, or one rank of a run of one process per GPU (parallel_launch.py)."""
+    from .parallel import root_only_logging
     from .parallel_launch import train_parallel
-    log.info("Using GPUs %s", ", ".join(map(str, gpus)))
-    for g in gpus:
-        log.info("GPU %d: %s", g, _gpu_name(g))
+
+    def describe(ids):
+        log.info("Using GPUs %s", ", ".join(map(str, ids)))
+        for g in ids:
+            log.info("GPU %d: %s", g, _gpu_name(g))
     bars = []
 
     def progress(solver):
@@ -347,12 +350,14 @@ def _train_parallel(flags, param, path, gpus, stream):
             return bars[-1]
         return None
     try:
-        train_parallel(flags, param, path, gpus, progress)
+        with root_only_logging():  # a process of rank > 0 logs warnings and errors only
+            train_parallel(flags, param, path, gpus, progress, describe)
+            log.info("Optimization Done.")
     finally:
+        context.set_solver_rank(0)
         for bar in bars:
             stream.bar = None
             bar.close()
-    log.info("Optimization Done.")
     return 0
 
 

@@ -273,8 +273,10 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
     return argv
 
 
-def train_parallel(flags, param, source, gpus, progress=None):
-    """``minicaffe train`` with several GPUs, a --rank, or under mpirun (cli.train)."""
+def train_parallel(flags, param, source, gpus, progress=None, describe=None):
+    """``minicaffe train`` with several GPUs, a --rank, or under mpirun (cli.train).
+    ``describe(gpu ids)`` logs the GPUs this process uses (after its rank is known)."""
+    describe = describe or (lambda ids: None)
     from .comm import launched_by_mpirun, mpi_world
     from .parallel import train_threads
     from .solvers.signal_handler import SignalHandler
@@ -309,6 +311,9 @@ def train_parallel(flags, param, source, gpus, progress=None):
             raise MinicaffeError(f"rank {rank} is local rank {local} of its machine but --gpu "
                                  f"lists {len(gpus)} GPUs")
         device = gpus[local] if len(gpus) > 1 else gpus[0]
+        context.set_solver_rank(rank)      # from here on only rank 0 logs INFO
+        log.info("Rank %d of %d", rank, size)
+        describe([device])
         with SignalHandler(flags.sigint_effect, flags.sighup_effect) as h:
             try:
                 train_rank(param, source, rank, size, device, share, channel,
@@ -319,6 +324,7 @@ def train_parallel(flags, param, source, gpus, progress=None):
                     raise SystemExit(1) from None   # the launcher prints the one error line
                 raise
         return 0
+    describe(gpus)
     if flags.parallel == "process":
         import tempfile
         d = tempfile.mkdtemp(prefix="minicaffe-init-")

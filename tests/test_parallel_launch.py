@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from minicaffe import parallel
 from minicaffe.comm import FakeComm
@@ -167,3 +168,57 @@ def test_a_process_failing_while_training_stops_the_others(tmp_path, monkeypatch
     out, errs, init = run_processes(tmp_path, param, 2)
     assert str(errs[0]) == "rank 0 (CPU): disk full"
     assert isinstance(errs[1], parallel.ParallelError) and "disk full" in str(errs[1])
+
+
+# -- the CLI's wiring (no GPU here: the GPU checks and the runs themselves are stubbed) -------
+SOLVER_FILE = 'net: "net.prototxt" base_lr: 0.1 max_iter: 1 solver_mode: CPU'
+
+
+@pytest.fixture
+def cli_stubs(tmp_path, monkeypatch):
+    from minicaffe import backend, parallel_launch
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.prototxt").write_text(SOLVER_FILE)
+    monkeypatch.setattr(backend, "gpu_count", lambda: 2)
+    monkeypatch.setattr(parallel_launch, "check_multi_gpu", lambda gpus: None)
+    calls = {}
+    monkeypatch.setattr(parallel_launch, "launch",
+                        lambda argvs, init: calls.setdefault("launch", (argvs, init)) and (0, None))
+    import minicaffe.parallel as par
+    monkeypatch.setattr(par, "train_threads", lambda *a, **k: calls.setdefault("threads", (a, k)))
+    monkeypatch.setattr(parallel_launch, "train_rank",
+                        lambda *a, **k: calls.setdefault("rank", (a, k)))
+    return calls
+
+
+def test_cli_parallel_process_starts_one_child_per_gpu(cli_stubs):
+    from minicaffe.cli import main
+    assert main(["train", "--solver", "s.prototxt", "--gpu", "0,1", "--parallel", "process",
+                 "--sigint_effect", "snapshot", "--log", "run.log"]) == 0
+    argvs, init = cli_stubs["launch"]
+    assert "threads" not in cli_stubs and len(argvs) == 2
+    for r, argv in enumerate(argvs):
+        i = argv.index
+        assert argv[argv.index("--rank") + 1] == str(r) and argv[i("--gpu") + 1] == str(r)
+        assert argv[i("--world_size") + 1] == "2" and argv[i("--init_file") + 1] == init
+        assert argv[i("--sigint_effect") + 1] == "snapshot"
+        assert ("--log" in argv) == (r == 0)           # only rank 0 writes the log file
+
+
+def test_cli_default_is_thread_mode(cli_stubs):
+    from minicaffe.cli import main
+    assert main(["train", "--solver", "s.prototxt", "--gpu", "all"]) == 0
+    (param, gpus, source), k = cli_stubs["threads"]
+    assert gpus == [0, 1] and source.endswith("s.prototxt") and "launch" not in cli_stubs
+
+
+def test_cli_rank_flags_run_one_rank_on_its_gpu(cli_stubs, monkeypatch):
+    from minicaffe.cli import main
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(["train", "--solver", "s.prototxt", "--gpu", "0,1", "--rank", "3",
+                 "--world_size", "4", "--init_file", "id"]) == 0
+    (param, source, rank, size, device, share, channel), k = cli_stubs["rank"]
+    assert (rank, size, device) == (3, 4, 1)                # the GPU of local rank 1
+    from minicaffe import context
+    assert context.solver_rank() == 0                        # restored after the run
+    assert isinstance(channel, FileAbortChannel) and channel.init_file == "id"
