@@ -260,6 +260,9 @@ class P2PSync:
         self._pass = 0
         self._agreed = NONE
         self._n_ctrl = 0
+        self._last_start = None
+        self._tested = False
+        self._n_timed, self._busy_s = 0, 0.0
 
     @property
     def gpu(self):
@@ -344,17 +347,28 @@ class P2PSync:
         """Rank 0's parameters, solver history, iteration and lr step go to every rank."""
         s = self.solver
         bufs = [self.flat.data] + [h.data for h in getattr(s, "history_flat", [])]
-        for mem in bufs:
-            a = mem.mutable_gpu_data() if self.gpu else mem.mutable_cpu_data()
-            self.comm.bcast(a, 0, self.compute if self.gpu else None)
+        arrays = [mem.mutable_gpu_data() if self.gpu else mem.mutable_cpu_data() for mem in bufs]
+        if self.gpu:   # after any upload the compute stream has queued (a restore)
+            self.comm_stream.wait_event(self.compute.record())
+        for a in arrays:
+            self.comm.bcast(a, 0, self.comm_stream if self.gpu else None)
         if self.gpu:
-            self.compute.synchronize()
-        v = self.comm.allreduce_host([s.iter, s.current_step] if self.rank == 0 else [0, 0])
+            self.comm_stream.synchronize()
+        v = self._host_sum([s.iter, s.current_step] if self.rank == 0 else [0, 0])
         s.iter, s.current_step = int(v[0]), int(v[1])
+
+    def _host_sum(self, values):
+        """The sum over the ranks of a few host numbers.  On the GPU it runs on the
+        communication stream, like every collective of this rank, after the compute
+        stream's queued work."""
+        if not self.gpu:
+            return self.comm.allreduce_host(values)
+        self.comm_stream.wait_event(self.compute.record())
+        with self.comm_stream:
+            return self.comm.allreduce_host(values)
 
     def _train(self):
         s = self.solver
-        self._t0, self._n0 = None, 0
         if self.rank == 0:
             s.solve()
         else:
@@ -362,17 +376,19 @@ class P2PSync:
             p = s.param
             if not s.requested_early_exit and p.test_interval and s.iter % p.test_interval == 0:
                 s.test_all()
-        self._t1 = time.perf_counter()
 
     # -- solver callbacks ---------------------------------------------------------------------
     def on_start(self):
         self._pass = 0
         self._diff = self._diff_array()
+        # images/s: the time from one iteration's start to the next, after two warm-up
+        # iterations, leaving out the intervals that held a test pass
         now = time.perf_counter()
-        # images/s: from the start of the 3rd iteration on (the first ones warm up)
-        if self._n0 == 2:
-            self._t0 = now
-        self._n0 += 1
+        if self._last_start is not None and not self._tested:
+            self._n_timed += 1
+            if self._n_timed > 2:
+                self._busy_s += now - self._last_start
+        self._last_start, self._tested = now, False
 
     def _after_backward(self, layer_index):
         if self._pass < self.iter_size - 1:   # accumulate locally; reduce in the last pass
@@ -454,21 +470,22 @@ class P2PSync:
     # -- test --------------------------------------------------------------------------------------
     def gather_test_results(self, loss, scores, n_iter):
         """Every rank tested its own shard: sum the loss and scores over the ranks."""
-        v = self.comm.allreduce_host([loss] + [float(x) for x in scores])
+        self._tested = True
+        v = self._host_sum([loss] + [float(x) for x in scores])
         return float(v[0]), [np.float32(x) for x in v[1:]], n_iter * self.manager.world_size
 
     # -- the end ------------------------------------------------------------------------------------
     def _report(self):
-        n_timed = self._n0 - 2
-        if self._t0 is not None and n_timed > 0:
-            self.images_per_s = self.batch * self.iter_size * n_timed / (self._t1 - self._t0)
+        n_timed = self._n_timed - 2
+        if n_timed > 0 and self._busy_s > 0:
+            self.images_per_s = self.batch * self.iter_size * n_timed / self._busy_s
         w = self.manager.world_size
         rates = np.zeros(w)
         rates[self.rank] = self.images_per_s
         exposed = np.zeros(w)
         tail = self.exposed_ms[2:] if len(self.exposed_ms) > 2 else self.exposed_ms
         exposed[self.rank] = float(np.mean(tail)) if tail else 0.0
-        v = self.comm.allreduce_host(np.concatenate([rates, exposed]))
+        v = self._host_sum(np.concatenate([rates, exposed]))
         self.manager.rates, self.manager.exposed = v[:w], v[w:]
         if self.rank == 0:
             for r in range(w):
