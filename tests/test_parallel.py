@@ -544,3 +544,13 @@ def test_only_the_root_logs_info(tmp_path):
     # the root's train and test nets (built before the manager); not rank 1's
     assert text.count("Creating Layer conv") == 2
     assert "P2PManager: total" in text and "P2PManager: rank 1:" in text
+
+
+def test_nccl_multicast_stays_off_unless_the_user_chose(monkeypatch):
+    from minicaffe.comm import keep_multicast_off
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    keep_multicast_off()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    keep_multicast_off()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"

@@ -174,3 +174,45 @@ def test_lenet_on_all_gpus_learns(tmp_path, mnist_dir):
     acc = [float(l.rsplit("=", 1)[1]) for l in log_file.read_text().splitlines()
            if "Test net output #0: accuracy" in l]
     assert acc and acc[-1] > 0.97, acc
+
+
+def test_processes_started_by_hand_equal_one_gpu(tmp_path):
+    gpus_or_skip(2)
+    param = solver_param(tmp_path, batch=12, max_iter=8)
+    param.snapshot_after_train = True
+    param.snapshot_prefix = str(tmp_path / "one")
+    one = write_solver(tmp_path, param, "one.prototxt")
+    param.snapshot_prefix = str(tmp_path / "two")
+    two = write_solver(tmp_path, param, "two.prototxt")
+    assert run_cli(["--solver", one, "--gpu", "0"], tmp_path).returncode == 0
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    init = str(tmp_path / "run.id")
+    procs = [subprocess.Popen([sys.executable, "-m", "minicaffe", "train", "--solver", two,
+                               "--gpu", str(r), "--rank", str(r), "--world_size", "2",
+                               "--init_file", init], cwd=tmp_path, env=env,
+                              stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+    outs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert_gpu_close(final_weights(tmp_path / "two", 8), final_weights(tmp_path / "one", 8))
+
+
+def test_mpirun_ranks_equal_one_gpu(tmp_path):
+    import shutil
+    gpus_or_skip(2)
+    pytest.importorskip("mpi4py")
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun")
+    param = solver_param(tmp_path, batch=12, max_iter=8)
+    param.snapshot_after_train = True
+    param.snapshot_prefix = str(tmp_path / "one")
+    one = write_solver(tmp_path, param, "one.prototxt")
+    param.snapshot_prefix = str(tmp_path / "two")
+    two = write_solver(tmp_path, param, "two.prototxt")
+    assert run_cli(["--solver", one, "--gpu", "0"], tmp_path).returncode == 0
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run(["mpirun", "-np", "2", sys.executable, "-m", "minicaffe", "train",
+                        "--solver", two, "--gpu", "0,1"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_gpu_close(final_weights(tmp_path / "two", 8), final_weights(tmp_path / "one", 8))
