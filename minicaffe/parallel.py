@@ -414,6 +414,14 @@ class P2PSync:
             self._comm_s += time.perf_counter() - t0
 
     def on_gradients_ready(self):
+        """Before the update: join the reductions, then agree on stop/snapshot."""
+        self.join_reductions()
+        self.agree()
+
+    def join_reductions(self):
+        """The compute stream waits (an event, not the host) for the last bucket's
+        reduction.  Inside a captured CUDA graph this is the join of the forked
+        communication stream."""
         if self.gpu:
             done = self.comm_stream.record()
             self.compute.wait_event(done)   # the update waits for the last reduction
@@ -422,12 +430,12 @@ class P2PSync:
         else:
             self.exposed_ms.append(self._comm_s * 1e3)
             self._comm_s = 0.0
-        self._agree()
 
     # -- agreeing on stop / snapshot ----------------------------------------------------------
-    def _agree(self):
+    def agree(self):
         """Contribute this rank's request to a 2-number all-reduce (snapshot, stop) and act
-        on the previous iteration's result, which is long done: the host never waits."""
+        on the previous iteration's result, which is long done: the host never waits.
+        Host work (it reads pinned memory): outside a captured graph, after its launch."""
         req = self.manager.take_request(self)
         slot, prev = self._n_ctrl % 2, (self._n_ctrl + 1) % 2
         self._n_ctrl += 1
