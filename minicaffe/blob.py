@@ -280,6 +280,16 @@ class Blob:
         self.mutable_diff_for(self._side(self._diff))[...] *= factor
 
     # -- sharing and copying ---------------------------------------------------
+    def own_data(self):
+        """Give the data memory of its own back to a blob whose data was pointed at
+        another buffer (``set_cpu_data``/``set_gpu_data``); a no-op when it owns it."""
+        m = self._data
+        if isinstance(m, SyncedMemory) and (m._cpu is None or m._own_cpu) and \
+                (m._gpu is None or m._own_gpu):
+            return
+        self._data = SyncedMemory(self._capacity, self.dtype)
+        self.drop_views()
+
     def share_data(self, other):
         if self._count != other._count:
             raise ValueError(f"share_data: counts differ ({self._count} vs {other._count})")

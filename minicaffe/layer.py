@@ -28,6 +28,16 @@ class Layer:
     max_top_blobs = -1
     equal_num_bottom_top_blobs = False
     auto_top_blobs = False
+    # GPU: the forward and backward bodies may be captured in a CUDA graph and replayed
+    # (they never wait for the host, read values back, call CuPy's cuBLAS or cuRAND, or
+    # take decisions from device data; persistent buffers are made on the first call)
+    capturable = False
+    # a data layer: its forward is host work plus a copy into its tops, run before the
+    # captured part of the iteration each time (gpu/graph.py)
+    graph_prologue = False
+    # set by the Net: a later layer rewrites one of this layer's tops in place, so a
+    # backward that reads the top data would read the later value (cuDNN's pooling does)
+    top_rewritten = False
 
     def __init__(self, param):
         self.layer_param = param
@@ -101,18 +111,28 @@ class Layer:
 
     # -- forward/backward -------------------------------------------------------
     def forward(self, bottom, top):
-        self.reshape(bottom, top)
-        if context.is_gpu():
-            self.forward_gpu(bottom, top)
-            xp = backend.cp
-        else:
-            self.forward_cpu(bottom, top)
-            xp = np
+        self.forward_body(bottom, top)
+        xp = backend.cp if context.is_gpu() else np
         loss = 0.0
         for i, t in enumerate(top):
             if self.loss(i):
                 loss += float((t.data_for(xp) * t.diff_for(xp)).sum())
+        if xp is not np:
+            self.check_deferred()
         return loss
+
+    def forward_body(self, bottom, top):
+        """Reshape and run this mode's forward body; no loss read back (the GPU step
+        accumulates it on the device)."""
+        self.reshape(bottom, top)
+        if context.is_gpu():
+            self.forward_gpu(bottom, top)
+        else:
+            self.forward_cpu(bottom, top)
+
+    def check_deferred(self):
+        """Raise the errors a GPU body found on the device without stopping for them
+        (a label out of range, say).  Called once the host has waited for the work."""
 
     def backward(self, top, propagate_down, bottom):
         if context.is_gpu():

@@ -282,6 +282,11 @@ class Net:
                 for blob_id in self.top_id_vecs[-1]:
                     self._blob_need_backward[blob_id] = True
         self._analyse_backward(param)
+        for lid, layer in enumerate(self.layers):
+            tops = set(self.top_id_vecs[lid])
+            layer.top_rewritten = any(
+                b in tops and b in self.bottom_id_vecs[j]
+                for j in range(lid + 1, len(self.layers)) for b in self.top_id_vecs[j])
         self.output_blob_indices = [name_to_idx[n] for n in sorted(available)]
         for i in self.output_blob_indices:
             log.info("This network produces output %s", self.blob_names[i])
@@ -431,6 +436,25 @@ class Net:
             for cb in self._after_forward:
                 cb(i)
         return loss
+
+    def forward_device(self, start, end=None, ring_addr=0, counter=None, ring=1):
+        """GPU: run layers [start, end] without reading anything back; each loss top adds
+        sum(data * loss weight) into ``ring[counter % ring]`` (a float64 ring in mapped
+        host memory at ``ring_addr``) on the device (gpu/graph.py)."""
+        from .kernels.step import loss_accumulate
+        if end is None:
+            end = len(self.layers) - 1
+        for i in range(start, end + 1):
+            for cb in self._before_forward:
+                cb(i)
+            layer = self.layers[i]
+            layer.forward_body(self.bottom_vecs[i], self.top_vecs[i])
+            if ring_addr:
+                for j, t in enumerate(self.top_vecs[i]):
+                    if layer.loss(j):
+                        loss_accumulate(t.gpu_data(), t.gpu_diff(), ring_addr, counter, ring)
+            for cb in self._after_forward:
+                cb(i)
 
     def forward_prefilled(self):
         """Run every layer; return the total weighted loss (Caffe's ``Forward(&loss)``)."""

@@ -1,9 +1,18 @@
-"""One registry of layer classes, keyed by the prototxt ``type`` string."""
+"""One registry of layer classes, keyed by the prototxt ``type`` string, with Caffe's
+engine switch: a type may also have a cuDNN class, chosen at creation as Caffe's layer
+factory chooses (``engine: CUDNN``, or ``DEFAULT`` when cuDNN loads)."""
 import difflib
 
+from . import log
 from .errors import ConfigError
 
 _LAYERS = {}
+_CUDNN = {}
+# the LayerParameter field holding each type's ``engine`` (BatchNorm has none: DEFAULT)
+ENGINE_FIELDS = {"Convolution": "convolution_param", "Pooling": "pooling_param",
+                 "LRN": "lrn_param", "ReLU": "relu_param", "Sigmoid": "sigmoid_param",
+                 "TanH": "tanh_param", "Softmax": "softmax_param", "SPP": "spp_param"}
+_said = set()
 
 
 def register_layer(type_name):
@@ -15,6 +24,59 @@ def register_layer(type_name):
         _LAYERS[type_name] = cls
         return cls
     return deco
+
+
+def register_cudnn(type_name):
+    """Class decorator: the cuDNN engine's class for layer type ``type_name``."""
+    def deco(cls):
+        cls.type = type_name
+        _CUDNN[type_name] = cls
+        return cls
+    return deco
+
+
+def engine_name(param):
+    """'DEFAULT', 'CAFFE' or 'CUDNN', as the layer's parameter says."""
+    field = ENGINE_FIELDS.get(param.type)
+    if field is None:
+        return "DEFAULT"
+    sub = getattr(param, field)
+    return type(sub).Engine.Name(sub.engine)
+
+
+def _say_once(key, fn, *args):
+    if key not in _said:
+        _said.add(key)
+        fn(*args)
+
+
+def choose_class(param):
+    """The class Caffe's factory would build: the cuDNN one for ``engine: CUDNN``, or for
+    DEFAULT when cuDNN is usable; Caffe's own otherwise (with one line saying why)."""
+    cls = layer_class(param.type, param.name)
+    alt = _CUDNN.get(param.type)
+    engine = engine_name(param)
+    if engine == "CAFFE" or (alt is None and engine != "CUDNN"):
+        return cls
+    if alt is None:
+        _say_once(("cudnn-none", param.type, param.name), log.warning,
+                  "layer '%s' asks for engine CUDNN; minicaffe has no cuDNN %s layer: using "
+                  "Caffe's engine", param.name, param.type)
+        return cls
+    from .gpu import cudnn
+    ok, why = cudnn.available()
+    if ok:
+        return alt
+    if engine == "CUDNN":
+        _say_once(("cudnn-asked", param.type, param.name), log.warning,
+                  "layer '%s' asks for engine CUDNN, but cuDNN is not available (%s); using "
+                  "Caffe's engine", param.name, why)
+    else:
+        from . import backend
+        if backend.gpu_available():
+            _say_once("cudnn-default", log.info, "cuDNN is not available (%s): layers use "
+                      "Caffe's engine", why)
+    return cls
 
 
 def _load_all():
@@ -40,5 +102,6 @@ def layer_class(type_name, layer_name="?"):
 
 
 def create_layer(param):
-    """A new layer for LayerParameter ``param``."""
-    return layer_class(param.type, param.name)(param)
+    """A new layer for LayerParameter ``param`` (engine chosen as Caffe does)."""
+    _load_all()
+    return choose_class(param)(param)

@@ -246,7 +246,7 @@ def test_minicaffe_extensions():
     assert _field(pb.SolverParameter, "minicaffe_precision").number == 10003
     solver = pb.SolverParameter()
     assert solver.reduce_buckets == 6
-    assert solver.cuda_graph is False
+    assert solver.cuda_graph is True
     assert solver.minicaffe_precision == "FLOAT"
 
 

@@ -199,6 +199,8 @@ def effective_transform_param(layer_param):
 
 class BaseDataLayer(Layer):
     """A layer with no bottoms whose tops are data (and optionally labels)."""
+    graph_prologue = True
+    fixed_tops = False
     exact_num_bottom_blobs = 0
     min_top_blobs = 1
     max_top_blobs = 2
@@ -260,10 +262,15 @@ class BasePrefetchingDataLayer(BaseDataLayer):
         self._current = batch
         return batch
 
-    @staticmethod
-    def _hand_over(src, top, gpu):
-        """Point ``top`` at ``src``'s memory (Caffe's set_cpu_data/set_gpu_data)."""
+    def _hand_over(self, src, top, gpu):
+        """Point ``top`` at ``src``'s memory (Caffe's set_cpu_data/set_gpu_data); with
+        ``fixed_tops`` (a replayed CUDA graph reads the tops at fixed addresses) copy into
+        the top's own memory instead, on the compute stream."""
         top.reshape(src.shape)
+        if gpu and self.fixed_tops:
+            top.own_data()
+            top.mutable_gpu_data()[...] = src.gpu_data()
+            return
         if src.data_mem.size < top.data_mem.size:  # the top grew earlier: copy instead
             if gpu:
                 top.mutable_gpu_data()[...] = src.gpu_data()

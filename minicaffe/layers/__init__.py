@@ -1,7 +1,7 @@
 """Built-in layers, one module per family; importing registers them all."""
-from . import data, vision, neuron, common, loss  # noqa: F401
+from . import data, vision, neuron, common, loss, normalization, cudnn_layers  # noqa: F401
 
-_OPTIONAL = ["normalization", "recurrent", "python_layer", "data_layers"]
+_OPTIONAL = ["recurrent", "python_layer", "data_layers"]
 for _name in _OPTIONAL:
     try:
         __import__(f"{__name__}.{_name}")

@@ -14,6 +14,7 @@ from ..blob import Blob
 from ..filler import fill
 from ..layer import Layer
 from ..proto import caffe_pb2
+from ..blas import gemm
 from ..registry import register_layer
 
 
@@ -49,6 +50,7 @@ class InnerProductLayer(Layer):
     """Fully connected: bottom (M, K) flattened from ``axis`` -> top (M, N).
     y = x W^T + b  (W is (N, K), or (K, N) with ``transpose``).
     dW += dy^T x, db += sum_m dy, dx = dy W."""
+    capturable = True
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -91,7 +93,7 @@ class InnerProductLayer(Layer):
         x = bottom[0].data_for(xp).reshape(self.M, self.K)
         w = self.blobs[0].data_for(xp)
         y = top[0].mutable_data_for(xp).reshape(self.M, self.N)
-        xp.matmul(x, w if self.transpose else w.T, out=y)
+        gemm(xp, x, w, y, trans_b=not self.transpose)
         if self.bias_term:
             y += self.blobs[1].data_for(xp)
 
@@ -100,19 +102,33 @@ class InnerProductLayer(Layer):
         x = bottom[0].data_for(xp).reshape(self.M, self.K)
         if self.get_param_propagate_down(0):
             dw = self.blobs[0].mutable_diff_for(xp)
-            dw += (x.T @ dy) if self.transpose else (dy.T @ x)
+            if self.transpose:
+                gemm(xp, x, dy, dw, trans_a=True, beta=1.0)
+            else:
+                gemm(xp, dy, x, dw, trans_a=True, beta=1.0)
         if self.bias_term and self.get_param_propagate_down(1):
-            self.blobs[1].mutable_diff_for(xp)[...] += dy.sum(axis=0)
+            db = self.blobs[1].mutable_diff_for(xp)
+            if xp is np:
+                db += dy.sum(axis=0)
+            else:  # a GEMV with a ones vector: cuBLAS, deterministic, no temporary
+                gemm(xp, self._ones(xp), dy, db.reshape(1, self.N), beta=1.0)
         if propagate_down[0]:
             w = self.blobs[0].data_for(xp)
             dx = bottom[0].mutable_diff_for(xp).reshape(self.M, self.K)
-            xp.matmul(dy, w.T if self.transpose else w, out=dx)
+            gemm(xp, dy, w, dx, trans_b=self.transpose)
+
+    def _ones(self, xp):
+        o = getattr(self, "_ones_arr", None)
+        if o is None or o.shape != (1, self.M) or not isinstance(o, xp.ndarray):
+            o = self._ones_arr = xp.ones((1, self.M), dtype=self.blobs[0].dtype)
+        return o
 
 
 @register_layer("Split")
 class SplitLayer(Layer):
     """Copies one bottom to several tops (sharing its data); the bottom's diff is
     the sum of the tops' diffs."""
+    capturable = True
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -145,6 +161,7 @@ def softmax(xp, x, axis):
 @register_layer("Softmax")
 class SoftmaxLayer(Layer):
     """Softmax over ``axis`` (default 1).  dx = y * (dy - sum(dy * y, axis))."""
+    capturable = True
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -241,6 +258,7 @@ class ConcatLayer(Layer):
     """Joins the bottoms along ``axis`` (default 1, the channels); every other
     dimension must agree.  dx_i = the matching slice of dy.  One bottom: the top
     shares its data and diff."""
+    capturable = True
     min_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -290,6 +308,7 @@ class SliceLayer(Layer):
     increasing, inside the axis; one fewer than the tops), or into equal parts
     when none are given.  dx = the tops' diffs joined back.  One top: it shares
     the bottom's data and diff."""
+    capturable = True
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -358,6 +377,7 @@ class EltwiseLayer(Layer):
     ``coeff`` default 1) or MAX (y = max x_i; ties go to the first bottom).
     PROD: dx_i = dy * prod_{j != i} x_j (``stable_prod_grad``) or dy * y / x_i;
     SUM: dx_i = c_i dy;  MAX: dx_i = dy where bottom i was the max, else 0."""
+    capturable = True
     min_bottom_blobs = 2
     exact_num_top_blobs = 1
 
@@ -440,6 +460,7 @@ class EltwiseLayer(Layer):
 class FlattenLayer(Layer):
     """Merges axes [axis, end_axis] (default 1 to -1) into one: (N, C, H, W) ->
     (N, C*H*W).  The top shares the bottom's data and diff."""
+    capturable = True
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -468,6 +489,7 @@ class ReshapeLayer(Layer):
     """Gives the bottom a new shape of the same count: ``shape`` replaces bottom
     axes [axis, axis + num_axes) (default all); a 0 copies the bottom's dimension
     at that place, one -1 is inferred.  The top shares the bottom's data and diff."""
+    capturable = True
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -679,6 +701,7 @@ class ArgMaxLayer(Layer):
 class SilenceLayer(Layer):
     """Consumes its bottoms (so they are not net outputs) and makes no top; backward
     writes zero diffs."""
+    capturable = True
     min_bottom_blobs = 1
     exact_num_top_blobs = 0
 

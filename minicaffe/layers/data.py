@@ -15,6 +15,7 @@ def _shape(s):
 class InputLayer(Layer):
     """Tops of fixed shapes that the user fills (``input_param { shape { dim: ... } }``,
     one shape for all tops or one per top)."""
+    capturable = True
     min_top_blobs = 1
 
     def layer_setup(self, bottom, top):
@@ -38,6 +39,7 @@ class InputLayer(Layer):
 @register_layer("DummyData")
 class DummyDataLayer(Layer):
     """Tops filled by fillers: constant ones once at setup, random ones every forward."""
+    graph_prologue = True
     exact_num_bottom_blobs = 0
     min_top_blobs = 1
 
@@ -90,6 +92,7 @@ class DummyDataLayer(Layer):
 class MemoryDataLayer(Layer):
     """Batches from arrays given with ``set_input_arrays(data, labels)`` (pycaffe) or
     ``reset``: data top (batch, channels, height, width), label top (batch,)."""
+    graph_prologue = True
     exact_num_bottom_blobs = 0
     exact_num_top_blobs = 2
 

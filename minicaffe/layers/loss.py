@@ -97,7 +97,10 @@ extern "C" __global__ void softmax_loss_fwd(const T* x, const T* label, T* prob,
     for (int c = 0; c < C; ++c) pr[(long long)c * inner] /= s;
     int lab = (int)label[idx];
     bool ok = !(has_ignore && lab == ignore_label);
-    if (ok && (lab < 0 || lab >= C)) { *bad = 1; ok = false; }
+    if (ok && (lab < 0 || lab >= C)) {
+      if (atomicCAS(bad, 0, 1) == 0) bad[1] = lab;   // the first bad label seen, kept
+      ok = false;
+    }
     T p = ok ? pr[(long long)lab * inner] : (T)1;
     loss[idx] = ok ? -log(p > (T)MC_FLT_MIN ? p : (T)MC_FLT_MIN) : (T)0;
     valid[idx] = ok ? (T)1 : (T)0;
@@ -105,12 +108,12 @@ extern "C" __global__ void softmax_loss_fwd(const T* x, const T* label, T* prob,
 }
 
 extern "C" __global__ void softmax_loss_bwd(const T* prob, const T* label, const T* valid,
-    const T* loss_weight, T inv_norm, T* dx, long long n, int C, int inner) {
+    const T* loss_weight, const double* inv_norm, T* dx, long long n, int C, int inner) {
   CUDA_KERNEL_LOOP(j, n) {
     long long i = j % inner, oc = j / inner, c = oc % C, o = oc / C;
     long long idx = o * inner + i;
     T d = prob[j] - ((int)label[idx] == c ? (T)1 : (T)0);
-    dx[j] = d * valid[idx] * (loss_weight[0] * inv_norm);
+    dx[j] = d * valid[idx] * (loss_weight[0] * (T)inv_norm[0]);
   }
 }
 """
@@ -182,8 +185,12 @@ class SoftmaxWithLossLayer(LossLayer):
         d3 *= self._valid[:, None, :]
         d3 *= _loss_weight(xp, top) / normalizer(self.norm, self.outer, self.inner, self._count)
 
-    # GPU: the same math fused into two kernels, with one read back to the host (the loss
-    # sum, the count of valid labels, and whether any label was out of range).
+    # GPU: the same math in two fused kernels and a few reductions, all on the device (no
+    # read back, so the step can be captured in a CUDA graph).  A label out of range sets
+    # a device flag with the first bad value; check_deferred raises it once the host has
+    # waited for the work (at once in Layer.forward, at the next log point in a GPU step).
+    capturable = True
+
     def forward_gpu(self, bottom, top):
         from ..kernels._backend import launch
         cp = backend.cp
@@ -192,23 +199,34 @@ class SoftmaxWithLossLayer(LossLayer):
         n = self.outer * self.inner
         label = bottom[1].gpu_data()
         p = self.prob.mutable_gpu_data()
+        if getattr(self, "_bad", None) is None:
+            self._bad = cp.zeros(2, dtype=np.int32)
         loss = cp.empty(n, dtype=x.dtype)
         valid = cp.empty(n, dtype=x.dtype)
-        bad = cp.zeros(1, dtype=np.int32)
         launch(_softmax_loss_kernel("softmax_loss_fwd", x.dtype), n,
-               (x, label, p, loss, valid, bad, np.int64(n), np.int32(C), np.int32(self.inner),
-                np.int32(self.has_ignore), np.int32(self.ignore_label)))
-        total, count, any_bad = cp.stack([loss.sum(dtype=np.float64), valid.sum(dtype=np.float64),
-                                          bad[0].astype(np.float64)]).get()
-        if any_bad:  # the error path: find the offending value as the CPU body does
-            _checked_labels(self, cp, label.reshape(self.outer, self.inner), C,
-                            self.has_ignore, self.ignore_label)
+               (x, label, p, loss, valid, self._bad, np.int64(n), np.int32(C),
+                np.int32(self.inner), np.int32(self.has_ignore), np.int32(self.ignore_label)))
+        total = loss.sum(dtype=np.float64)
+        if self.norm == _Norm.VALID:
+            norm = cp.maximum(valid.sum(dtype=np.float64), 1.0)
+        else:
+            norm = cp.full((), normalizer(self.norm, self.outer, self.inner, -1), np.float64)
         self._valid = valid
-        self._count = int(count)
-        top[0].mutable_gpu_data()[...] = total / normalizer(self.norm, self.outer, self.inner,
-                                                            self._count)
+        self._inv_norm = 1.0 / norm
+        top[0].mutable_gpu_data()[...] = total * self._inv_norm
         if len(top) == 2:
             top[1].mutable_gpu_data()[...] = p
+
+    def check_deferred(self):
+        bad = getattr(self, "_bad", None)
+        if bad is None:
+            return
+        flag, value = (int(v) for v in bad.get())
+        if flag:
+            bad.fill(0)
+            extra = f" and is not the ignore_label ({self.ignore_label})" if self.has_ignore else ""
+            raise self.error(f"label {value} is out of range [0, "
+                             f"{self.prob.shape[self.axis]}){extra}")
 
     def backward_gpu(self, top, propagate_down, bottom):
         from ..kernels._backend import launch
@@ -217,9 +235,8 @@ class SoftmaxWithLossLayer(LossLayer):
             return
         p = self.prob.gpu_data()
         C = p.shape[self.axis]
-        inv_norm = p.dtype.type(1.0 / normalizer(self.norm, self.outer, self.inner, self._count))
         launch(_softmax_loss_kernel("softmax_loss_bwd", p.dtype), p.size,
-               (p, bottom[1].gpu_data(), self._valid, top[0].gpu_diff(), inv_norm,
+               (p, bottom[1].gpu_data(), self._valid, top[0].gpu_diff(), self._inv_norm,
                 bottom[0].mutable_gpu_diff(), np.int64(p.size), np.int32(C), np.int32(self.inner)))
 
 
@@ -283,6 +300,7 @@ class SigmoidCrossEntropyLossLayer(LossLayer):
 class EuclideanLossLayer(LossLayer):
     """loss = sum (a - b)^2 / (2 N) over bottoms a, b of the same count(1) per item;
     da = (a - b) * loss_weight / N, db = -da.  Both bottoms may receive gradients."""
+    capturable = True
 
     def layer_setup(self, bottom, top):
         self.diff = Blob(dtype=bottom[0].dtype)

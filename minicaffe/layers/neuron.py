@@ -28,6 +28,7 @@ def _quiet(xp):
 
 class _SavesInput(NeuronLayer):
     """A neuron layer whose backward reads ``x``: in place, forward keeps a copy."""
+    capturable = True
     _x_copy = None
 
     def _input_for_forward(self, xp, bottom, top):
@@ -139,6 +140,7 @@ class PReLULayer(_SavesInput):
 @register_layer("ELU")
 class ELULayer(NeuronLayer):
     """y = x if x > 0 else alpha * (exp(x) - 1);  dx = dy * (x > 0 ? 1 : y + alpha)."""
+    capturable = True
 
     def forward_xp(self, xp, bottom, top):
         x = bottom[0].data_for(xp)
@@ -159,6 +161,7 @@ class ELULayer(NeuronLayer):
 @register_layer("Sigmoid")
 class SigmoidLayer(NeuronLayer):
     """y = 1 / (1 + exp(-x)) (as 0.5 tanh(x/2) + 0.5);  dx = dy * y * (1 - y)."""
+    capturable = True
 
     def forward_xp(self, xp, bottom, top):
         top[0].mutable_data_for(xp)[...] = _sigmoid(xp, bottom[0].data_for(xp))
@@ -173,6 +176,7 @@ class SigmoidLayer(NeuronLayer):
 @register_layer("TanH")
 class TanHLayer(NeuronLayer):
     """y = tanh(x);  dx = dy * (1 - y^2)."""
+    capturable = True
 
     def forward_xp(self, xp, bottom, top):
         xp.tanh(bottom[0].data_for(xp), out=top[0].mutable_data_for(xp))
@@ -187,6 +191,7 @@ class TanHLayer(NeuronLayer):
 @register_layer("AbsVal")
 class AbsValLayer(NeuronLayer):
     """y = |x|;  dx = dy * sign(x).  Not in place (backward needs the sign of x)."""
+    capturable = True
 
     def layer_setup(self, bottom, top):
         if top[0] is bottom[0]:
@@ -273,6 +278,7 @@ def _log_base(layer, base):
 @register_layer("Exp")
 class ExpLayer(NeuronLayer):
     """y = base ^ (shift + scale * x) (base -1 means e);  dx = dy * y * ln(base) * scale."""
+    capturable = True
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.exp_param
@@ -331,6 +337,7 @@ class LogLayer(_SavesInput):
 class ThresholdLayer(NeuronLayer):
     """y = 1 if x > threshold else 0.  The gradient is zero wherever it exists, so
     backward writes zeros (Caffe leaves backward unimplemented)."""
+    capturable = True
 
     def forward_xp(self, xp, bottom, top):
         x = bottom[0].data_for(xp)
@@ -371,6 +378,7 @@ class ClipLayer(_SavesInput):
 @register_layer("Swish")
 class SwishLayer(NeuronLayer):
     """y = x * sigmoid(beta * x);  dx = dy * (beta * y + sigmoid(beta x) * (1 - beta * y))."""
+    capturable = True
 
     def forward_xp(self, xp, bottom, top):
         x = bottom[0].data_for(xp)
@@ -390,10 +398,15 @@ class SwishLayer(NeuronLayer):
 
 @register_layer("Dropout")
 class DropoutLayer(NeuronLayer):
-    """TRAIN: y = x * m * s, with m ~ Bernoulli(1 - dropout_ratio) drawn from this
-    thread's generator and s = 1 / (1 - ratio) (``scale_train``, the default) or 1.
-    TEST: y = x, or y = x * (1 - ratio) when ``scale_train`` is false.
-    dx = dy times the same factor."""
+    """TRAIN: y = x * m * s, with m ~ Bernoulli(1 - dropout_ratio) and s = 1 / (1 - ratio)
+    (``scale_train``, the default) or 1.  TEST: y = x, or y = x * (1 - ratio) when
+    ``scale_train`` is false.  dx = dy times the same factor.
+
+    The CPU draws the mask from this thread's generator and keeps it for backward.  The
+    GPU draws it from a counter-based generator (Philox, kernels/dropout.py) keyed by a
+    seed taken from this thread's generator at setup: nothing is stored, backward redraws
+    the same mask, and the draw captures in a CUDA graph (a new mask every replay)."""
+    capturable = True
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.dropout_param
@@ -403,20 +416,33 @@ class DropoutLayer(NeuronLayer):
         self.scale_train = p.scale_train
         self.scale = 1.0 / (1.0 - self.ratio)
         self._mask = None
+        self._seed = None
+        self._pass = None
 
     def _uniform(self, xp, shape):
-        if xp is np:
-            return context.rng().random_sample(shape)
-        return context.gpu_rng().random_sample(shape, dtype=np.float32)
+        return context.rng().random_sample(shape)
+
+    def _gpu_state(self, xp):
+        if self._pass is None:
+            self._seed = int(context.rng().randint(0, 2 ** 31)) << 31 | \
+                int(context.rng().randint(0, 2 ** 31))
+            self._pass = xp.zeros(1, dtype=np.int64)
+        return self._seed, self._pass
 
     def forward_xp(self, xp, bottom, top):
         x = bottom[0].data_for(xp)
         y = top[0].mutable_data_for(xp)
         t = x.dtype.type
         if self.phase == caffe_pb2.TRAIN:
-            keep = self._uniform(xp, x.shape) >= self.ratio
-            self._mask = keep * t(self.scale if self.scale_train else 1.0)
-            y[...] = x * self._mask
+            s = self.scale if self.scale_train else 1.0
+            if xp is np:
+                keep = self._uniform(xp, x.shape) >= self.ratio
+                self._mask = keep * t(s)
+                y[...] = x * self._mask
+            else:
+                from ..kernels.dropout import dropout
+                seed, counter = self._gpu_state(xp)
+                dropout(x, y, seed, counter, self.ratio, s)
         elif self.scale_train:
             if top[0] is not bottom[0]:
                 y[...] = x
@@ -430,7 +456,13 @@ class DropoutLayer(NeuronLayer):
         dx = bottom[0].mutable_diff_for(xp)
         t = dy.dtype.type
         if self.phase == caffe_pb2.TRAIN:
-            dx[...] = dy * xp.asarray(self._mask)
+            if xp is np:
+                dx[...] = dy * xp.asarray(self._mask)
+            else:
+                from ..kernels.dropout import dropout
+                seed, counter = self._gpu_state(xp)
+                dropout(dy, dx, seed, counter, self.ratio,
+                        self.scale if self.scale_train else 1.0, backward=True)
         elif self.scale_train:
             if top[0] is not bottom[0]:
                 dx[...] = dy
@@ -477,6 +509,7 @@ class BiasLayer(Layer):
     bottom[0]'s axes [axis, axis + num_axes) (one bottom), or bottom[1].
     db = sum of dy over the other axes (accumulated for the param, written for
     bottom[1]);  dx = dy."""
+    capturable = True
     min_bottom_blobs = 1
     max_bottom_blobs = 2
     exact_num_top_blobs = 1
@@ -528,6 +561,7 @@ class ScaleLayer(Layer):
     ``filler`` is given), or bottom[1].  ``bias_term`` adds a learned b of s's shape
     (the last param blob; starts from ``bias_filler``, 0 by default).
     ds = sum of dy * x over the other axes;  db = sum of dy;  dx = dy * s."""
+    capturable = True
     min_bottom_blobs = 1
     max_bottom_blobs = 2
     exact_num_top_blobs = 1

@@ -39,6 +39,7 @@ class BatchNormLayer(Layer):
     dx = (dy - mean(dy) - y * mean(dy * y)) / sqrt(var + eps) (means per
     channel); with global statistics dx = dy / sqrt(var + eps).
     """
+    capturable = True
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 

@@ -30,6 +30,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from .. import context, log
 from .. import kernels as K
+from ..blas import gemm_batched
 from ..blob import Blob
 from ..filler import fill
 from ..layer import Layer
@@ -51,15 +52,6 @@ FULL_CONV_RATIO = 3
 # Below this many input channels per group the numpy engine builds Caffe's
 # channel-major columns instead of channel-last patches.
 NHWC_MIN_CHANNELS = 8
-
-
-def _engine_note(layer, param, engine_enum):
-    """Caffe picks cuDNN or its own engine at creation; minicaffe has only its
-    own.  Asking for another logs one line and falls back, never an error."""
-    name = engine_enum.Name(param.engine)
-    if name not in ("DEFAULT", "CAFFE"):
-        log.info("layer '%s': engine %s is not available; using minicaffe's %s engine",
-                 layer.name, name, layer.type)
 
 
 def _per_axis(repeated, h_field, w_field, param, n_spatial, default, name, layer):
@@ -416,7 +408,7 @@ class ConvEngine:
         for n0 in range(0, N, step):
             n = min(N, n0 + step) - n0
             col = self._im2col(x[n0:n0 + n]).reshape(G, -1, n * P)
-            out = xp.matmul(w3, col)
+            out = gemm_batched(xp, w3, col, xp.empty((G, O // G, n * P), dtype=y.dtype))
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).swapaxes(0, 1)
 
     def _bwd_generic(self, xp, x, w, dy, dw, dx, budget):
@@ -429,9 +421,10 @@ class ConvEngine:
             dy3 = dy[n0:n0 + n].swapaxes(0, 1).reshape(G, O // G, n * P)
             if dw3 is not None:
                 col = self._im2col(x[n0:n0 + n]).reshape(G, -1, n * P)
-                dw3 += xp.matmul(dy3, col.swapaxes(1, 2))
+                gemm_batched(xp, dy3, col, dw3, trans_b=True, beta=1.0)
             if dx is not None:
-                dcol = xp.matmul(w3.swapaxes(1, 2), dy3).reshape(self.C * self.ksize, n * P)
+                dcol = gemm_batched(xp, w3, dy3, xp.empty((G, w3.shape[2], n * P), dy.dtype),
+                                    trans_a=True).reshape(self.C * self.ksize, n * P)
                 dx[n0:n0 + n] = self._col2im(dcol, dx[n0:n0 + n].shape)
 
 
@@ -489,6 +482,7 @@ class _ConvGeometry(Layer):
 
 
 class BaseConvolutionLayer(_ConvGeometry):
+    capturable = True
     min_bottom_blobs = 1
     min_top_blobs = 1
     equal_num_bottom_top_blobs = True
@@ -496,7 +490,6 @@ class BaseConvolutionLayer(_ConvGeometry):
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.convolution_param
-        _engine_note(self, p, caffe_pb2.ConvolutionParameter.Engine)
         self.read_geometry(bottom)
         self.num_output = p.num_output
         if self.num_output <= 0:
@@ -723,7 +716,6 @@ class PoolingLayer(Layer):
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.pooling_param
-        _engine_note(self, p, _Pool.Engine)
         self.global_pooling = p.global_pooling
         has_kh = p.HasField("kernel_h") or p.HasField("kernel_w")
         if self.global_pooling:
@@ -853,12 +845,12 @@ class LRNLayer(Layer):
     WITHIN_CHANNEL: y = x (1 + alpha/n^2 sum_{n x n window} x^2)^-beta (Caffe's
     composition of pooling and power layers: k is not used).  Backward is the
     exact gradient (kernels/lrn.py)."""
+    capturable = True
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.lrn_param
-        _engine_note(self, p, _LRN.Engine)
         self.size = p.local_size
         if self.size % 2 != 1:
             raise self.error(f"LRN only supports odd values for local_size, got {self.size}")
@@ -911,7 +903,6 @@ class SPPLayer(Layer):
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.spp_param
-        _engine_note(self, p, caffe_pb2.SPPParameter.Engine)
         self.pyramid_height = p.pyramid_height
         if self.pyramid_height < 1:
             raise self.error(f"pyramid_height must be at least 1, got {self.pyramid_height}")
@@ -987,6 +978,7 @@ class CropLayer(Layer):
     starting at ``offset`` (none: 0; one value: every cropped axis; else one
     per cropped axis).  Backward: bottom 0's diff is top's diff inside the
     crop and 0 outside; bottom 1 gets no gradient."""
+    capturable = True
     exact_num_bottom_blobs = 2
     exact_num_top_blobs = 1
 

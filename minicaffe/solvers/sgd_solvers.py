@@ -381,14 +381,21 @@ class AdamSolver(SGDSolver):
 
     n_history_sets = 2
 
+    def fused_extra(self):
+        return self._correction(np.float32)
+
+    def _correction(self, dt):
+        # Caffe: sqrt(Dtype(1) - pow(beta2, t)) / (Dtype(1) - pow(beta1, t)), in double
+        t_ = self.iter + 1
+        beta1, beta2 = dt(self.param.momentum), dt(self.param.momentum2)
+        return dt(math.sqrt(1.0 - float(beta2) ** t_) / (1.0 - float(beta1) ** t_))
+
     def compute_update_value(self, xp, i, rate):
         dt, local_rate, g, m = self._update_inputs(xp, i, rate)
         beta1 = dt(self.param.momentum)
         beta2 = dt(self.param.momentum2)
         eps_hat = dt(self.param.delta)
-        t_ = self.iter + 1
-        # Caffe: sqrt(Dtype(1) - pow(beta2, t)) / (Dtype(1) - pow(beta1, t)), in double
-        correction = dt(math.sqrt(1.0 - float(beta2) ** t_) / (1.0 - float(beta1) ** t_))
+        correction = self._correction(dt)
         n = len(self.net.learnable_params)
         v = self.history[n + i].mutable_data_for(xp)
         if xp is not np:

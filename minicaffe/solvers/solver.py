@@ -242,6 +242,8 @@ class Solver:
     # -- training ---------------------------------------------------------------------
     def step(self, iters):
         """Run ``iters`` training iterations (Caffe's Solver::Step)."""
+        if self._gpu_step_wanted():
+            return self._step_gpu(iters)
         p = self.param
         start_iter = self.iter
         stop_iter = self.iter + int(iters)
@@ -291,6 +293,98 @@ class Solver:
                 self.requested_early_exit = True
                 break
 
+    # -- the GPU step (gpu/graph.py) -----------------------------------------------------
+    def _gpu_step_wanted(self):
+        """The SGD family on one GPU runs its iterations through gpu.graph.GpuStep (fused
+        update, deferred loss reads, CUDA graphs where they capture); debug_info needs the
+        host after every layer and keeps the layer-by-layer path."""
+        return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
+                and not self.net.net_param.debug_info and context.solver_count() == 1)
+
+    def _gpu_step(self):
+        st = getattr(self, "_gpu_step_obj", None)
+        if st is None or not st.update.intact():
+            from ..gpu.graph import GpuStep
+            st = self._gpu_step_obj = GpuStep(self, graphs=self.param.cuda_graph)
+        return st
+
+    def fused_extra(self):
+        """The update rule's per-iteration scalar for the fused GPU kernel (Adam's)."""
+        return 0.0
+
+    def _gpu_flush(self, st, start_iter, current=None):
+        p = self.param
+        clip = np.float32(p.clip_gradients)
+        for it, loss, norm in st.drain(current):
+            if clip >= 0 and np.float32(norm) > clip and self.root:
+                log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale "
+                         "factor %s", _fmt(np.float32(norm)), _fmt(clip),
+                         _fmt(np.float32(clip / np.float32(norm))))
+            loss /= p.iter_size
+            if not math.isfinite(loss):
+                self._report_nonfinite(loss, it)
+            self.update_smoothed_loss(loss, start_iter, p.average_loss, it)
+
+    def _step_gpu(self, iters):
+        p = self.param
+        st = self._gpu_step()
+        start_iter = self.iter
+        stop_iter = self.iter + int(iters)
+        self.losses = []
+        self.smoothed_loss = _f(0)
+        self.iterations_last = self.iter
+        timer_start = time.perf_counter()
+        net = self.net
+        fused = p.iter_size == 1 and not any(
+            getattr(cb, "on_gradients_ready", None) for cb in self.callbacks)
+        while self.iter < stop_iter:
+            if p.test_interval and self.iter % p.test_interval == 0 and \
+                    (self.iter > 0 or p.test_initialization):
+                self._gpu_flush(st, start_iter)
+                if self.root:
+                    self.test_all()
+                if self.requested_early_exit:
+                    break
+            for cb in self.callbacks:
+                cb.on_start()
+            display = bool(p.display) and self.iter % p.display == 0
+            if st.full():
+                self._gpu_flush(st, start_iter)
+            rate = self.get_learning_rate()
+            st.begin(rate, self.fused_extra())
+            for k in range(p.iter_size):
+                st.forward_backward(first=k == 0, with_update=fused)
+            if display:
+                self._gpu_flush(st, start_iter, current=self.iter)
+                if self.root:
+                    lapse = time.perf_counter() - timer_start
+                    per_s = (self.iter - self.iterations_last) / (lapse if lapse else 1.0)
+                    log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
+                             _fmt(_f(per_s)), _fmt(_f(lapse)), p.display,
+                             _fmt(self.smoothed_loss))
+                    timer_start = time.perf_counter()
+                    self.iterations_last = self.iter
+                    self._log_outputs(net, "Train")
+            for cb in self.callbacks:
+                cb.on_gradients_ready()
+            if not fused:
+                st.apply_update()
+            if display and self.root:
+                log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
+            st.end(self.iter)
+            self.iter += 1
+            if self.progress is not None:
+                self.progress.update(1)
+            request = self.get_requested_action()
+            if (p.snapshot and self.iter % p.snapshot == 0 and self.root) or \
+                    request == SolverAction.SNAPSHOT:
+                self._gpu_flush(st, start_iter)
+                self.snapshot()
+            if request == SolverAction.STOP:
+                self.requested_early_exit = True
+                break
+        self._gpu_flush(st, start_iter)
+
     def _log_outputs(self, net, kind):
         index = 0
         for j, blob in enumerate(net.output_blobs):
@@ -302,23 +396,24 @@ class Solver:
                 log.info("    %s net output #%d: %s = %s%s", kind, index, name, _fmt(v), extra)
                 index += 1
 
-    def _report_nonfinite(self, loss):
+    def _report_nonfinite(self, loss, iteration=None):
         where = self.net.first_nonfinite()
         what = "nan" if math.isnan(loss) else "inf"
         if where:
             detail = f"the first non-finite output is top '{where[1]}' of layer '{where[0]}'"
         else:
             detail = "no layer output is non-finite (a parameter or the loss weights may be)"
-        raise NonFiniteLossError(f"Iteration {self.iter}: the loss is {what}; {detail}")
+        it = self.iter if iteration is None else iteration
+        raise NonFiniteLossError(f"Iteration {it}: the loss is {what}; {detail}")
 
-    def update_smoothed_loss(self, loss, start_iter, average_loss):
+    def update_smoothed_loss(self, loss, start_iter, average_loss, iteration=None):
         loss = _f(loss)
         if len(self.losses) < average_loss:
             self.losses.append(loss)
             size = len(self.losses)
             self.smoothed_loss = _f((self.smoothed_loss * _f(size - 1) + loss) / _f(size))
         else:
-            idx = (self.iter - start_iter) % average_loss
+            idx = ((self.iter if iteration is None else iteration) - start_iter) % average_loss
             self.smoothed_loss = _f(self.smoothed_loss + (loss - self.losses[idx]) / _f(average_loss))
             self.losses[idx] = loss
 

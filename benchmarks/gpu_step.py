@@ -1,0 +1,110 @@
+"""Time minicaffe's GPU training step on a models/ net with synthetic inputs, three ways:
+the GPU step replayed as CUDA graphs, the same step run eagerly, and the layer-by-layer
+path of before (``--legacy``); prints ms per iteration (median of repeats).
+
+    python benchmarks/gpu_step.py models/lenet/train_val.prototxt 64 [--iters 200]
+
+(``minicaffe bench`` is the user-facing tool; this is the quick developer check.)
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+from google.protobuf import text_format
+
+sys.path.insert(0, ".")
+from minicaffe import backend, context  # noqa: E402
+from minicaffe.net import read_net_param  # noqa: E402
+from minicaffe.proto import caffe_pb2  # noqa: E402
+from minicaffe.solvers import get_solver  # noqa: E402
+
+DATA = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData")
+
+
+def synthetic(path, batch, shape):
+    p = read_net_param(path)
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(p)
+    del out.layer[:]
+    for l in p.layer:
+        if any(r.phase == caffe_pb2.TEST for r in l.include):
+            continue
+        if l.type in DATA:
+            n = out.layer.add()
+            n.name, n.type = l.name, "Input"
+            n.top.extend(l.top)
+            n.input_param.shape.add().dim.extend([batch] + shape)
+            if len(l.top) > 1:
+                n.input_param.shape.add().dim.extend([batch])
+            continue
+        if l.type == "Accuracy":
+            continue
+        out.layer.add().CopyFrom(l)
+    return out
+
+
+def make(net, graphs):
+    s = caffe_pb2.SolverParameter()
+    s.net_param.CopyFrom(net)
+    s.base_lr, s.momentum, s.weight_decay = 0.001, 0.9, 0.0005
+    s.lr_policy = "fixed"
+    s.display = 0
+    s.random_seed = 1
+    s.cuda_graph = graphs
+    context.set_random_seed(1)
+    solver = get_solver(s)
+    rs = np.random.RandomState(0)
+    for name in solver.net.inputs:
+        b = solver.net.blobs[name]
+        if b.num_axes == 1:
+            b.data[...] = rs.randint(0, 10, b.shape)
+        else:
+            b.data[...] = rs.randn(*b.shape)
+    return solver
+
+
+def timeit(solver, iters, repeats):
+    solver.step(10)
+    backend.synchronize()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        solver.step(iters)
+        backend.synchronize()
+        times.append((time.perf_counter() - t) / iters * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("batch", type=int)
+    ap.add_argument("--shape", default="")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--legacy", action="store_true")
+    a = ap.parse_args()
+    shape = {"lenet": [1, 28, 28], "cifar10": [3, 32, 32]}
+    sh = [int(v) for v in a.shape.split(",")] if a.shape else \
+        next((v for k, v in shape.items() if k in a.model), [3, 224, 224])
+    context.set_mode_gpu()
+    net = synthetic(a.model, a.batch, sh)
+    from minicaffe.gpu import cudnn, pool
+    print(cudnn.describe(), "|", pool.describe())
+    rows = [("graph", make(net, True)), ("eager", make(net, False))]
+    if a.legacy:
+        from minicaffe.solvers.solver import Solver
+        s = make(net, False)
+        s._gpu_step_wanted = lambda: False
+        rows.append(("legacy", s))
+    for name, s in rows:
+        pool.reset_peak()
+        ms = timeit(s, a.iters, a.repeats)
+        print(f"{a.model} b{a.batch} {name:7s} {ms:8.3f} ms/iter  {a.batch / ms * 1e3:10.0f} img/s"
+              f"  peak {pool.peak_bytes() / 2**30:.2f} GiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""cuDNN through ctypes: descriptors and the calls Caffe's cuDNN layers make.
+
+CuPy 14 has no cuDNN; minicaffe loads pip's ``nvidia-cudnn`` library (``libs.load_cudnn``)
+and calls its C API with CuPy device pointers.  The calls take no host-side decisions
+and allocate nothing (workspaces come from the caller), so they capture inside CUDA
+graphs.  One handle per thread and device, always set to the current CuPy stream.
+
+Thin on purpose: descriptor classes that free themselves, the calls under their cuDNN
+names, and the algorithm search (``find_*``, once per geometry, cached).  Which algorithm
+and how much workspace is the layers' business (``layers/cudnn_layers.py``).
+"""
+import ctypes
+import threading
+
+import numpy as np
+
+from .. import backend, context, log
+from . import libs, options
+
+# enums (cudnn_graph.h, cudnn_ops.h, cudnn_cnn.h)
+SUCCESS = 0
+DATA = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
+NCHW = 0
+CROSS_CORRELATION = 1
+DEFAULT_MATH, FMA_MATH = 0, 3
+DETERMINISTIC = 1
+POOL_MAX, POOL_AVE_INCLUDE_PAD, POOL_AVE_EXCLUDE_PAD, POOL_MAX_DETERMINISTIC = 0, 1, 2, 3
+NOT_PROPAGATE_NAN, PROPAGATE_NAN = 0, 1
+ACT_SIGMOID, ACT_RELU, ACT_TANH = 0, 1, 2
+LRN_CROSS_CHANNEL = 0
+SOFTMAX_ACCURATE, SOFTMAX_LOG = 1, 2
+SOFTMAX_MODE_CHANNEL = 1
+BN_SPATIAL, BN_SPATIAL_PERSISTENT = 1, 2
+BN_MIN_EPSILON = 1e-5   # older cuDNN releases refuse smaller values
+
+_v, _i, _u, _d, _sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_double, ctypes.c_size_t
+_ip = ctypes.POINTER(ctypes.c_int)
+
+
+class AlgoPerf(ctypes.Structure):
+    """cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t (one layout for the three)."""
+    _fields_ = [("algo", _i), ("status", _i), ("time", ctypes.c_float), ("memory", _sz),
+                ("determinism", _i), ("mathType", _i), ("reserved", _i * 3)]
+
+
+_SIGS = {
+    "cudnnCreate": [ctypes.POINTER(_v)],
+    "cudnnSetStream": [_v, _v],
+    "cudnnCreateTensorDescriptor": [ctypes.POINTER(_v)],
+    "cudnnDestroyTensorDescriptor": [_v],
+    "cudnnSetTensorNdDescriptor": [_v, _i, _i, _ip, _ip],
+    "cudnnCreateFilterDescriptor": [ctypes.POINTER(_v)],
+    "cudnnDestroyFilterDescriptor": [_v],
+    "cudnnSetFilterNdDescriptor": [_v, _i, _i, _i, _ip],
+    "cudnnCreateConvolutionDescriptor": [ctypes.POINTER(_v)],
+    "cudnnDestroyConvolutionDescriptor": [_v],
+    "cudnnSetConvolutionNdDescriptor": [_v, _i, _ip, _ip, _ip, _i, _i],
+    "cudnnSetConvolutionGroupCount": [_v, _i],
+    "cudnnSetConvolutionMathType": [_v, _i],
+    "cudnnGetConvolutionNdForwardOutputDim": [_v, _v, _v, _i, _ip],
+    "cudnnFindConvolutionForwardAlgorithmEx": [_v, _v, _v, _v, _v, _v, _v, _v, _i, _ip,
+                                               ctypes.POINTER(AlgoPerf), _v, _sz],
+    "cudnnFindConvolutionBackwardDataAlgorithmEx": [_v, _v, _v, _v, _v, _v, _v, _v, _i, _ip,
+                                                    ctypes.POINTER(AlgoPerf), _v, _sz],
+    "cudnnFindConvolutionBackwardFilterAlgorithmEx": [_v, _v, _v, _v, _v, _v, _v, _v, _i, _ip,
+                                                      ctypes.POINTER(AlgoPerf), _v, _sz],
+    "cudnnConvolutionForward": [_v, _v, _v, _v, _v, _v, _v, _i, _v, _sz, _v, _v, _v],
+    "cudnnConvolutionBackwardData": [_v, _v, _v, _v, _v, _v, _v, _i, _v, _sz, _v, _v, _v],
+    "cudnnConvolutionBackwardFilter": [_v, _v, _v, _v, _v, _v, _v, _i, _v, _sz, _v, _v, _v],
+    "cudnnConvolutionBackwardBias": [_v, _v, _v, _v, _v, _v, _v],
+    "cudnnConvolutionBiasActivationForward": [_v, _v, _v, _v, _v, _v, _v, _i, _v, _sz, _v, _v,
+                                              _v, _v, _v, _v, _v, _v],
+    "cudnnAddTensor": [_v, _v, _v, _v, _v, _v, _v],
+    "cudnnCreatePoolingDescriptor": [ctypes.POINTER(_v)],
+    "cudnnDestroyPoolingDescriptor": [_v],
+    "cudnnSetPoolingNdDescriptor": [_v, _i, _i, _i, _ip, _ip, _ip],
+    "cudnnGetPoolingNdForwardOutputDim": [_v, _v, _i, _ip],
+    "cudnnPoolingForward": [_v, _v, _v, _v, _v, _v, _v, _v],
+    "cudnnPoolingBackward": [_v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v],
+    "cudnnCreateLRNDescriptor": [ctypes.POINTER(_v)],
+    "cudnnDestroyLRNDescriptor": [_v],
+    "cudnnSetLRNDescriptor": [_v, _u, _d, _d, _d],
+    "cudnnLRNCrossChannelForward": [_v, _v, _i, _v, _v, _v, _v, _v, _v],
+    "cudnnLRNCrossChannelBackward": [_v, _v, _i, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v],
+    "cudnnCreateActivationDescriptor": [ctypes.POINTER(_v)],
+    "cudnnDestroyActivationDescriptor": [_v],
+    "cudnnSetActivationDescriptor": [_v, _i, _i, _d],
+    "cudnnActivationForward": [_v, _v, _v, _v, _v, _v, _v, _v],
+    "cudnnActivationBackward": [_v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v],
+    "cudnnSoftmaxForward": [_v, _i, _i, _v, _v, _v, _v, _v, _v],
+    "cudnnSoftmaxBackward": [_v, _i, _i, _v, _v, _v, _v, _v, _v, _v, _v],
+    "cudnnDeriveBNTensorDescriptor": [_v, _v, _i],
+    "cudnnBatchNormalizationForwardTraining": [_v, _i, _v, _v, _v, _v, _v, _v, _v, _v, _v, _d,
+                                               _v, _v, _d, _v, _v],
+    "cudnnBatchNormalizationForwardInference": [_v, _i, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v,
+                                                _v, _d],
+    "cudnnBatchNormalizationBackward": [_v, _i, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v, _v,
+                                        _v, _v, _d, _v, _v],
+}
+
+_lib = None
+_lib_path = None
+_state = {"checked": False, "error": None}
+_lock = threading.Lock()
+
+
+class CudnnError(RuntimeError):
+    pass
+
+
+def lib():
+    global _lib, _lib_path
+    if _lib is None:
+        l, path = libs.load_cudnn()
+        l.cudnnGetVersion.restype = _sz
+        l.cudnnGetErrorString.restype = ctypes.c_char_p
+        l.cudnnGetErrorString.argtypes = [_i]
+        for name, args in _SIGS.items():
+            f = getattr(l, name)
+            f.argtypes = args
+            f.restype = _i
+        _lib, _lib_path = l, path
+    return _lib
+
+
+def version():
+    return int(lib().cudnnGetVersion())
+
+
+def library_path():
+    lib()
+    return _lib_path
+
+
+def _check(status, what):
+    if status != SUCCESS:
+        msg = lib().cudnnGetErrorString(status).decode()
+        raise CudnnError(f"{what}: {msg} (cuDNN status {status})")
+
+
+def call(name, *args):
+    """Call cuDNN function ``name``; raise CudnnError naming it on failure."""
+    _check(getattr(lib(), name)(*args), name)
+
+
+def available():
+    """(True, '') when the cuDNN engine can run here, else (False, why)."""
+    with _lock:
+        if not _state["checked"]:
+            _state["checked"] = True
+            try:
+                if not options.cudnn:
+                    raise OSError("switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))")
+                if not backend.gpu_available():
+                    raise OSError(backend.why_no_gpu())
+                v = version()
+                if v < 8000:
+                    raise OSError(f"cuDNN {v} is too old (8.0 or newer is needed)")
+                h = _v()
+                with backend.cp.cuda.Device(context.device_id()):
+                    _check(lib().cudnnCreate(ctypes.byref(h)), "cudnnCreate")
+                _state["probe"] = h
+            except Exception as e:  # OSError, CudnnError, CUDA errors
+                _state["error"] = str(e)
+    if not options.cudnn:
+        return False, "switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))"
+    return (_state["error"] is None), (_state["error"] or "")
+
+
+def describe():
+    ok, why = available()
+    if not ok:
+        return f"cuDNN unavailable ({why})"
+    v = version()
+    return f"cuDNN {v // 10000}.{v // 100 % 100}.{v % 100} ({library_path()})"
+
+
+# -- handles --------------------------------------------------------------------------
+class _Handle:
+    def __init__(self):
+        h = _v()
+        call("cudnnCreate", ctypes.byref(h))
+        self.ptr = h
+        self.stream = None
+
+    def ready(self):
+        s = backend.cp.cuda.get_current_stream().ptr
+        if s != self.stream:
+            call("cudnnSetStream", self.ptr, s)
+            self.stream = s
+        return self.ptr
+
+
+def handle():
+    """This thread's handle for the current device, on the current CuPy stream."""
+    handles = context.get().handles
+    h = handles.get("cudnn")
+    if h is None:
+        h = handles["cudnn"] = _Handle()
+    return h.ready()
+
+
+# -- scalars --------------------------------------------------------------------------
+_ONE = {np.dtype(np.float32): ctypes.c_float(1.0), np.dtype(np.float64): ctypes.c_double(1.0)}
+_ZERO = {np.dtype(np.float32): ctypes.c_float(0.0), np.dtype(np.float64): ctypes.c_double(0.0)}
+
+
+def one(dtype):
+    return ctypes.byref(_ONE[np.dtype(dtype)])
+
+
+def zero(dtype):
+    return ctypes.byref(_ZERO[np.dtype(dtype)])
+
+
+def scalar(dtype, v):
+    return ctypes.byref(ctypes.c_float(v) if np.dtype(dtype) == np.float32 else ctypes.c_double(v))
+
+
+def _ints(vals):
+    vals = [int(v) for v in vals]
+    return (ctypes.c_int * len(vals))(*vals)
+
+
+def ptr(a):
+    return a.data.ptr
+
+
+# -- descriptors ------------------------------------------------------------------------
+class _Desc:
+    _create = _destroy = None
+
+    def __init__(self):
+        self.ptr = _v()
+        call(self._create, ctypes.byref(self.ptr))
+
+    def __del__(self):
+        p = getattr(self, "ptr", None)
+        if p is not None and p.value and _lib is not None:
+            try:
+                getattr(_lib, self._destroy)(p)
+            except Exception:
+                pass
+
+
+class TensorDesc(_Desc):
+    """A packed N-D tensor (N, C, *spatial); fewer than 4 dims are padded with ones, as
+    cuDNN wants at least 4."""
+    _create, _destroy = "cudnnCreateTensorDescriptor", "cudnnDestroyTensorDescriptor"
+
+    def __init__(self, shape, dtype):
+        super().__init__()
+        shape = tuple(int(d) for d in shape) + (1,) * max(0, 4 - len(shape))
+        strides, s = [], 1
+        for d in reversed(shape):
+            strides.append(s)
+            s *= d
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        call("cudnnSetTensorNdDescriptor", self.ptr, DATA[self.dtype], len(shape),
+             _ints(shape), _ints(reversed(strides)))
+
+
+class FilterDesc(_Desc):
+    _create, _destroy = "cudnnCreateFilterDescriptor", "cudnnDestroyFilterDescriptor"
+
+    def __init__(self, shape, dtype):
+        super().__init__()
+        self.shape = tuple(int(d) for d in shape)
+        call("cudnnSetFilterNdDescriptor", self.ptr, DATA[np.dtype(dtype)], NCHW, len(self.shape),
+             _ints(self.shape))
+
+
+class ConvDesc(_Desc):
+    _create, _destroy = "cudnnCreateConvolutionDescriptor", "cudnnDestroyConvolutionDescriptor"
+
+    def __init__(self, pad, stride, dilation, groups, dtype):
+        super().__init__()
+        call("cudnnSetConvolutionNdDescriptor", self.ptr, len(pad), _ints(pad), _ints(stride),
+             _ints(dilation), CROSS_CORRELATION, DATA[np.dtype(dtype)])
+        if groups > 1:
+            call("cudnnSetConvolutionGroupCount", self.ptr, int(groups))
+        call("cudnnSetConvolutionMathType", self.ptr, DEFAULT_MATH if options.tf32 else FMA_MATH)
+
+    def output_dims(self, xdesc, wdesc):
+        n = len(xdesc.shape)
+        out = (ctypes.c_int * n)()
+        call("cudnnGetConvolutionNdForwardOutputDim", self.ptr, xdesc.ptr, wdesc.ptr, n, out)
+        return tuple(out)
+
+
+class PoolDesc(_Desc):
+    _create, _destroy = "cudnnCreatePoolingDescriptor", "cudnnDestroyPoolingDescriptor"
+
+    def __init__(self, mode, window, pad, stride):
+        super().__init__()
+        call("cudnnSetPoolingNdDescriptor", self.ptr, mode, PROPAGATE_NAN, len(window),
+             _ints(window), _ints(pad), _ints(stride))
+
+    def output_dims(self, xdesc):
+        n = len(xdesc.shape)
+        out = (ctypes.c_int * n)()
+        call("cudnnGetPoolingNdForwardOutputDim", self.ptr, xdesc.ptr, n, out)
+        return tuple(out)
+
+
+class LRNDesc(_Desc):
+    _create, _destroy = "cudnnCreateLRNDescriptor", "cudnnDestroyLRNDescriptor"
+
+    def __init__(self, n, alpha, beta, k):
+        super().__init__()
+        call("cudnnSetLRNDescriptor", self.ptr, int(n), float(alpha), float(beta), float(k))
+
+
+class ActDesc(_Desc):
+    _create, _destroy = "cudnnCreateActivationDescriptor", "cudnnDestroyActivationDescriptor"
+
+    def __init__(self, mode, coef=0.0):
+        super().__init__()
+        call("cudnnSetActivationDescriptor", self.ptr, mode, PROPAGATE_NAN, float(coef))
+
+
+class BNParamDesc(_Desc):
+    """The (1, C, 1, 1) descriptor of scale, bias, mean and variance derived from x's."""
+    _create, _destroy = "cudnnCreateTensorDescriptor", "cudnnDestroyTensorDescriptor"
+
+    def __init__(self, xdesc, mode):
+        super().__init__()
+        call("cudnnDeriveBNTensorDescriptor", self.ptr, xdesc.ptr, mode)
+
+
+# -- convolution algorithm search ------------------------------------------------------------
+_FIND = {
+    "fwd": "cudnnFindConvolutionForwardAlgorithmEx",
+    "bwd_data": "cudnnFindConvolutionBackwardDataAlgorithmEx",
+    "bwd_filter": "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+}
+_algo_cache = {}
+
+
+def find_algorithm(kind, key, args, workspace, limit):
+    """The fastest algorithm of ``kind`` (fwd, bwd_data, bwd_filter) for the geometry
+    ``key``, timed by cuDNN's Find on the buffers in ``args`` (7 pointers/descriptors in
+    the Find call's order), within ``limit`` bytes of workspace; deterministic only when
+    ``options.deterministic``.  Cached per (device, kind, key, options).  Returns
+    (algo, workspace bytes, time ms)."""
+    ck = (context.device_id(), kind, key, options.deterministic, options.tf32, limit)
+    hit = _algo_cache.get(ck)
+    if hit is not None:
+        return hit
+    perf = (AlgoPerf * 16)()
+    n = ctypes.c_int(0)
+    call(_FIND[kind], handle(), *args, 16, ctypes.byref(n), perf,
+         workspace.data.ptr if workspace is not None else None,
+         0 if workspace is None else workspace.nbytes)
+    best = None
+    for p in perf[:n.value]:
+        if p.status != SUCCESS or p.memory > limit:
+            continue
+        if options.deterministic and p.determinism != DETERMINISTIC:
+            continue
+        if not options.tf32 and p.mathType not in (DEFAULT_MATH, FMA_MATH):
+            continue
+        best = (int(p.algo), int(p.memory), float(p.time))
+        break
+    if best is None:
+        raise CudnnError(f"no usable cuDNN {kind} algorithm for {key} within {limit} bytes of "
+                         f"workspace{' (deterministic)' if options.deterministic else ''}")
+    _algo_cache[ck] = best
+    return best
+
+
+def clear_algorithm_cache():
+    _algo_cache.clear()

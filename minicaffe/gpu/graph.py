@@ -1,0 +1,301 @@
+"""The training iteration on the GPU, run eagerly or captured once as CUDA graphs and
+replayed (Caffe's Solver::Step body, for the SGD family of solvers).
+
+One iteration: clear the parameter diffs; ``iter_size`` times {the data layers' forward,
+then forward and backward of the rest}; the update.  Here it is cut into
+
+- the *prologue*: the data layers at the head of the net (``Layer.graph_prologue``), whose
+  forward is host work and a copy into their tops.  It runs eagerly before each
+  forward-backward, on the step's stream, into tops at fixed addresses;
+- the *body*: forward of the other layers, each loss added into a host-visible ring,
+  backward, and (when nothing has to run between backward and the update) the fused
+  update and the iteration counter.  Without ``on_gradients_ready`` callbacks and with
+  iter_size 1 one iteration is one graph launch.
+
+A body is captured once per segment and input shapes, after one eager warm-up run of it
+(which compiles the kernels, picks cuDNN's algorithms and makes every persistent
+buffer), into a CUDA graph with its own memory pool for the temporaries made while
+capturing (PyTorch's rule: nothing else may reuse those addresses), then replayed.  A
+layer that cannot be captured (``Layer.capturable`` false: a Python layer, say) turns
+graphs off for the net with one log line, and the same body runs eagerly.
+
+Per-iteration scalars (the learning rate, Adam's correction) are written by the host
+into a slot of a mapped ring that the update kernel reads through the device's iteration
+counter; losses and gradient norms come back through two more rings.  The host reads
+them only at log points (display, test, snapshot, the end of ``step``), so it runs up to
+``RING`` iterations ahead of the GPU and never waits in between.  Eager and replayed
+iterations execute the same kernels in the same order: the same bits come out.
+"""
+import collections
+import ctypes
+
+import numpy as np
+
+from .. import backend, log
+from ..blob import Blob
+from ..kernels import step as step_kernels
+from ..solvers.fused import FusedUpdate
+from ..synced_memory import SyncedMemory, HEAD_AT_GPU
+
+RING = 64
+N_SCALARS = 2   # learning rate, Adam's bias correction
+
+
+class HostRing:
+    """Page-locked host memory that kernels read and write through the host pointer
+    (unified virtual addressing), as a numpy array on the host side."""
+
+    def __init__(self, n, dtype):
+        rt = backend.cp.cuda.runtime
+        self.dtype = np.dtype(dtype)
+        nbytes = max(1, n) * self.dtype.itemsize
+        self.ptr = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+        self._free = rt.freeHost
+        self.host = np.frombuffer((ctypes.c_char * nbytes).from_address(self.ptr),
+                                  dtype=self.dtype, count=max(1, n))
+        self.host[...] = 0
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            try:
+                self._free(ptr)
+            except Exception:
+                pass
+
+
+def why_not_capturable(net, first_body):
+    """None when layers [first_body, end) can all be captured, else the reason."""
+    for i in range(first_body, len(net.layers)):
+        layer = net.layers[i]
+        if layer.graph_prologue:
+            return f"data layer '{layer.name}' ({layer.type}) is not at the head of the net"
+        if not layer.capturable:
+            return f"layer '{layer.name}' ({layer.type}) cannot be captured"
+    return None
+
+
+class GpuStep:
+    """The GPU iteration of ``solver`` (see the module docstring)."""
+
+    def __init__(self, solver, graphs=True):
+        cp = backend.cp
+        self.solver = solver
+        net = self.net = solver.net
+        self.update = FusedUpdate(solver)
+        p = solver.param
+        self.iter_size = p.iter_size
+        self.clip = p.clip_gradients >= 0
+        self.sched = HostRing(RING * N_SCALARS, np.float32)
+        self.losses = HostRing(RING, np.float64)
+        self.norms = HostRing(RING, np.float32)
+        self.counter = cp.zeros(1, dtype=np.int64)
+        self.sumsq = cp.zeros(1, dtype=np.float32)
+        self.partial = cp.zeros(step_kernels.SUMSQ_BLOCKS, dtype=np.float64)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.launched = 0
+        self.pending = collections.deque()
+        n = 0
+        while n < len(net.layers) and net.layers[n].graph_prologue:
+            n += 1
+        self.first_body = n
+        for layer in net.layers[:n]:
+            if hasattr(layer, "fixed_tops"):
+                layer.fixed_tops = True
+        produced = set()
+        inputs = []
+        for i in range(n, len(net.layers)):
+            for b in net.bottom_vecs[i]:
+                if id(b) not in produced and all(b is not x for x in inputs):
+                    inputs.append(b)
+            for t in net.top_vecs[i]:
+                produced.add(id(t))
+        self.input_blobs = inputs
+        reason = why_not_capturable(net, n)
+        self.graphs_on = bool(graphs) and reason is None
+        if graphs and reason:
+            log.info("CUDA graph: off for net %s: %s; the iteration runs eagerly",
+                     net.name, reason)
+        self.graphs, self.pools, self.warm = {}, {}, set()
+        self.shapes = None
+        self.mems = []
+        self._h2d = None
+
+    # -- the host's side of an iteration ------------------------------------------------
+    def full(self):
+        return len(self.pending) >= RING
+
+    def begin(self, rate, extra=0.0):
+        """Start an iteration with learning rate ``rate`` (and the rule's per-iteration
+        scalar ``extra``).  The caller drains first when ``full()``."""
+        if self.full():
+            raise RuntimeError("GpuStep.begin: the ring is full; drain() first")
+        slot = self.launched % RING
+        self.sched.host[slot * N_SCALARS] = np.float32(rate)
+        self.sched.host[slot * N_SCALARS + 1] = np.float32(extra)
+        self.losses.host[slot] = 0.0
+        self.norms.host[slot] = 0.0
+        self.pending.append([None, slot, None])
+        # work queued on the default stream (a test pass, user code) comes first
+        self.stream.wait_event(backend.cp.cuda.Stream.null.record())
+
+    def forward_backward(self, first, with_update):
+        net = self.net
+        if self._h2d is not None:   # the host may write the inputs again only once the
+            self._h2d.synchronize()  # copy of their last contents has run
+            self._h2d = None
+        with self.stream:
+            for i in range(self.first_body):
+                for cb in net._before_forward:
+                    cb(i)
+                net.layers[i].forward_body(net.bottom_vecs[i], net.top_vecs[i])
+                for cb in net._after_forward:
+                    cb(i)
+            self._prepare()
+            self._run(("fb", bool(first), bool(with_update)))
+
+    def apply_update(self):
+        with self.stream:
+            self._prepare()
+            self._run(("update",))
+
+    def end(self, iteration):
+        """Finish iteration ``iteration``: later default-stream work waits for it."""
+        ev = self.stream.record()
+        backend.cp.cuda.Stream.null.wait_event(ev)
+        if self.pending and self.pending[-1][0] is None:
+            self.pending[-1][0] = iteration
+            self.pending[-1][2] = ev
+        self.launched += 1
+
+    def drain(self, current=None):
+        """Wait for the pending iterations (``current`` names the one begun but not yet
+        ended, if any); raise what the layers found on the device; return
+        [(iteration, summed loss, gradient norm)] oldest first."""
+        out = []
+        while self.pending:
+            it, slot, ev = self.pending.popleft()
+            if ev is None:
+                self.stream.synchronize()
+                it = current
+            else:
+                ev.synchronize()
+            out.append((it, float(self.losses.host[slot]), float(self.norms.host[slot])))
+        for layer in self.net.layers:
+            layer.check_deferred()
+        return out
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    # -- the device's side ---------------------------------------------------------------
+    def _prepare(self):
+        """Bring what the body reads to the device (a user may have written inputs or
+        weights on the host since the last iteration)."""
+        copied = False
+        for b in self.input_blobs:
+            copied |= b.data_mem.head == HEAD_AT_CPU
+            b.gpu_data()
+        if copied:
+            self._h2d = self.stream.record()
+        self.update.flat.data.mutable_gpu_data()
+        self.update.flat.diff.mutable_gpu_data()
+        for h in self.update.hist:
+            h.data.mutable_gpu_data()
+
+    def _body(self, key):
+        net = self.net
+        if key[0] == "fb":
+            _, first, with_update = key
+            if first:
+                self.update.flat.diff.mutable_gpu_data().fill(0)
+            net.forward_device(self.first_body, None, self.losses.ptr, self.counter, RING)
+            net.backward_from_to()
+            if with_update:
+                self._update_body()
+        else:
+            self._update_body()
+
+    def _update_body(self):
+        sumsq = None
+        if self.clip:
+            step_kernels.sumsq(self.update.flat.diff.mutable_gpu_data(), self.partial, self.sumsq,
+                               self.norms.ptr, self.counter, RING)
+            sumsq = self.sumsq
+        self.update.launch(self.sched.ptr, N_SCALARS, self.counter, RING, sumsq)
+        step_kernels.counter_increment(self.counter)
+
+    def _shape_key(self):
+        return tuple(b.shape for b in self.input_blobs)
+
+    def _run(self, key):
+        if not self.graphs_on:
+            self._body(key)
+            return
+        shapes = self._shape_key()
+        if shapes != self.shapes:
+            self.graphs, self.pools, self.warm = {}, {}, set()
+            self.shapes = shapes
+        g = self.graphs.get(key)
+        if g is None:
+            if key not in self.warm:
+                self._body(key)          # warm-up: kernels, algorithms, persistent buffers
+                self.warm.add(key)
+                return
+            g = self._capture(key)
+            if g is None:                # capture failed: graphs are off from now on
+                self._body(key)
+                return
+        g.launch(self.stream)
+        for m in self.mems:
+            m.head = HEAD_AT_GPU
+
+    def _capture(self, key):
+        cp = backend.cp
+        pool = cp.cuda.MemoryPool()
+        graph = None
+        try:
+            with cp.cuda.using_allocator(pool.malloc):
+                self.stream.begin_capture()
+                try:
+                    self._body(key)
+                finally:
+                    graph = self.stream.end_capture()
+        except Exception as e:
+            self.graphs_on = False
+            log.warning("CUDA graph: capturing net %s failed (%s: %s); running eagerly",
+                        self.net.name, type(e).__name__, e)
+            return None
+        self.graphs[key] = graph
+        self.pools[key] = pool
+        self.mems = self._written_memories()
+        if len(self.graphs) == 1:
+            log.info("CUDA graph: the training iteration of net %s is captured and replayed "
+                     "(%d layers in the graph, %d data layer(s) before it)", self.net.name,
+                     len(self.net.layers) - self.first_body, self.first_body)
+        return graph
+
+    def _written_memories(self):
+        """Every SyncedMemory with a device side that a replay may write, so that the host
+        knows the device copy is the newest after each replay."""
+        seen, out = set(), []
+
+        def add(m):
+            if isinstance(m, SyncedMemory) and m._gpu is not None and id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+
+        for b in self.net._blobs:
+            add(b.data_mem)
+            add(b.diff_mem)
+        for layer in self.net.layers:
+            for v in vars(layer).values():
+                for b in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(b, Blob):
+                        add(b.data_mem)
+                        add(b.diff_mem)
+        add(self.update.flat.data)
+        add(self.update.flat.diff)
+        for h in self.update.hist:
+            add(h.data)
+        return out

@@ -1,0 +1,92 @@
+"""Small kernels of the GPU training step (``gpu/graph.py``): the loss into the host
+ring, the iteration counter, the squared norm of the gradients for clipping.
+
+Everything here is deterministic (fixed-order reductions, no atomics), so an iteration
+replayed from a CUDA graph gives the same bits as the same iteration run eagerly.
+"""
+import numpy as np
+
+from ._backend import raw_kernel
+
+_SRC = r"""
+// ring[counter % K] += sum(data * diff): one block, fixed reduction order
+extern "C" __global__ void mc_loss_accumulate(const T* data, const T* diff, long long n,
+                                              unsigned long long ring_addr,
+                                              const long long* counter, int K) {
+  __shared__ double part[256];
+  double s = 0;
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) s += (double)data[i] * (double)diff[i];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    double* ring = (double*)ring_addr;
+    ring[(*counter) % K] += part[0];
+  }
+}
+
+extern "C" __global__ void mc_counter_increment(long long* counter) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) *counter += 1;
+}
+
+// stage 1 of sum(g^2): block b sums its contiguous range into partial[b]
+extern "C" __global__ void mc_sumsq_partial(const T* g, long long n, double* partial) {
+  __shared__ double part[256];
+  long long per = (n + gridDim.x - 1) / gridDim.x;
+  long long lo = per * blockIdx.x, hi = min(n, lo + per);
+  double s = 0;
+  for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) s += (double)g[i] * (double)g[i];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = part[0];
+}
+
+// stage 2: one block adds the partials; out[0] = sum as float, the norm into the host ring
+extern "C" __global__ void mc_sumsq_final(const double* partial, int nparts, float* out,
+                                          unsigned long long ring_addr,
+                                          const long long* counter, int K) {
+  __shared__ double part[256];
+  double s = 0;
+  for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += partial[i];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    out[0] = (float)part[0];
+    if (ring_addr) ((float*)ring_addr)[(*counter) % K] = sqrtf((float)part[0]);
+  }
+}
+"""
+SUMSQ_BLOCKS = 512
+
+
+def _k(name, dtype=np.float32):
+    from ._backend import cuda_type
+    return raw_kernel(_SRC, name, cuda_type(dtype))
+
+
+def loss_accumulate(data, diff, ring_addr, counter, K):
+    _k("mc_loss_accumulate", data.dtype)((1,), (256,), (data, diff, np.int64(data.size),
+                                                      np.uint64(ring_addr), counter, np.int32(K)))
+
+
+def counter_increment(counter):
+    _k("mc_counter_increment")((1,), (1,), (counter,))
+
+
+def sumsq(g, partial, out, ring_addr, counter, K):
+    """out[0] = sum(g**2) (float32; accumulated in float64 over a fixed split); the norm
+    goes to the float ring at ``ring_addr`` (0: no ring)."""
+    _k("mc_sumsq_partial", g.dtype)((SUMSQ_BLOCKS,), (256,), (g, np.int64(g.size), partial))
+    _k("mc_sumsq_final", g.dtype)((1,), (256,), (partial, np.int32(SUMSQ_BLOCKS), out,
+                                                 np.uint64(ring_addr), counter, np.int32(K)))

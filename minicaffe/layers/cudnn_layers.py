@@ -1,0 +1,446 @@
+"""The cuDNN engine: Caffe's ``cudnn_*_layer`` classes.
+
+Each class here subclasses the Caffe-engine layer of its type and overrides only the
+GPU bodies; on the CPU it is that layer.  The registry builds it for ``engine: CUDNN``,
+and for ``engine: DEFAULT`` when cuDNN loads (``registry.choose_class``).  A layer whose
+configuration cuDNN cannot compute exactly as Caffe does (a pooling window clipped by
+Caffe's ceil-mode shape, a leaky ReLU, an even LRN window...) keeps Caffe's GPU body,
+decided at reshape time, without a message: the numbers are Caffe's either way.
+
+Convolution: descriptors per input shape, algorithms chosen by cuDNN's Find (timed on
+the real shapes, once per geometry and process: ``gpu/cudnn.find_algorithm``), within
+``WORKSPACE_LIMIT`` bytes of workspace, strict fp32 (CUDNN_FMA_MATH) unless TF32 is
+switched on (``gpu/options``).  The workspace is one per thread and device, grown at the
+first (eager) run of each shape and never while a CUDA graph is being captured.
+"""
+import numpy as np
+
+from .. import backend, context
+from ..gpu import cudnn, options
+from ..proto import caffe_pb2
+from ..registry import register_cudnn
+from .common import SoftmaxLayer
+from .neuron import ReLULayer, SigmoidLayer, TanHLayer
+from .normalization import BatchNormLayer
+from .vision import ConvolutionLayer, LRNLayer, PoolingLayer
+
+WORKSPACE_LIMIT = 1 << 30   # per convolution call
+
+
+def workspace(nbytes):
+    """This thread's cuDNN workspace on the current device, at least ``nbytes`` long."""
+    handles = context.get().handles
+    ws = handles.get("cudnn_ws")
+    if nbytes == 0:
+        return None
+    if ws is None or ws.nbytes < nbytes:
+        ws = handles["cudnn_ws"] = backend.cp.empty(int(nbytes), dtype=np.uint8)
+    return ws
+
+
+def _ptr(a):
+    return a.data.ptr
+
+
+@register_cudnn("Convolution")
+class CuDNNConvolutionLayer(ConvolutionLayer):
+    """Convolution through cuDNN: y = W * x + b; dW += dy (x) x; db += sum dy;
+    dx = W^T (x) dy.  N-D (2 or 3 spatial axes), groups, dilation; channel axis 1."""
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self._cudnn_key = None
+        if not context.is_gpu() or self.channel_axis != 1 or self.num_spatial not in (2, 3):
+            return
+        dt = bottom[0].dtype
+        if dt not in cudnn.DATA:
+            return
+        key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
+               tuple(self.dilation), self.group, self.num_output, str(dt), options.tf32,
+               options.deterministic)
+        if getattr(self, "_desc_key", None) != key:
+            self._setup_descriptors(bottom[0].shape, top[0].shape, dt, key)
+        self._cudnn_key = key
+
+    def _setup_descriptors(self, xshape, yshape, dt, key):
+        cp = backend.cp
+        self.x_desc = cudnn.TensorDesc(xshape, dt)
+        self.y_desc = cudnn.TensorDesc(yshape, dt)
+        self.w_desc = cudnn.FilterDesc(self.blobs[0].shape, dt)
+        self.conv_desc = cudnn.ConvDesc(self.pad, self.stride, self.dilation, self.group, dt)
+        self.b_desc = cudnn.TensorDesc((1, self.num_output) + (1,) * self.num_spatial, dt)
+        if self.conv_desc.output_dims(self.x_desc, self.w_desc) != tuple(yshape) + (1,) * (
+                len(self.x_desc.shape) - len(yshape)):
+            raise self.error(f"cuDNN computes a different output shape for input {xshape}")
+        # time the algorithms on scratch buffers of the real shapes
+        rs = cp.random.RandomState(1701)
+        x = rs.standard_normal(xshape, dtype=dt)
+        w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
+        y = rs.standard_normal(yshape, dtype=dt)
+        lim = WORKSPACE_LIMIT
+        ws = cp.empty(lim, dtype=np.uint8)
+        d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
+        self.fwd = cudnn.find_algorithm(
+            "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)), ws, lim)
+        self.bwd_data = cudnn.find_algorithm(
+            "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr, _ptr(x)),
+            ws, lim)
+        dw = cp.empty_like(w)
+        self.bwd_filter = cudnn.find_algorithm(
+            "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
+                                _ptr(dw)), ws, lim)
+        del x, w, y, dw, ws
+        self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
+        self._desc_key = key
+
+    def forward_gpu(self, bottom, top):
+        if self._cudnn_key is None:
+            return super().forward_gpu(bottom, top)
+        h = cudnn.handle()
+        dt = bottom[0].dtype
+        ws = workspace(self.workspace_bytes)
+        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        w = self.blobs[0].gpu_data()
+        for b, t in zip(bottom, top):
+            y = t.mutable_gpu_data()
+            cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), self.x_desc.ptr,
+                       _ptr(b.gpu_data()), self.w_desc.ptr, _ptr(w), self.conv_desc.ptr,
+                       self.fwd[0], wsp, wsn, cudnn.zero(dt), self.y_desc.ptr, _ptr(y))
+            if self.bias_term:
+                cudnn.call("cudnnAddTensor", h, cudnn.one(dt), self.b_desc.ptr,
+                           _ptr(self.blobs[1].gpu_data()), cudnn.one(dt), self.y_desc.ptr, _ptr(y))
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if self._cudnn_key is None:
+            return super().backward_gpu(top, propagate_down, bottom)
+        h = cudnn.handle()
+        dt = top[0].dtype
+        ws = workspace(self.workspace_bytes)
+        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        w = self.blobs[0].gpu_data()
+        for i, (b, t) in enumerate(zip(bottom, top)):
+            dy = t.gpu_diff()
+            if self.bias_term and self.get_param_propagate_down(1):
+                cudnn.call("cudnnConvolutionBackwardBias", h, cudnn.one(dt), self.y_desc.ptr,
+                           _ptr(dy), cudnn.one(dt), self.b_desc.ptr,
+                           _ptr(self.blobs[1].mutable_gpu_diff()))
+            if self.get_param_propagate_down(0):
+                cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt), self.x_desc.ptr,
+                           _ptr(b.gpu_data()), self.y_desc.ptr, _ptr(dy), self.conv_desc.ptr,
+                           self.bwd_filter[0], wsp, wsn, cudnn.one(dt), self.w_desc.ptr,
+                           _ptr(self.blobs[0].mutable_gpu_diff()))
+            if propagate_down[i]:
+                cudnn.call("cudnnConvolutionBackwardData", h, cudnn.one(dt), self.w_desc.ptr,
+                           _ptr(w), self.y_desc.ptr, _ptr(dy), self.conv_desc.ptr,
+                           self.bwd_data[0], wsp, wsn, cudnn.zero(dt), self.x_desc.ptr,
+                           _ptr(b.mutable_gpu_diff()))
+
+
+_Pool = caffe_pb2.PoolingParameter
+
+
+@register_cudnn("Pooling")
+class CuDNNPoolingLayer(PoolingLayer):
+    """MAX and AVE pooling through cuDNN where cuDNN's output shape and windows are
+    Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
+    otherwise.  Backward reads the top data, so a top rewritten in place by a later layer
+    keeps Caffe's mask-based backward (``Layer.top_rewritten``, set by the Net)."""
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self._use = False
+        if not context.is_gpu() or len(top) != 1 or bottom[0].dtype not in cudnn.DATA:
+            return
+        if self.method not in (_Pool.MAX, _Pool.AVE) or (self.method == _Pool.MAX and
+                                                          self.top_rewritten):
+            return
+        key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
+               self.method, options.deterministic)
+        if getattr(self, "_desc_key", None) != key:
+            dt = bottom[0].dtype
+            mode = (cudnn.POOL_AVE_INCLUDE_PAD if self.method == _Pool.AVE else
+                    cudnn.POOL_MAX_DETERMINISTIC if options.deterministic else cudnn.POOL_MAX)
+            self.pool_desc = cudnn.PoolDesc(mode, self.kernel, self.pad, self.stride)
+            self.x_desc = cudnn.TensorDesc(bottom[0].shape, dt)
+            self.y_desc = cudnn.TensorDesc(top[0].shape, dt)
+            self._ok = self.pool_desc.output_dims(self.x_desc) == tuple(top[0].shape)
+            self._desc_key = key
+        self._use = self._ok
+
+    def forward_gpu(self, bottom, top):
+        if not self._use:
+            return super().forward_gpu(bottom, top)
+        dt = bottom[0].dtype
+        cudnn.call("cudnnPoolingForward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
+                   self.x_desc.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), self.y_desc.ptr,
+                   _ptr(top[0].mutable_gpu_data()))
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if not self._use:
+            return super().backward_gpu(top, propagate_down, bottom)
+        if not propagate_down[0]:
+            return
+        dt = top[0].dtype
+        cudnn.call("cudnnPoolingBackward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
+                   self.y_desc.ptr, _ptr(top[0].gpu_data()), self.y_desc.ptr,
+                   _ptr(top[0].gpu_diff()), self.x_desc.ptr, _ptr(bottom[0].gpu_data()),
+                   cudnn.zero(dt), self.x_desc.ptr, _ptr(bottom[0].mutable_gpu_diff()))
+
+
+_LRN = caffe_pb2.LRNParameter
+
+
+@register_cudnn("LRN")
+class CuDNNLRNLayer(LRNLayer):
+    """ACROSS_CHANNELS LRN through cuDNN (window 1-16, k >= 1e-5, beta >= 0.01: Caffe's
+    formula, alpha divided by the window); Caffe's kernels otherwise.  Backward reads x
+    and y: a top rewritten in place later keeps Caffe's body."""
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        p = self.layer_param.lrn_param
+        self._use = (context.is_gpu() and p.norm_region == _LRN.ACROSS_CHANNELS and
+                     1 <= p.local_size <= 16 and p.k >= 1e-5 and p.beta >= 0.01 and
+                     not self.top_rewritten and bottom[0] is not top[0] and
+                     bottom[0].num_axes == 4 and bottom[0].dtype in cudnn.DATA)
+        if self._use and getattr(self, "_desc_key", None) != bottom[0].shape:
+            self.lrn_desc = cudnn.LRNDesc(p.local_size, p.alpha, p.beta, p.k)
+            self.x_desc = cudnn.TensorDesc(bottom[0].shape, bottom[0].dtype)
+            self._desc_key = bottom[0].shape
+
+    def forward_gpu(self, bottom, top):
+        if not self._use:
+            return super().forward_gpu(bottom, top)
+        dt = bottom[0].dtype
+        cudnn.call("cudnnLRNCrossChannelForward", cudnn.handle(), self.lrn_desc.ptr,
+                   cudnn.LRN_CROSS_CHANNEL, cudnn.one(dt), self.x_desc.ptr,
+                   _ptr(bottom[0].gpu_data()), cudnn.zero(dt), self.x_desc.ptr,
+                   _ptr(top[0].mutable_gpu_data()))
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if not self._use:
+            return super().backward_gpu(top, propagate_down, bottom)
+        if not propagate_down[0]:
+            return
+        dt = top[0].dtype
+        d = self.x_desc.ptr
+        cudnn.call("cudnnLRNCrossChannelBackward", cudnn.handle(), self.lrn_desc.ptr,
+                   cudnn.LRN_CROSS_CHANNEL, cudnn.one(dt), d, _ptr(top[0].gpu_data()), d,
+                   _ptr(top[0].gpu_diff()), d, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), d,
+                   _ptr(bottom[0].mutable_gpu_diff()))
+
+
+class _CuDNNActivation:
+    """Shared body of the cuDNN ReLU, Sigmoid and TanH: y = f(x), dx = f'(.) dy, in place
+    allowed (cuDNN reads y, dy and x; in place x is y, which these three allow)."""
+    act_mode = None
+
+    def _act_ready(self, bottom):
+        if (not context.is_gpu() or bottom[0].dtype not in cudnn.DATA or not self._act_ok()
+                or self.top_rewritten):
+            return False
+        shape = (bottom[0].count(),)
+        if getattr(self, "_desc_key", None) != shape:
+            self.act_desc = cudnn.ActDesc(self.act_mode)
+            self.t_desc = cudnn.TensorDesc(shape, bottom[0].dtype)
+            self._desc_key = shape
+        return True
+
+    def _act_ok(self):
+        return True
+
+    def forward_gpu(self, bottom, top):
+        if not self._act_ready(bottom):
+            return super().forward_gpu(bottom, top)
+        dt = bottom[0].dtype
+        cudnn.call("cudnnActivationForward", cudnn.handle(), self.act_desc.ptr, cudnn.one(dt),
+                   self.t_desc.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), self.t_desc.ptr,
+                   _ptr(top[0].mutable_gpu_data()))
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if not self._act_ready(bottom):
+            return super().backward_gpu(top, propagate_down, bottom)
+        if not propagate_down[0]:
+            return
+        dt = top[0].dtype
+        d = self.t_desc.ptr
+        cudnn.call("cudnnActivationBackward", cudnn.handle(), self.act_desc.ptr, cudnn.one(dt),
+                   d, _ptr(top[0].gpu_data()), d, _ptr(top[0].gpu_diff()), d,
+                   _ptr(bottom[0].gpu_data()), cudnn.zero(dt), d,
+                   _ptr(bottom[0].mutable_gpu_diff()))
+
+
+@register_cudnn("ReLU")
+class CuDNNReLULayer(_CuDNNActivation, ReLULayer):
+    """ReLU through cuDNN; a leaky ReLU (negative_slope != 0) keeps Caffe's body."""
+    act_mode = cudnn.ACT_RELU
+
+    def _act_ok(self):
+        return self.layer_param.relu_param.negative_slope == 0
+
+
+@register_cudnn("Sigmoid")
+class CuDNNSigmoidLayer(_CuDNNActivation, SigmoidLayer):
+    act_mode = cudnn.ACT_SIGMOID
+
+
+@register_cudnn("TanH")
+class CuDNNTanHLayer(_CuDNNActivation, TanHLayer):
+    act_mode = cudnn.ACT_TANH
+
+
+@register_cudnn("Softmax")
+class CuDNNSoftmaxLayer(SoftmaxLayer):
+    """Softmax over ``axis`` through cuDNN (ACCURATE, per channel of an
+    (outer, C, inner, 1) view); dx = y * (dy - sum(dy * y))."""
+
+    def _ready(self, bottom):
+        if not context.is_gpu() or bottom[0].dtype not in cudnn.DATA:
+            return False
+        b = bottom[0]
+        shape = (b.count(0, self.axis), b.shape[self.axis], b.count(self.axis + 1), 1)
+        if getattr(self, "_desc_key", None) != shape:
+            self.t_desc = cudnn.TensorDesc(shape, b.dtype)
+            self._desc_key = shape
+        return True
+
+    def forward_gpu(self, bottom, top):
+        if not self._ready(bottom):
+            return super().forward_gpu(bottom, top)
+        dt = bottom[0].dtype
+        cudnn.call("cudnnSoftmaxForward", cudnn.handle(), cudnn.SOFTMAX_ACCURATE,
+                   cudnn.SOFTMAX_MODE_CHANNEL, cudnn.one(dt), self.t_desc.ptr,
+                   _ptr(bottom[0].gpu_data()), cudnn.zero(dt), self.t_desc.ptr,
+                   _ptr(top[0].mutable_gpu_data()))
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if not self._ready(bottom):
+            return super().backward_gpu(top, propagate_down, bottom)
+        if not propagate_down[0]:
+            return
+        dt = top[0].dtype
+        d = self.t_desc.ptr
+        cudnn.call("cudnnSoftmaxBackward", cudnn.handle(), cudnn.SOFTMAX_ACCURATE,
+                   cudnn.SOFTMAX_MODE_CHANNEL, cudnn.one(dt), d, _ptr(top[0].gpu_data()), d,
+                   _ptr(top[0].gpu_diff()), cudnn.zero(dt), d, _ptr(bottom[0].mutable_gpu_diff()))
+
+
+_BN_FOLD = r"""
+// Caffe's running statistics from cuDNN's batch mean and unbiased variance
+extern "C" __global__ void mc_bn_fold(T* mean_sum, T* var_sum, T* weight, const T* mean,
+                                      const T* var, T maf, int C) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c < C) {
+    mean_sum[c] = mean[c] + maf * mean_sum[c];
+    var_sum[c] = var[c] + maf * var_sum[c];
+  }
+  if (c == 0) weight[0] = weight[0] * maf + (T)1;
+}
+// the global statistics: mean_sum / weight, var_sum / weight (0 when the weight is 0)
+extern "C" __global__ void mc_bn_global(const T* mean_sum, const T* var_sum, const T* weight,
+                                        T* mean, T* var, int C) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c < C) {
+    T s = weight[0];
+    T f = s == (T)0 ? (T)0 : (T)1 / s;
+    mean[c] = f * mean_sum[c];
+    var[c] = f * var_sum[c];
+  }
+}
+"""
+
+
+@register_cudnn("BatchNorm")
+class CuDNNBatchNormLayer(BatchNormLayer):
+    """Caffe's BatchNorm (no scale or shift: Scale follows it) through cuDNN's spatial
+    batch normalisation, N-D inputs of 4 or 5 axes.  Training: cuDNN gives the batch mean
+    and the unbiased variance (its running average with factor 1), which a small kernel
+    folds into Caffe's three statistics blobs exactly as Caffe does; global statistics
+    run cuDNN's inference mode on mean_sum/s and var_sum/s.  Backward needs the input x:
+    in place, forward keeps a copy of it."""
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        b = bottom[0]
+        self._use = (context.is_gpu() and b.num_axes in (4, 5) and b.dtype in cudnn.DATA
+                     and self.eps >= cudnn.BN_MIN_EPSILON)
+        if not self._use:
+            return
+        if getattr(self, "_desc_key", None) != b.shape:
+            cp = backend.cp
+            self.x_desc = cudnn.TensorDesc(b.shape, b.dtype)
+            self.p_desc = cudnn.BNParamDesc(self.x_desc, cudnn.BN_SPATIAL)
+            C = self.channels
+            self._ones = cp.ones(C, dtype=b.dtype)
+            self._zeros = cp.zeros(C, dtype=b.dtype)
+            self._mean = cp.zeros(C, dtype=b.dtype)      # batch mean / global mean
+            self._var = cp.zeros(C, dtype=b.dtype)       # unbiased batch var / global var
+            self._save_mean = cp.zeros(C, dtype=b.dtype)
+            self._save_inv = cp.zeros(C, dtype=b.dtype)
+            self._dscale = cp.zeros(C, dtype=b.dtype)
+            self._dbias = cp.zeros(C, dtype=b.dtype)
+            self._desc_key = b.shape
+        self._x_copy_needed = bottom[0] is top[0] and not self.use_global_stats
+
+    def _kernel(self, name, dt):
+        from ..kernels._backend import cuda_type, raw_kernel
+        return raw_kernel(_BN_FOLD, name, cuda_type(dt))
+
+    def forward_gpu(self, bottom, top):
+        if not self._use:
+            return super().forward_gpu(bottom, top)
+        dt = bottom[0].dtype
+        h = cudnn.handle()
+        C = self.channels
+        grid = ((C + 255) // 256,)
+        x = bottom[0].gpu_data()
+        if self._x_copy_needed:
+            xc = getattr(self, "_x_saved", None)
+            if xc is None or xc.shape != x.shape:
+                xc = self._x_saved = backend.cp.empty_like(x)
+            xc[...] = x
+            x = xc
+        y = top[0].mutable_gpu_data()
+        stats = [s.mutable_gpu_data() for s in self.blobs]
+        if self.use_global_stats:
+            self._kernel("mc_bn_global", dt)(grid, (256,), (stats[0], stats[1], stats[2],
+                                                            self._mean, self._var, np.int32(C)))
+            cudnn.call("cudnnBatchNormalizationForwardInference", h, cudnn.BN_SPATIAL,
+                       cudnn.one(dt), cudnn.zero(dt), self.x_desc.ptr, _ptr(x), self.x_desc.ptr,
+                       _ptr(y), self.p_desc.ptr, _ptr(self._ones), _ptr(self._zeros),
+                       _ptr(self._mean), _ptr(self._var), float(self.eps))
+            return
+        cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL, cudnn.one(dt),
+                   cudnn.zero(dt), self.x_desc.ptr, _ptr(x), self.x_desc.ptr, _ptr(y),
+                   self.p_desc.ptr, _ptr(self._ones), _ptr(self._zeros), 1.0, _ptr(self._mean),
+                   _ptr(self._var), float(self.eps), _ptr(self._save_mean), _ptr(self._save_inv))
+        self._kernel("mc_bn_fold", dt)(grid, (256,), (stats[0], stats[1], stats[2], self._mean,
+                                                      self._var, dt.type(self.moving_average_fraction),
+                                                      np.int32(C)))
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if not self._use:
+            return super().backward_gpu(top, propagate_down, bottom)
+        if not propagate_down[0]:
+            return
+        dt = top[0].dtype
+        h = cudnn.handle()
+        dy = top[0].gpu_diff()
+        dx = bottom[0].mutable_gpu_diff()
+        if self.use_global_stats:  # dx = dy / sqrt(var + eps)
+            std = backend.cp.sqrt(self._var + dt.type(self.eps))
+            shape = (1, self.channels) + (1,) * (dy.ndim - 2)
+            backend.cp.divide(dy, std.reshape(shape), out=dx)
+            return
+        x = self._x_saved if self._x_copy_needed else bottom[0].gpu_data()
+        out = dx
+        if bottom[0] is top[0]:  # in place: cuDNN writes dx into a buffer of its own
+            out = getattr(self, "_dx_tmp", None)
+            if out is None or out.shape != dx.shape:
+                out = self._dx_tmp = backend.cp.empty_like(dx)
+        cudnn.call("cudnnBatchNormalizationBackward", h, cudnn.BN_SPATIAL, cudnn.one(dt),
+                   cudnn.zero(dt), cudnn.one(dt), cudnn.zero(dt), self.x_desc.ptr, _ptr(x),
+                   self.x_desc.ptr, _ptr(dy), self.x_desc.ptr, _ptr(out), self.p_desc.ptr,
+                   _ptr(self._ones), _ptr(self._dscale), _ptr(self._dbias), float(self.eps),
+                   _ptr(self._save_mean), _ptr(self._save_inv))
+        if out is not dx:
+            dx[...] = out

@@ -1,0 +1,154 @@
+"""The solver update as one GPU kernel over the flat parameter buffers.
+
+Caffe's update, per parameter and element (``sgd_solvers.py`` has the rules): clip
+(global L2 norm), normalise by iter_size, regularise (L2 or L1 weight decay), the
+type's rule, then ``w -= update`` and ``diff = update`` (Caffe leaves the update value in
+the diff).  On the GPU the parameters, their diffs and the history live in flat buffers
+of one layout (``flat_params.py``), so all of it is one kernel launch per iteration: each
+element finds its parameter through a chunk table (the layout aligns parameters to
+``ALIGN`` elements, so a 64-element chunk never straddles two), and reads that
+parameter's lr_mult and decay from small tables.
+
+Per-iteration scalars (the learning rate, Adam's bias correction) are read from a slot
+of a ring in mapped host memory indexed by the device's iteration counter, so the same
+launch replays correctly from a CUDA graph while the host writes later slots.  With the
+project's NVRTC options (no multiply-add contraction) each element is rounded exactly as
+the numpy bodies round it.
+"""
+import numpy as np
+
+from .. import backend
+from ..flat_params import ALIGN
+
+CHUNK = 64
+assert ALIGN % CHUNK == 0
+
+# name: (extra scalar parameters, number of history buffers, body).  In the body: g is the
+# regularised gradient, lr the local rate, h/h2 the histories; it sets u (the update).
+RULES = {
+    "SGD": ("float momentum", 1,
+            "T hi = momentum * h[i] + lr * g; h[i] = hi; u = hi;"),
+    "Nesterov": ("float momentum", 1,
+                 "T hp = h[i]; T hn = momentum * hp + lr * g; h[i] = hn;"
+                 " u = ((T)1 + momentum) * hn - momentum * hp;"),
+    "AdaGrad": ("float delta", 1,
+                "T hi = h[i] + g * g; h[i] = hi; u = lr * (g / (sqrt(hi) + delta));"),
+    "RMSProp": ("float rms_decay, float delta", 1,
+                "T hi = rms_decay * h[i] + ((T)1 - rms_decay) * (g * g); h[i] = hi;"
+                " u = lr * (g / (sqrt(hi) + delta));"),
+    "AdaDelta": ("float momentum, float delta", 2,
+                 "T om = (T)1 - momentum; T hi = momentum * h[i] + om * (g * g); h[i] = hi;"
+                 " T gg = g * sqrt((h2[i] + delta) / (hi + delta));"
+                 " h2[i] = momentum * h2[i] + om * (gg * gg); u = gg * lr;"),
+    "Adam": ("float beta1, float beta2, float eps_hat", 2,
+             "T mi = beta1 * h[i] + ((T)1 - beta1) * g; T vi = beta2 * h2[i] + ((T)1 - beta2) * (g * g);"
+             " h[i] = mi; h2[i] = vi; u = (lr * sc[1]) * (mi / (sqrt(vi) + eps_hat));"),
+}
+
+_TEMPLATE = r"""
+extern "C" __global__ void mc_update(T* w, T* gdiff, T* h, T* h2, const int* table,
+    const float* lr_tab, const float* decay_tab, const long long* off_tab,
+    const long long* cnt_tab, unsigned long long sched_addr, int S,
+    const long long* counter, int K, const float* sumsq, float clip, float inv_iter_size,
+    int l1, long long n, EXTRA) {
+  const float* sc = ((const float*)sched_addr) + ((*counter) % K) * S;
+  const float rate = sc[0];
+  float clip_scale = 1.0f;
+  bool clipping = false;
+  if (sumsq != 0) {
+    float norm = sqrtf(sumsq[0]);
+    if (norm > clip) { clip_scale = clip / norm; clipping = true; }
+  }
+  CUDA_KERNEL_LOOP(i, n) {
+    const int p = table[i / CHUNK];
+    if (i - off_tab[p] >= cnt_tab[p]) continue;   // the gap after a parameter
+    T g = gdiff[i];
+    if (clipping) g *= clip_scale;
+    if (inv_iter_size != 1.0f) g *= inv_iter_size;
+    const float decay = decay_tab[p];
+    if (decay != 0.0f) {
+      T wi = w[i];
+      if (l1) g += (T)((wi > 0) - (wi < 0)) * decay; else g += wi * decay;
+    }
+    const T lr = rate * lr_tab[p];
+    T u;
+    BODY
+    gdiff[i] = u;
+    w[i] = w[i] - u;
+  }
+}
+"""
+
+
+def _kernel(rule, dtype):
+    from ..kernels._backend import cuda_type, raw_kernel
+    extra, _, body = RULES[rule]
+    src = (_TEMPLATE.replace("EXTRA", extra).replace("BODY", body)
+           .replace("CHUNK", str(CHUNK)))
+    return raw_kernel(src, "mc_update", cuda_type(dtype))
+
+
+def rule_scalars(solver):
+    """The rule's constant scalars in the kernel's order (float32, as the numpy bodies)."""
+    p, f = solver.param, np.float32
+    return {
+        "SGD": (f(p.momentum),),
+        "Nesterov": (f(p.momentum),),
+        "AdaGrad": (f(p.delta),),
+        "RMSProp": (f(p.rms_decay), f(p.delta)),
+        "AdaDelta": (f(p.momentum), f(p.delta)),
+        "Adam": (f(p.momentum), f(p.momentum2), f(p.delta)),
+    }[solver.type]
+
+
+class FusedUpdate:
+    """The update of ``solver`` (an SGD-family solver with flat buffers) as one kernel."""
+
+    def __init__(self, solver):
+        cp = backend.cp
+        self.solver = solver
+        self.rule = solver.type
+        if self.rule not in RULES:
+            raise ValueError(f"no fused update for solver type {self.rule}")
+        net = solver.net
+        self.flat = net.flat_params()
+        self.dtype = self.flat.dtype
+        hist = solver.history_flat
+        if len(hist) != RULES[self.rule][1]:
+            raise ValueError(f"{self.rule} keeps {RULES[self.rule][1]} history sets, "
+                             f"the solver has {len(hist)}")
+        self.hist = hist
+        p = solver.param
+        self.table = cp.asarray(self.flat.layout.chunk_table(CHUNK))
+        self.off_tab = cp.asarray(np.array(self.flat.offsets or [0], dtype=np.int64))
+        self.cnt_tab = cp.asarray(np.array(self.flat.counts or [0], dtype=np.int64))
+        n = len(self.flat.blobs)
+        self.lr_tab = cp.asarray(np.array([np.float32(v) for v in net.params_lr] or [0],
+                                          dtype=np.float32))
+        wd = np.float32(p.weight_decay)
+        self.decay_tab = cp.asarray(np.array([np.float32(wd * np.float32(v))
+                                              for v in net.params_weight_decay] or [0],
+                                             dtype=np.float32))
+        assert n == len(net.params_lr)
+        self.scalars = rule_scalars(solver)
+        self.clip = np.float32(p.clip_gradients)
+        self.inv_iter_size = np.float32(np.float32(1) / np.float32(p.iter_size))
+        self.l1 = np.int32(p.regularization_type == "L1")
+        self.kernel = _kernel(self.rule, self.dtype)
+
+    def intact(self):
+        return self.flat.intact() and all(h.intact() for h in self.hist)
+
+    def launch(self, sched_addr, S, counter, K, sumsq=None):
+        """One launch on the current stream.  ``sumsq`` (a device float[1] holding the
+        squared global norm) turns clipping on."""
+        from ..kernels._backend import launch
+        w = self.flat.data.mutable_gpu_data()
+        g = self.flat.diff.mutable_gpu_data()
+        h = self.hist[0].data.mutable_gpu_data()
+        h2 = self.hist[1].data.mutable_gpu_data() if len(self.hist) > 1 else h
+        launch(self.kernel, w.size,
+               (w, g, h, h2, self.table, self.lr_tab, self.decay_tab, self.off_tab, self.cnt_tab,
+                np.uint64(sched_addr),
+                np.int32(S), counter, np.int32(K), sumsq if sumsq is not None else np.uint64(0),
+                self.clip, self.inv_iter_size, self.l1, np.int64(w.size)) + self.scalars)
