@@ -224,6 +224,13 @@ def _high_priority_stream():
         return cp.cuda.Stream(non_blocking=True)
 
 
+def _capturing(stream):
+    try:
+        return stream.is_capturing()
+    except AttributeError:  # pragma: no cover - old CuPy
+        return False
+
+
 def _async_get(dev, out, stream):
     """Device -> pinned host copy on ``stream`` without waiting for it."""
     try:
@@ -363,7 +370,9 @@ class P2PSync:
         stream's queued work."""
         if not self.gpu:
             return self.comm.allreduce_host(values)
-        self.comm_stream.wait_event(self.compute.record())
+        current = backend.cp.cuda.get_current_stream()
+        for stream in {id(current): current, id(self.compute): self.compute}.values():
+            self.comm_stream.wait_event(stream.record())
         with self.comm_stream:
             return self.comm.allreduce_host(values)
 
@@ -395,10 +404,24 @@ class P2PSync:
             if layer_index == 0:
                 self._pass += 1
             return
-        if self.gpu and layer_index == 0 and self.manager.measure:
-            self._bwd_end = self.compute.record()
+        if not self.gpu:
+            for b in self.by_layer.get(layer_index, ()):
+                self._reduce(b)
+            return
+        # the stream the backward runs on (the null stream, or a GPU step's own stream)
+        self.compute = backend.cp.cuda.get_current_stream()
+        bwd_end = None
+        if layer_index == 0 and self.manager.measure and not _capturing(self.compute):
+            bwd_end = self.compute.record()
         for b in self.by_layer.get(layer_index, ()):
             self._reduce(b)
+        if layer_index == 0:
+            # join: the compute stream (so the update) waits for the last reduction, by
+            # an event; inside a CUDA-graph capture this joins the forked comm stream
+            done = self.comm_stream.record()
+            self.compute.wait_event(done)
+            if bwd_end is not None:
+                self._events_now = (bwd_end, done)
 
     def _reduce(self, b):
         sl = self._diff[b.start:b.stop]
@@ -414,22 +437,12 @@ class P2PSync:
             self._comm_s += time.perf_counter() - t0
 
     def on_gradients_ready(self):
-        """Before the update: join the reductions, then agree on stop/snapshot."""
-        self.join_reductions()
-        self.agree()
-
-    def join_reductions(self):
-        """The compute stream waits (an event, not the host) for the last bucket's
-        reduction.  Inside a captured CUDA graph this is the join of the forked
-        communication stream."""
-        if self.gpu:
-            done = self.comm_stream.record()
-            self.compute.wait_event(done)   # the update waits for the last reduction
-            if self.manager.measure and getattr(self, "_bwd_end", None) is not None:
-                self._events_now = (self._bwd_end, done)
-        else:
+        """Before the update (the reductions were joined at the end of backward): agree
+        on stop/snapshot."""
+        if not self.gpu:
             self.exposed_ms.append(self._comm_s * 1e3)
             self._comm_s = 0.0
+        self.agree()
 
     # -- agreeing on stop / snapshot ----------------------------------------------------------
     def agree(self):
@@ -452,6 +465,8 @@ class P2PSync:
                         bwd_end, done)))
             self._events, self._events_now = self._events_now, None
             self._ctrl_send[slot][...] = vals
+            # after this iteration's reductions (and in a captured graph, after its launch)
+            self.comm_stream.wait_event(self.compute.record())
             dev = self._ctrl_dev[slot]
             dev.set(self._ctrl_send[slot], stream=self.comm_stream)
             self.comm.allreduce(dev, self.comm_stream)

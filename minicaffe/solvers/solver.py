@@ -341,8 +341,7 @@ class Solver:
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
                 self._gpu_flush(st, start_iter)
-                if self.root:
-                    self.test_all()
+                self.test_all()  # a no-op without test nets (non-root ranks unless parallel)
                 if self.requested_early_exit:
                     break
             for cb in self.callbacks:
