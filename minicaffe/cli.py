@@ -1,8 +1,9 @@
 """The ``minicaffe`` command line: Caffe's ``tools/caffe.cpp``.
 
-    minicaffe train --solver S [--gpu 0|all] [--snapshot X.solverstate | --weights A[,B]]
+    minicaffe train --solver S [--gpu 0|0,1|all] [--snapshot X.solverstate | --weights A[,B]]
                     [--level N] [--stage a,b] [--sigint_effect stop|snapshot|none]
                     [--sighup_effect ...] [--log FILE] [--debug_info]
+                    [--parallel thread|process] [--rank R --world_size N --init_file F]
     minicaffe test --model M --weights W [--iterations 50] [--gpu 0]
     minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
     minicaffe device_query [--gpu 0]
@@ -40,7 +41,15 @@ flags:
   --weights A[,B]      pretrained weights (.caffemodel or .caffemodel.h5) to start from
                        (train: finetuning; cannot be given with --snapshot)
   --gpu IDS            run on GPU: a device id, ids separated by ',' or 'all'
-                       (train: overrides solver_mode and device_id)
+                       (train: overrides solver_mode and device_id; several GPUs train
+                       data-parallel, the prototxt's batch divided among them)
+  --parallel MODE      train on several GPUs: thread (default; one thread per GPU) or
+                       process (one process per GPU)
+  --rank R             train: this process's rank in a run of one process per GPU started
+                       by hand (with --world_size and --init_file; --gpu names its GPU)
+  --world_size N       train: the number of processes of that run
+  --init_file F        train: a file every process sees; rank 0 writes the NCCL id there
+                       (it must not exist yet)
   --iterations N       test/time: the number of iterations to run (default 50)
   --phase TRAIN|TEST   time: the network phase (default TRAIN)
   --level N            the network level (default 0)
@@ -67,6 +76,10 @@ FLAGS = {
     "sighup_effect": ("str", "snapshot"),
     "log": ("str", ""),
     "debug_info": ("bool", False),
+    "parallel": ("str", "thread"),
+    "rank": ("int", -1),
+    "world_size": ("int", 0),
+    "init_file": ("str", ""),
 }
 COMMANDS = ("train", "test", "time", "device_query")
 
@@ -280,9 +293,10 @@ def train(flags, stream=None):
     else:
         gpus = get_gpus(flags.gpu)
     _check_gpus(gpus)
-    if len(gpus) > 1:
-        raise MinicaffeError(f"multi-GPU training is not available yet (asked for GPUs "
-                             f"{', '.join(map(str, gpus))}); use one GPU, e.g. --gpu {gpus[0]}")
+    from .comm import launched_by_mpirun
+    if len(gpus) > 1 or flags.rank >= 0 or flags.world_size or flags.init_file or \
+            launched_by_mpirun() > 1:
+        return _train_parallel(flags, param, path, gpus, stream)
     if not gpus:
         log.info("Use CPU.")
         context.set_mode_cpu()
@@ -316,6 +330,34 @@ def train(flags, stream=None):
                 if net is not None:
                     net.close()
     log.info("Optimization Done.")
+    return 0
+
+
+def _train_parallel(flags, param, path, gpus, stream):
+    """Several GPUs, or one rank of a run of one process per GPU (parallel_launch.py)."""
+    from .parallel import root_only_logging
+    from .parallel_launch import train_parallel
+
+    def describe(ids):
+        log.info("Using GPUs %s", ", ".join(map(str, ids)))
+        for g in ids:
+            log.info("GPU %d: %s", g, _gpu_name(g))
+    bars = []
+
+    def progress(solver):
+        if isinstance(stream, _TqdmStream) and stream.isatty():
+            bars.append(_make_progress(stream, solver))
+            return bars[-1]
+        return None
+    try:
+        with root_only_logging():  # a process of rank > 0 logs warnings and errors only
+            train_parallel(flags, param, path, gpus, progress, describe)
+            log.info("Optimization Done.")
+    finally:
+        context.set_solver_rank(0)
+        for bar in bars:
+            stream.bar = None
+            bar.close()
     return 0
 
 

@@ -17,7 +17,7 @@ GPU = 1
 
 _local = threading.local()
 _process_lock = threading.Lock()
-_process = {"solver_count": 1, "multiprocess": False}
+_process = {"solver_count": 1, "multiprocess": False, "shard_test": False}
 
 
 def cluster_seedgen():
@@ -135,6 +135,15 @@ def multiprocess():
 
 def set_multiprocess(v):
     _process["multiprocess"] = bool(v)
+
+
+def shard_test():
+    """True while data-parallel training tests on every rank: TEST data is sharded too."""
+    return _process["shard_test"]
+
+
+def set_shard_test(v):
+    _process["shard_test"] = bool(v)
 
 
 def solver_rank():

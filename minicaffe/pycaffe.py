@@ -280,15 +280,8 @@ class Timer:
 
 # -- NCCL -------------------------------------------------------------------------------------------
 def _nccl_module():
-    if backend.cp is None:
-        return None
-    try:
-        from cupy.cuda import nccl
-    except Exception:
-        return None
-    if not getattr(nccl, "available", True):
-        return None
-    return nccl
+    from .comm import nccl_module
+    return nccl_module()
 
 
 def has_nccl():
@@ -302,19 +295,21 @@ class NCCL:
     1/solver_count) and ``net.after_backward(nccl)`` (the same, layer by layer, when the
     solver's ``layer_wise_reduce`` is set).  One rank per process or per thread; each sets
     its device, ``set_solver_count`` and ``set_solver_rank`` first, as pycaffe's train.py.
+    Built on :class:`minicaffe.comm.NcclComm`; ``minicaffe train --gpu 0,1`` (P2PManager,
+    ``minicaffe.parallel``) is the bucketed, overlapped version of the same thing.
 
     Without CuPy's NCCL (``has_nccl()`` False) making one raises a clear error."""
 
     def __init__(self, solver, uid):
-        self._nccl = _nccl_module()
-        if self._nccl is None or backend.gpu_count() == 0:
+        if _nccl_module() is None or backend.gpu_count() == 0:
             raise MinicaffeError("multi-GPU NCCL is not available: it needs CuPy with NCCL "
                                  "(cupy.cuda.nccl) and a CUDA GPU; "
                                  f"{backend.why_no_gpu() if backend.gpu_count() == 0 else 'NCCL missing'}")
+        from .comm import NcclComm
         self.solver = solver
         self.count = context.solver_count()
         self.rank = context.solver_rank()
-        self.comm = self._nccl.NcclCommunicator(self.count, uid, self.rank)
+        self.comm = NcclComm(self.count, uid, self.rank)
         self.params = list(solver.net.learnable_params)
         net = solver.net
         self._layer_params = [
@@ -324,31 +319,27 @@ class NCCL:
 
     @staticmethod
     def new_uid():
-        nccl = _nccl_module()
-        if nccl is None:
+        if _nccl_module() is None:
             raise MinicaffeError("multi-GPU NCCL is not available: it needs CuPy with NCCL "
                                  "(cupy.cuda.nccl)")
-        return nccl.get_unique_id()
+        from .comm import NcclComm
+        return NcclComm.new_uid()
 
     def _layer_wise(self):
         return getattr(self.solver.param, "layer_wise_reduce", True)
 
     def bcast(self):
         """Broadcast the root's parameters to every rank."""
-        cp = backend.cp
-        stream = cp.cuda.get_current_stream()
+        stream = backend.cp.cuda.get_current_stream()
         for b in self.params:
-            a = b.mutable_gpu_data()
-            self.comm.bcast(a.data.ptr, a.size, _nccl_dtype(self._nccl, a.dtype), 0, stream.ptr)
+            self.comm.bcast(b.mutable_gpu_data(), 0, stream)
         stream.synchronize()
 
     def _allreduce(self, blobs):
-        cp = backend.cp
-        stream = cp.cuda.get_current_stream()
+        stream = backend.cp.cuda.get_current_stream()
         for b in blobs:
             d = b.mutable_gpu_diff()
-            self.comm.allReduce(d.data.ptr, d.data.ptr, d.size, _nccl_dtype(self._nccl, d.dtype),
-                                self._nccl.NCCL_SUM, stream.ptr)
+            self.comm.allreduce(d, stream)
             if self.count > 1:
                 d *= 1.0 / self.count
 
@@ -368,9 +359,3 @@ class NCCL:
             backend.cp.cuda.get_current_stream().synchronize()
         else:
             self._allreduce(self.params)
-
-
-def _nccl_dtype(nccl, dtype):
-    return {np.dtype(np.float32): nccl.NCCL_FLOAT32,
-            np.dtype(np.float64): nccl.NCCL_FLOAT64,
-            np.dtype(np.float16): nccl.NCCL_FLOAT16}[np.dtype(dtype)]

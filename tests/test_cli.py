@@ -211,11 +211,37 @@ def test_gpu_asked_without_gpu(cli, tmp_path):
         assert rc == 1 and "none is usable" in _error_line(err)
 
 
-def test_several_gpus_is_a_clear_error(cli, tmp_path, monkeypatch):
+def test_several_gpus_without_cupy_or_nccl_is_a_clear_error(cli, tmp_path, monkeypatch):
     _setup(tmp_path)
     monkeypatch.setattr(backend, "gpu_count", lambda: 4)
+    monkeypatch.setattr(backend, "cp", None)
     rc, out, err = cli("train", "--solver", "solver.prototxt", "--gpu", "0,1")
-    assert rc == 1 and "multi-GPU training is not available yet" in _error_line(err)
+    assert rc == 1 and "--gpu 0,1: multi-GPU training needs CuPy" in _error_line(err)
+
+    class CupyWithoutNccl:  # cupy.cuda.nccl fails to import
+        cuda = None
+    monkeypatch.setattr(backend, "cp", CupyWithoutNccl())
+    monkeypatch.setattr("minicaffe.comm.nccl_module", lambda: None)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--gpu", "all")
+    assert rc == 1 and "--gpu 0,1,2,3: multi-GPU training needs NCCL" in _error_line(err)
+
+
+def test_bad_multi_gpu_requests_are_one_clear_line(cli, tmp_path, monkeypatch):
+    _setup(tmp_path)
+    monkeypatch.setattr(backend, "gpu_count", lambda: 2)
+    cases = [(["--gpu", "7"], "GPU 7 requested but only 2 device(s) exist"),
+             (["--gpu", "0,1,7"], "GPU 7 requested but only 2 device(s) exist"),
+             (["--gpu", "1,1"], "GPU 1 is listed more than once in --gpu 1,1"),
+             (["--gpu", "0,1", "--parallel", "mpi"], "--parallel must be thread or process"),
+             (["--gpu", "0", "--rank", "1"], "needs --rank, --world_size and --init_file"),
+             (["--gpu", "0", "--rank", "2", "--world_size", "2", "--init_file", "f"],
+              "--rank 2 is not below --world_size 2"),
+             (["--rank", "0", "--world_size", "2", "--init_file", "f"],
+              "the process mode needs GPUs")]
+    for extra, words in cases:
+        rc, out, err = cli("train", "--solver", "solver.prototxt", *extra)
+        lines = [l for l in err.splitlines() if l.startswith("minicaffe: error")]
+        assert rc == 1 and len(lines) == 1 and words in lines[0], (extra, err)
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU fallback")

@@ -8,6 +8,8 @@
 #   lenet     examples/mnist/train_lenet.py --gpu 0: Caffe's LeNet recipe, 10,000 iterations
 #   datawait  benchmarks/data_wait_gpu.py: how long the compute stream waits for data
 #   time      minicaffe time on LeNet (TRAIN, from LMDB) and CIFAR-10 quick (deploy)
+#   scaling   benchmarks/multi_gpu_scaling.py: images/s on 1, 2, 4 GPUs, threads and processes
+#   lenetall  Caffe's LeNet recipe (10,000 iterations) with --gpu all (several GPUs)
 # Logs go to OUTDIR; the last lines of each step are printed.
 set -u
 OUT=${1:-out}
@@ -37,5 +39,12 @@ for step in $STEPS; do
         "$OUT/cifar10_quick_dummy.prototxt" 100,3,32,32
       python3 -m minicaffe time --model "$OUT/cifar10_quick_dummy.prototxt" --gpu 0 \
         --iterations 200 >"$OUT/time_cifar.log" 2>&1; grep -E "Average|Total" "$OUT/time_cifar.log";;
+    scaling)
+      python3 benchmarks/multi_gpu_scaling.py --out "$OUT/scaling" >"$OUT/scaling.md" 2>"$OUT/scaling.err"
+      cat "$OUT/scaling.md"; tail -3 "$OUT/scaling.err";;
+    lenetall)
+      /usr/bin/time -f "wall %e s" python3 examples/mnist/train_lenet.py --gpu all \
+        --log "$OUT/lenet_all.log" >"$OUT/lenet_all.out" 2>&1
+      tail -3 "$OUT/lenet_all.out"; grep -E "Test net output|P2PManager: total" "$OUT/lenet_all.log" | tail -3;;
   esac
 done

@@ -4,8 +4,9 @@ Data and ImageData prefetch on a background thread (``minicaffe.data.prefetch``)
 HDF5Data reads synchronously, as Caffe's does.  Every reader can be sharded: with
 ``context.solver_count()`` N > 1 in TRAIN, solver rank r reads record i only when
 i % N == r (record = position in the database, line of the list file, row of each
-HDF5 file), so the solvers see disjoint records.  TEST is not sharded (as Caffe: only
-the root solver tests).
+HDF5 file), so the solvers see disjoint records.  TEST is sharded the same way only while
+``context.shard_test()`` is set (multi-GPU training, where every rank tests its own shard);
+otherwise it is not (as Caffe: only the root solver tests).
 
 Errors in the data (a missing source, an empty database, a record of another shape,
 an undecodable image, a crop larger than the image, a mean of the wrong shape) are one
@@ -36,7 +37,7 @@ def _fmt(shape):
 def shard_of(phase):
     """(count, rank) this thread's reader takes records from (count 1 = all)."""
     n = context.solver_count()
-    if phase != TRAIN or n <= 1:
+    if n <= 1 or (phase != TRAIN and not context.shard_test()):
         return 1, 0
     return n, context.solver_rank()
 

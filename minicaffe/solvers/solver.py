@@ -257,8 +257,7 @@ class Solver:
             net.clear_param_diffs()
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
-                if self.root:
-                    self.test_all()
+                self.test_all()  # a no-op without test nets (non-root ranks unless parallel)
                 if self.requested_early_exit:
                     break
             for cb in self.callbacks:
@@ -342,8 +341,7 @@ class Solver:
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
                 self._gpu_flush(st, start_iter)
-                if self.root:
-                    self.test_all()
+                self.test_all()  # a no-op without test nets (non-root ranks unless parallel)
                 if self.requested_early_exit:
                     break
             for cb in self.callbacks:
@@ -485,6 +483,7 @@ class Solver:
         if self.requested_early_exit:
             log.info("Test interrupted.")
             return
+        loss, scores, n_iter = self.gather_test_results(loss, scores, n_iter)
         if p.test_compute_loss:
             loss /= n_iter
             log.info("Test loss: %s", _fmt(_f(loss)))
@@ -499,6 +498,15 @@ class Solver:
             log.info("    Test net output #%d: %s = %s%s", i, name, _fmt(mean), extra)
         self.mean_scores[test_net_id] = mean_scores
         return mean_scores
+
+    def gather_test_results(self, loss, scores, n_iter):
+        """(loss, scores, iterations) summed over every rank that tested: callbacks with
+        ``gather_test_results`` (multi-GPU: each rank tests its own shard) return totals."""
+        for cb in self.callbacks:
+            gather = getattr(cb, "gather_test_results", None)
+            if gather is not None:
+                loss, scores, n_iter = gather(loss, scores, n_iter)
+        return loss, scores, n_iter
 
     # -- snapshots ----------------------------------------------------------------------
     def check_snapshot_write_permissions(self):
