@@ -99,18 +99,21 @@ def main():
     from minicaffe.gpu import cudnn, pool
     print(cudnn.describe(), "|", pool.describe())
     pool.use(a.allocator)
-    rows = [("graph", make(net, True))] + ([] if a.no_eager else [("eager", make(net, False))])
+    pool.reset_peak()
+    rows = [("graph", make(net, True))]
+    if not a.no_eager:    # (its peak then includes the graph solver's memory)
+        rows.append(("eager", make(net, False)))
     if a.legacy:
         from minicaffe.solvers.solver import Solver
         s = make(net, False)
         s._gpu_step_wanted = lambda: False
         rows.append(("legacy", s))
     for name, s in rows:
-        pool.reset_peak()
         ms = timeit(s, a.iters, a.repeats)
-        print(f"{a.model} b{a.batch} {name:7s} {ms:8.3f} ms/iter  {a.batch / ms * 1e3:10.0f} img/s"
-              f"  peak {pool.peak_bytes() / 2**30:.2f} GiB", flush=True)
         st = getattr(s, "_gpu_step_obj", None)
+        planned = f" planned {st.plan.peak / 2**30:.2f} GiB" if st is not None and st.plan else ""
+        print(f"{a.model} b{a.batch} {name:7s} {ms:8.3f} ms/iter  {a.batch / ms * 1e3:10.0f} img/s"
+              f"  peak {pool.peak_bytes() / 2**30:.2f} GiB{planned} ({pool.name()})", flush=True)
         if st is not None and st.graphs:
             g = next(iter(st.graphs.values()))
             cp = backend.cp

@@ -285,7 +285,7 @@ class Blob:
         another buffer (``set_cpu_data``/``set_gpu_data``); a no-op when it owns it."""
         m = self._data
         if isinstance(m, SyncedMemory) and (m._cpu is None or m._own_cpu) and \
-                (m._gpu is None or m._own_gpu):
+                (m._gpu is None or m._own_gpu or m.planned):
             return
         self._data = SyncedMemory(self._capacity, self.dtype)
         self.drop_views()

@@ -130,6 +130,17 @@ class Layer:
         else:
             self.forward_cpu(bottom, top)
 
+    # -- what the memory plan needs to know (gpu/plan.py) ---------------------------------
+    def backward_reads(self, bottom, top):
+        """(bottom indices, top indices) whose data this layer's backward reads; the plan
+        keeps those alive until then.  The default, everything, is always safe."""
+        return range(len(bottom)), range(len(top))
+
+    def state_bytes(self, bottom, top):
+        """Device bytes this layer keeps from forward to backward beside its tops (a mask,
+        a saved input); counted in the planned peak."""
+        return 0
+
     def check_deferred(self):
         """Raise the errors a GPU body found on the device without stopping for them
         (a label out of range, say).  Called once the host has waited for the work."""

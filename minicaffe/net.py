@@ -385,6 +385,7 @@ class Net:
             elif (hasattr(a, "fuse_scale") and b.type == "Scale" and not a.use_global_stats
                     and len(b.blobs) >= 1 and b.per_channel(self.bottom_vecs[lid + 1])):
                 a.fuse_scale = b
+                b.fused_into_bn = True
                 self._fused.append((lid, a, b, "fuse_scale"))
 
     def _plan_fusion(self, start, end):

@@ -24,7 +24,7 @@ SYNCED = "SYNCED"
 
 class SyncedMemory:
     __slots__ = ("size", "dtype", "_cpu", "_gpu", "_own_cpu", "_own_gpu", "head",
-                 "_pinned", "device")
+                 "_pinned", "device", "planned")
 
     def __init__(self, size=0, dtype=np.float32):
         self.size = int(size)
@@ -36,6 +36,7 @@ class SyncedMemory:
         self._pinned = False
         self.head = UNINITIALIZED
         self.device = None
+        self.planned = False   # the device side is a place in a memory plan's arena
 
     @property
     def nbytes(self):
@@ -110,6 +111,7 @@ class SyncedMemory:
         array = self._check_shared(array, backend.cp)
         self._gpu = array
         self._own_gpu = False
+        self.planned = False
         self.head = HEAD_AT_GPU
 
     def _check_shared(self, array, xp):

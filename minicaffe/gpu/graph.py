@@ -114,6 +114,17 @@ class GpuStep:
         self.input_blobs = inputs
         reason = why_not_capturable(net, n)
         self.graphs_on = bool(graphs) and reason is None
+        self.plan = None
+        if reason is None:
+            # every layer declares what it keeps: activations' diffs can share memory
+            from .plan import MemoryPlan
+            self.plan = MemoryPlan(net, train=True, history_sets=len(solver.history_flat))
+            self.plan.apply()
+            mib = 1 << 20
+            log.info("Memory plan of net %s: %.1f MiB of activations and diffs in one arena "
+                     "(%.1f MiB unshared); planned peak %.1f MiB", net.name,
+                     self.plan.arena_bytes / mib, self.plan.unshared_bytes / mib,
+                     self.plan.peak / mib)
         if graphs and reason:
             log.info("CUDA graph: off for net %s: %s; the iteration runs eagerly",
                      net.name, reason)

@@ -117,6 +117,9 @@ class InnerProductLayer(Layer):
             dx = bottom[0].mutable_diff_for(xp).reshape(self.M, self.K)
             gemm(xp, dy, w, dx, trans_b=self.transpose)
 
+    def backward_reads(self, bottom, top):
+        return (0,), ()
+
     def _ones(self, xp):
         o = getattr(self, "_ones_arr", None)
         if o is None or o.shape != (1, self.M) or not isinstance(o, xp.ndarray):
@@ -129,6 +132,9 @@ class SplitLayer(Layer):
     """Copies one bottom to several tops (sharing its data); the bottom's diff is
     the sum of the tops' diffs."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), ()
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -168,6 +174,9 @@ class SoftmaxLayer(Layer):
     def reshape(self, bottom, top):
         self.axis = _canonical(self, bottom[0], self.layer_param.softmax_param.axis)
         top[0].reshape(bottom[0].shape)
+
+    def backward_reads(self, bottom, top):
+        return (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         top[0].mutable_data_for(xp)[...] = softmax(xp, bottom[0].data_for(xp), self.axis)
@@ -259,6 +268,9 @@ class ConcatLayer(Layer):
     dimension must agree.  dx_i = the matching slice of dy.  One bottom: the top
     shares its data and diff."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), ()
     min_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -309,6 +321,9 @@ class SliceLayer(Layer):
     when none are given.  dx = the tops' diffs joined back.  One top: it shares
     the bottom's data and diff."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), ()
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -428,6 +443,19 @@ class EltwiseLayer(Layer):
             self._argmax = arg
         top[0].mutable_data_for(xp)[...] = y
 
+    def backward_reads(self, bottom, top):
+        if self.op == _SUM:
+            return (), ()
+        return super().backward_reads(bottom, top)
+
+    def state_bytes(self, bottom, top):
+        n = bottom[0].count() * bottom[0].dtype.itemsize
+        if self.op == _MAX:
+            return bottom[0].count() * 4           # the int32 argmax
+        if self.op == _PROD and any(top[0] is b for b in bottom):
+            return n * len(bottom)                 # the saved inputs
+        return 0
+
     def backward_xp(self, xp, top, propagate_down, bottom):
         dy = top[0].diff_for(xp)
         if any(top[0] is b for b in bottom):
@@ -467,6 +495,9 @@ class FlattenLayer(Layer):
     """Merges axes [axis, end_axis] (default 1 to -1) into one: (N, C, H, W) ->
     (N, C*H*W).  The top shares the bottom's data and diff."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), ()
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -496,6 +527,9 @@ class ReshapeLayer(Layer):
     axes [axis, axis + num_axes) (default all); a 0 copies the bottom's dimension
     at that place, one -1 is inferred.  The top shares the bottom's data and diff."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), ()
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -708,6 +742,9 @@ class SilenceLayer(Layer):
     """Consumes its bottoms (so they are not net outputs) and makes no top; backward
     writes zero diffs."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), ()
     min_bottom_blobs = 1
     exact_num_top_blobs = 0
 

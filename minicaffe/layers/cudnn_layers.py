@@ -201,6 +201,12 @@ class CuDNNPoolingLayer(PoolingLayer):
             self._desc_key = key
         self._use = self._ok
 
+    def backward_reads(self, bottom, top):
+        return ((0,), (0,)) if getattr(self, "_use", False) else super().backward_reads(bottom, top)
+
+    def state_bytes(self, bottom, top):
+        return 0 if getattr(self, "_use", False) else super().state_bytes(bottom, top)
+
     def forward_gpu(self, bottom, top):
         if not self._use:
             return super().forward_gpu(bottom, top)
@@ -242,6 +248,9 @@ class CuDNNLRNLayer(LRNLayer):
             self.x_desc = cudnn.TensorDesc(bottom[0].shape, bottom[0].dtype)
             self._desc_key = bottom[0].shape
 
+    def state_bytes(self, bottom, top):
+        return 0 if getattr(self, "_use", False) else super().state_bytes(bottom, top)
+
     def forward_gpu(self, bottom, top):
         if not self._use:
             return super().forward_gpu(bottom, top)
@@ -282,6 +291,9 @@ class _CuDNNActivation:
 
     def _act_ok(self):
         return True
+
+    def backward_reads(self, bottom, top):
+        return (0,), (0,)      # cuDNN reads x and y
 
     def forward_gpu(self, bottom, top):
         if getattr(self, "relu_done", False):  # the convolution before already applied it
@@ -425,6 +437,25 @@ class CuDNNBatchNormLayer(BatchNormLayer):
     # batch norm does; the Scale layer skips its own bodies for that pass.
     fuse_scale = None
     _fused = None
+
+    def backward_reads(self, bottom, top):
+        if not getattr(self, "_use", False):
+            return super().backward_reads(bottom, top)
+        if self.use_global_stats or bottom[0] is top[0]:
+            return (), ()      # in place it keeps its own copy of x
+        return (0,), ()
+
+    def state_bytes(self, bottom, top):
+        if not getattr(self, "_use", False):
+            return super().state_bytes(bottom, top)
+        if bottom[0] is top[0] and not self.use_global_stats:
+            return bottom[0].count() * bottom[0].dtype.itemsize
+        return 0
+
+    def scratch_bytes(self, bottom, top):
+        if getattr(self, "_use", False) and bottom[0] is top[0]:
+            return bottom[0].count() * bottom[0].dtype.itemsize   # "bn_dx"
+        return 0
 
     def _kernel(self, name, dt):
         from ..kernels._backend import cuda_type, raw_kernel

@@ -238,6 +238,12 @@ class SoftmaxWithLossLayer(LossLayer):
         if len(top) == 2:
             top[1].mutable_gpu_data()[...] = p
 
+    def backward_reads(self, bottom, top):
+        return (1,), ()      # the labels; the probabilities are its own
+
+    def state_bytes(self, bottom, top):
+        return bottom[0].count() * bottom[0].dtype.itemsize + 2 * bottom[1].count() * 4
+
     def check_deferred(self):
         bad = getattr(self, "_bad", None)
         if bad is None:
@@ -332,6 +338,12 @@ class EuclideanLossLayer(LossLayer):
             raise self.error(f"inputs must have the same dimension ({bottom[0].shape} vs "
                              f"{bottom[1].shape})")
         self.diff.reshape(bottom[0].shape)
+
+    def backward_reads(self, bottom, top):
+        return (), ()
+
+    def state_bytes(self, bottom, top):
+        return bottom[0].count() * bottom[0].dtype.itemsize
 
     def forward_xp(self, xp, bottom, top):
         d = self.diff.mutable_data_for(xp)

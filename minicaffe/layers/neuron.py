@@ -52,6 +52,14 @@ class ReLULayer(_SavesInput):
 
     relu_done = False   # set by a cuDNN convolution that applied this ReLU itself
 
+    def backward_reads(self, bottom, top):
+        return (0,), ()
+
+    def state_bytes(self, bottom, top):
+        if self.layer_param.relu_param.negative_slope < 0 and bottom[0] is top[0]:
+            return bottom[0].count() * bottom[0].dtype.itemsize
+        return 0
+
     def forward_gpu(self, bottom, top):
         if self.relu_done:
             self.relu_done = False
@@ -171,6 +179,9 @@ class SigmoidLayer(NeuronLayer):
     """y = 1 / (1 + exp(-x)) (as 0.5 tanh(x/2) + 0.5);  dx = dy * y * (1 - y)."""
     capturable = True
 
+    def backward_reads(self, bottom, top):
+        return (), (0,)
+
     def forward_xp(self, xp, bottom, top):
         top[0].mutable_data_for(xp)[...] = _sigmoid(xp, bottom[0].data_for(xp))
 
@@ -185,6 +196,9 @@ class SigmoidLayer(NeuronLayer):
 class TanHLayer(NeuronLayer):
     """y = tanh(x);  dx = dy * (1 - y^2)."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         xp.tanh(bottom[0].data_for(xp), out=top[0].mutable_data_for(xp))
@@ -430,6 +444,9 @@ class DropoutLayer(NeuronLayer):
     def _uniform(self, xp, shape):
         return context.rng().random_sample(shape)
 
+    def backward_reads(self, bottom, top):
+        return (), ()      # the GPU redraws the mask (the plan is GPU-only)
+
     def _gpu_state(self, xp):
         if self._pass is None:
             self._seed = int(context.rng().randint(0, 2 ** 31)) << 31 | \
@@ -518,6 +535,9 @@ class BiasLayer(Layer):
     db = sum of dy over the other axes (accumulated for the param, written for
     bottom[1]);  dx = dy."""
     capturable = True
+
+    def backward_reads(self, bottom, top):
+        return (), ()
     min_bottom_blobs = 1
     max_bottom_blobs = 2
     exact_num_top_blobs = 1
@@ -608,6 +628,7 @@ class ScaleLayer(Layer):
     # layer's bodies for that pass.
     scale_done = False
     scale_bwd_done = False
+    fused_into_bn = False   # set by the Net when a cuDNN BatchNorm takes this layer over
 
     def forward_gpu(self, bottom, top):
         if self.scale_done:
@@ -620,6 +641,16 @@ class ScaleLayer(Layer):
             self.scale_bwd_done = False
             return
         super().backward_gpu(top, propagate_down, bottom)
+
+    def backward_reads(self, bottom, top):
+        if bottom[0] is top[0] or self.fused_into_bn:
+            return (), ()      # in place it keeps its own copy of x
+        return (0,), ()
+
+    def state_bytes(self, bottom, top):
+        if bottom[0] is top[0] and not self.fused_into_bn:
+            return bottom[0].count() * bottom[0].dtype.itemsize
+        return 0
 
     def per_channel(self, bottom):
         """True when this Scale is a learned per-channel (axis 1) scale of one bottom."""

@@ -85,6 +85,12 @@ class BatchNormLayer(Layer):
             raise self.error(f"bottom shape {shape} has no batch axis")
         top[0].reshape(shape)
 
+    def backward_reads(self, bottom, top):
+        return (), ()      # it keeps x_norm and std
+
+    def state_bytes(self, bottom, top):
+        return bottom[0].count() * bottom[0].dtype.itemsize
+
     def forward_xp(self, xp, bottom, top):
         x = _channels_view(bottom[0].data_for(xp), self.channels)
         dt = x.dtype.type

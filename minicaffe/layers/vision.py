@@ -554,6 +554,9 @@ class BaseConvolutionLayer(_ConvGeometry):
             self.engine = ConvEngine(cin, cout, self.group, self.kernel, self.pad, self.stride,
                                      self.dilation, sin, sout)
 
+    def backward_reads(self, bottom, top):
+        return range(len(bottom)), ()
+
     def _add_bias(self, xp, y):
         y += self.blobs[1].data_for(xp).reshape((1, -1) + (1,) * self.num_spatial)
 
@@ -785,6 +788,16 @@ class PoolingLayer(Layer):
         for t in top:
             t.reshape((N, C) + self.out_shape)
 
+    def backward_reads(self, bottom, top):
+        if self.method in (_Pool.MAX, _Pool.AVE):
+            return (), ()          # MAX keeps its own mask, AVE needs nothing
+        return super().backward_reads(bottom, top)
+
+    def state_bytes(self, bottom, top):
+        if self.method == _Pool.MAX:   # the int32 argmax mask (Caffe's ceil geometry)
+            return top[0].count() * 4
+        return 0
+
     def _crop(self, a):
         PH, PW = self.out_shape
         return a if self.out_shape == tuple(self.ceil_shape) else a[:, :, :PH, :PW]
@@ -868,6 +881,10 @@ class LRNLayer(Layer):
             raise self.error(f"input must have 4 axes (num, channels, height, width), got "
                              f"shape {bottom[0].shape}")
         top[0].reshape(bottom[0].shape)
+
+    def state_bytes(self, bottom, top):
+        n = bottom[0].count() * bottom[0].dtype.itemsize
+        return n * (2 if top[0] is bottom[0] else 1)   # the scale, and x when in place
 
     def forward_xp(self, xp, bottom, top):
         x = bottom[0].data_for(xp)

@@ -1,0 +1,207 @@
+"""The static memory plan of a net: every activation's data and diff at a fixed place in
+one arena, sharing memory where lifetimes do not overlap.
+
+A training iteration is a sequence of steps: forward of layer 0..L-1 (steps 0..L-1),
+then backward of layer L-1..0 (steps L..2L-1).  Each device buffer of the net -- a blob's
+data or diff, counted once however many blobs share it (Split, Flatten and in-place
+layers share) -- is live from the first step that writes it to the last that reads it:
+
+- data: written by its producers' forward; read by its consumers' forward and by the
+  backward of every layer that says it needs it (``Layer.backward_reads``: a convolution
+  reads its bottom, a ReLU its bottom, a max pooling with a mask neither...);
+- diff: written by its consumers' backward, read by its producers' backward;
+- kept for the whole iteration: what the data layers write (the inputs), what the host
+  reads after the iteration (outputs, losses), and the loss weights kept in loss diffs;
+  and, unless ``share_data``, every blob's data (see MemoryPlan).
+
+Buffers are placed greedily, largest first, at the lowest offset that overlaps no placed
+buffer of overlapping lifetime (offsets aligned to 256 bytes).  The arena is one
+allocation made once, so addresses never change and a CUDA graph can replay over it.
+
+What the arena does not hold is counted beside it, so that ``peak`` predicts the device
+memory of a training run: the parameters, their diffs and the solver's history (flat
+buffers), the largest cuDNN workspace, what layers keep from forward to backward
+(``Layer.state_bytes``: masks, saved inputs), and cuBLAS's workspace.
+"""
+import numpy as np
+
+from .. import backend
+
+ALIGN = 256
+CUBLAS_WORKSPACE = 32 << 20
+
+
+def _aligned(n):
+    return (int(n) + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Buffer:
+    __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned")
+
+    def __init__(self, mem, kind, name):
+        self.mem = mem
+        self.nbytes = _aligned(mem.size * mem.dtype.itemsize)
+        self.start, self.end = None, None
+        self.kind = kind
+        self.names = [name]
+        self.offset = None
+        self.pinned = False   # alive for the whole iteration
+
+    def touch(self, step):
+        self.start = step if self.start is None else min(self.start, step)
+        self.end = step if self.end is None else max(self.end, step)
+
+    def overlaps(self, other):
+        return not (self.end < other.start or other.end < self.start)
+
+
+class MemoryPlan:
+    """The plan of ``net`` for a training iteration (``train=True``) or a forward pass.
+
+    With ``share_data`` false (what the GPU step uses) only diffs share memory: every
+    blob's data keeps its own place, so what pycaffe code reads from ``net.blobs`` after
+    an iteration is what Caffe would show; activation diffs, alive only during backward,
+    share a region about the size of the largest few.  ``share_data`` lets data buffers
+    that backward does not read share too (a forward-only pass, ``minicaffe memory``'s
+    second figure)."""
+
+    def __init__(self, net, train=True, history_sets=1, share_data=False):
+        self.net = net
+        self.train = train
+        L = len(net.layers)
+        self.steps = 2 * L if train else L
+        end = self.steps
+        bufs = {}
+
+        def buf(mem, kind, name):
+            b = bufs.get(id(mem))
+            if b is None:
+                b = bufs[id(mem)] = Buffer(mem, kind, name)
+            elif name not in b.names:
+                b.names.append(name)
+            return b
+
+        n_prologue = 0
+        while n_prologue < L and net.layers[n_prologue].graph_prologue:
+            n_prologue += 1
+        outputs = set(net.output_blob_indices)
+        for i, layer in enumerate(net.layers):
+            bot, top = net.bottom_vecs[i], net.top_vecs[i]
+            for j, t in enumerate(top):
+                bid = net.top_id_vecs[i][j]
+                b = buf(t.data_mem, "data", net.blob_names[bid])
+                b.touch(i)
+                if i < n_prologue or bid in outputs or layer.loss(j):
+                    b.pinned = True
+            for j, x in enumerate(bot):
+                buf(x.data_mem, "data", net.blob_names[net.bottom_id_vecs[i][j]]).touch(i)
+        if train:
+            for i in range(L - 1, -1, -1):
+                if not net.layer_need_backward[i]:
+                    continue
+                step = 2 * L - 1 - i
+                layer = net.layers[i]
+                bot, top = net.bottom_vecs[i], net.top_vecs[i]
+                rb, rt = layer.backward_reads(bot, top)
+                for j in rb:
+                    bufs[id(bot[j].data_mem)].touch(step)
+                for j in rt:
+                    bufs[id(top[j].data_mem)].touch(step)
+                for j, t in enumerate(top):
+                    if layer.loss(j):
+                        continue   # the loss weight lives in this diff: not planned
+                    buf(t.diff_mem, "diff", net.blob_names[net.top_id_vecs[i][j]]).touch(step)
+                for j, x in enumerate(bot):
+                    if net.bottom_need_backward[i][j]:
+                        buf(x.diff_mem, "diff",
+                            net.blob_names[net.bottom_id_vecs[i][j]]).touch(step)
+        loss_diffs = {id(t.diff_mem) for i, l in enumerate(net.layers)
+                      for j, t in enumerate(net.top_vecs[i]) if l.loss(j)}
+        self.buffers = []
+        for b in bufs.values():
+            if id(b.mem) in loss_diffs or b.mem.size == 0:
+                continue
+            if b.pinned or (b.kind == "data" and not share_data):
+                b.start, b.end = 0, end
+            self.buffers.append(b)
+        self._place()
+        self._side(history_sets)
+
+    def _place(self):
+        placed = []
+        for b in sorted(self.buffers, key=lambda b: (-b.nbytes, b.start)):
+            live = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.overlaps(b))
+            off = 0
+            for lo, hi in live:
+                if off + b.nbytes <= lo:
+                    break
+                off = max(off, hi)
+            b.offset = off
+            placed.append(b)
+        self.arena_bytes = max((b.offset + b.nbytes for b in placed), default=0)
+        self.unshared_bytes = sum(b.nbytes for b in self.buffers)
+
+    def _side(self, history_sets):
+        net = self.net
+        self.params_bytes = sum(_aligned(b.count() * b.dtype.itemsize)
+                                for b in net.learnable_params)
+        self.param_bytes_total = self.params_bytes * ((2 + history_sets) if self.train else 1)
+        self.workspace_bytes = max((getattr(l, "workspace_bytes", 0) for l in net.layers),
+                                   default=0)
+        self.rows = []
+        self.state_bytes = 0
+        for i, layer in enumerate(net.layers):
+            bot, top = net.bottom_vecs[i], net.top_vecs[i]
+            st = int(layer.state_bytes(bot, top)) if self.train else 0
+            self.state_bytes += st
+            data = sum(t.data_mem.size * t.dtype.itemsize for t in top)
+            params = sum(b.count() * b.dtype.itemsize for b in layer.blobs)
+            self.rows.append({"layer": net.layer_names[i], "type": layer.type, "top_data": data,
+                              "state": st, "params": params})
+        self.scratch_bytes = max((int(getattr(l, "scratch_bytes", lambda b, t: 0)(
+            net.bottom_vecs[i], net.top_vecs[i])) for i, l in enumerate(net.layers)), default=0)
+        self.fixed_bytes = CUBLAS_WORKSPACE
+        self.peak = (self.arena_bytes + self.param_bytes_total + self.workspace_bytes +
+                     self.state_bytes + self.scratch_bytes + self.fixed_bytes)
+
+    # -- applying it ---------------------------------------------------------------------
+    def apply(self):
+        """Allocate the arena on the current device and point every planned buffer at its
+        place (contents that must survive are copied there: inputs written on the host,
+        say)."""
+        from ..synced_memory import HEAD_AT_CPU, HEAD_AT_GPU, SYNCED
+        cp = backend.cp
+        self.arena = cp.empty(max(self.arena_bytes, 1), dtype=np.uint8)
+        for b in self.buffers:
+            m = b.mem
+            view = self.arena[b.offset:b.offset + m.size * m.dtype.itemsize].view(m.dtype)
+            if m.head == HEAD_AT_CPU:
+                view.set(m._cpu[:m.size])
+            elif m.head in (HEAD_AT_GPU, SYNCED) and m._gpu is not None:
+                view[...] = m._gpu[:m.size]
+            m.set_gpu_data(view)
+            m.planned = True
+        for blob in self.net._blobs:
+            blob.drop_views()
+
+    # -- reporting -------------------------------------------------------------------------
+    def report(self):
+        """Lines of text: per layer bytes, then the totals and the planned peak."""
+        mib = 1 << 20
+        out = [f"{'layer':28s} {'type':18s} {'top data MiB':>12s} {'state MiB':>10s} "
+               f"{'params MiB':>10s}"]
+        for r in self.rows:
+            out.append(f"{r['layer'][:28]:28s} {r['type'][:18]:18s} {r['top_data'] / mib:12.2f} "
+                       f"{r['state'] / mib:10.2f} {r['params'] / mib:10.2f}")
+        out.append("")
+        out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
+                   f"{self.arena_bytes / mib:.1f} MiB in the planned arena "
+                   f"({len(self.buffers)} buffers)")
+        out.append(f"parameters{', diffs and solver history' if self.train else ''}: "
+                   f"{self.param_bytes_total / mib:.1f} MiB")
+        out.append(f"kept from forward to backward by layers: {self.state_bytes / mib:.1f} MiB")
+        out.append(f"largest cuDNN workspace: {self.workspace_bytes / mib:.1f} MiB; shared "
+                   f"scratch: {self.scratch_bytes / mib:.1f} MiB; cuBLAS workspace: "
+                   f"{self.fixed_bytes / mib:.1f} MiB")
+        out.append(f"planned peak: {self.peak / mib:.1f} MiB ({self.peak / (1 << 30):.2f} GiB)")
+        return out
