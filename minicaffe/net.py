@@ -153,6 +153,38 @@ def insert_splits(param):
     return out
 
 
+def _batchnorm_out_of_place(param):
+    """GPU with cuDNN, training: a BatchNorm that runs in place on the output of the layer
+    just before it reads that output from a blob of its own instead
+    (``<bn layer>_input``): cuDNN's backward needs BatchNorm's input, which in place would
+    have to be copied aside every iteration (and its gradient copied back).  The memory is
+    the same (that copy is what the new blob holds); the two copies per layer and
+    iteration go.  Every other blob keeps its name and, after a forward, its value."""
+    if param.state.phase != TRAIN or not context.is_gpu():
+        return param
+    from .gpu import cudnn
+    if not cudnn.available()[0]:
+        return param
+    out = None
+    for i, lp in enumerate(param.layer):
+        if (lp.type != "BatchNorm" or i == 0 or len(lp.bottom) != 1 or lp.top[:] != lp.bottom[:]
+                or (lp.batch_norm_param.HasField("use_global_stats")
+                    and lp.batch_norm_param.use_global_stats)):
+            continue
+        prev = param.layer[i - 1]
+        name = lp.bottom[0]
+        if list(prev.top) != [name] or name in prev.bottom:
+            continue   # the producer must be the layer before, and not in place itself
+        if out is None:
+            out = caffe_pb2.NetParameter()
+            out.CopyFrom(param)
+        new = f"{lp.name}_input"
+        del out.layer[i - 1].top[:]
+        out.layer[i - 1].top.append(new)
+        out.layer[i].bottom[0] = new
+    return param if out is None else out
+
+
 class Net:
     """A network of layers.  ``Net(network_file, phase, level=0, stages=None, weights=None)``
     or the legacy ``Net(network_file, weights, phase)``; ``network_file`` may also be a
@@ -182,7 +214,7 @@ class Net:
         self.phase = in_param.state.phase
         filtered = filter_net(in_param)
         log.info("Initializing net from parameters: \n%s", _short_text(filtered))
-        param = insert_splits(filtered)
+        param = insert_splits(_batchnorm_out_of_place(filtered))
         self.net_param = param
         self.name = param.name
         self.layers = []

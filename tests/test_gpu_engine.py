@@ -281,7 +281,10 @@ def test_batchnorm_applies_the_following_scale_itself(gpu):
         finally:
             options.set_cudnn(old)
             cudnn._state["checked"] = False
-        assert (net.layers[2].fuse_scale is net.layers[3]) == use
+        assert (getattr(net.layers[-4], "fuse_scale", None) is net.layers[-3]) == use
+        assert net.layers[-4].type == "BatchNorm"
+        # with cuDNN the BatchNorm reads the convolution's output from a blob of its own
+        assert ("bn_input" in net.blobs) == use
         net.blobs["data"].data[...] = x
         net.forward()
         net.blobs["ip"].diff[...] = np.random.RandomState(1).randn(8, 3)

@@ -17,6 +17,26 @@ driver, after ``reset_peak`` freed its cached blocks), as the issue's baseline t
 from .. import backend, log
 
 _current = {"name": "default", "pool": None}
+_prepared = set()
+DEFAULT = "async"
+
+
+def ensure():
+    """Install the process's GPU allocator on first use of a device: the stream-ordered
+    pool unless ``MINICAFFE_GPU_ALLOCATOR=default`` asks for CuPy's caching pool."""
+    import os
+    kind = os.environ.get("MINICAFFE_GPU_ALLOCATOR", DEFAULT).strip().lower() or DEFAULT
+    dev = backend.cp.cuda.runtime.getDevice()
+    if (kind, dev) in _prepared:
+        return
+    _prepared.add((kind, dev))
+    if kind == "async":
+        _current["pool"] = None if _current["name"] != "async" else _current["pool"]
+        use("async")
+        rt, mp = _mempool()   # each device has its own pool: keep its memory reserved
+        rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrReleaseThreshold"), (1 << 63) - 1)
+    else:
+        use(kind)
 
 
 def _mempool():
@@ -44,7 +64,7 @@ def use(kind):
     if kind == "async":
         pool = cp.cuda.MemoryAsyncPool("default")
         rt, mp = _mempool()
-        rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrReleaseThreshold"), (1 << 64) - 1)
+        rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrReleaseThreshold"), (1 << 63) - 1)
         cp.cuda.set_allocator(pool.malloc)
     else:
         pool = cp.get_default_memory_pool()

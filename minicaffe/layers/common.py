@@ -152,8 +152,11 @@ class SplitLayer(Layer):
         if not propagate_down[0]:
             return
         dx = bottom[0].mutable_diff_for(xp)
-        dx[...] = top[0].diff_for(xp)
-        for t in top[1:]:
+        if len(top) == 1:
+            dx[...] = top[0].diff_for(xp)
+            return
+        xp.add(top[0].diff_for(xp), top[1].diff_for(xp), out=dx)   # one pass for two tops
+        for t in top[2:]:
             dx += t.diff_for(xp)
 
 
