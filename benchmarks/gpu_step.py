@@ -112,8 +112,10 @@ def main():
         ms = timeit(s, a.iters, a.repeats)
         st = getattr(s, "_gpu_step_obj", None)
         planned = f" planned {st.plan.peak / 2**30:.2f} GiB" if st is not None and st.plan else ""
+        private = st.private_bytes() if st is not None else 0
         print(f"{a.model} b{a.batch} {name:7s} {ms:8.3f} ms/iter  {a.batch / ms * 1e3:10.0f} img/s"
-              f"  peak {pool.peak_bytes() / 2**30:.2f} GiB{planned} ({pool.name()})", flush=True)
+              f"  peak {(pool.peak_bytes() + private) / 2**30:.2f} GiB{planned} ({pool.name()}; "
+              f"graph pools {private / 2**20:.1f} MiB)", flush=True)
         if st is not None and st.graphs:
             g = next(iter(st.graphs.values()))
             cp = backend.cp

@@ -40,7 +40,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=40)
     a = ap.parse_args()
-    shape = [1, 28, 28] if "lenet" in a.model else [3, 32, 32]
+    shape = [1, 28, 28] if "lenet" in a.model else [3, 32, 32] if "cifar" in a.model \
+        else [3, 227, 227] if "alexnet" in a.model else [3, 224, 224]
     context.set_mode_gpu()
     s = make(synthetic(a.model, a.batch, shape), True)
     s.step(5)

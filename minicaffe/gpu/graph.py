@@ -120,6 +120,11 @@ class GpuStep:
             from .plan import MemoryPlan
             self.plan = MemoryPlan(net, train=True, history_sets=len(solver.history_flat))
             self.plan.apply()
+            # the shared buffers at their final sizes now, not grown layer by layer
+            from ..layers.cudnn_layers import scratch, workspace
+            workspace(self.plan.workspace_bytes)
+            if self.plan.scratch_bytes:
+                scratch("bn_dx", self.plan.scratch_bytes)
             mib = 1 << 20
             log.info("Memory plan of net %s: %.1f MiB of activations and diffs in one arena "
                      "(%.1f MiB unshared); planned peak %.1f MiB", net.name,
@@ -246,12 +251,17 @@ class GpuStep:
             return
         shapes = self._shape_key()
         if shapes != self.shapes:
-            self.graphs, self.pools, self.warm = {}, {}, set()
+            self.graphs, self.warm = {}, set()
             self.shapes = shapes
         g = self.graphs.get(key)
         if g is None:
             if key not in self.warm:
-                self._body(key)          # warm-up: kernels, algorithms, persistent buffers
+                # warm-up: kernels, algorithms, persistent buffers; from the graph's own
+                # pool, so that what capture replaces is freed there, not into a
+                # stream-ordered pool from inside a capture
+                pool = self.pools.setdefault(key, backend.cp.cuda.MemoryPool())
+                with backend.cp.cuda.using_allocator(pool.malloc):
+                    self._body(key)
                 self.warm.add(key)
                 return
             g = self._capture(key)
@@ -262,9 +272,13 @@ class GpuStep:
         for m in self.mems:
             m.head = HEAD_AT_GPU
 
+    def private_bytes(self):
+        """Device bytes held by the graphs' own pools (outside the main allocator)."""
+        return sum(p.total_bytes() for p in self.pools.values())
+
     def _capture(self, key):
         cp = backend.cp
-        pool = cp.cuda.MemoryPool()
+        pool = self.pools.setdefault(key, cp.cuda.MemoryPool())
         graph = None
         try:
             with cp.cuda.using_allocator(pool.malloc):

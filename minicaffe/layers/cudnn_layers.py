@@ -35,6 +35,8 @@ def workspace(nbytes):
     if nbytes == 0:
         return None
     if ws is None or ws.nbytes < nbytes:
+        handles.pop("cudnn_ws", None)
+        del ws          # the old one goes back first: never both at once
         ws = handles["cudnn_ws"] = backend.cp.empty(int(nbytes), dtype=np.uint8)
     return ws
 
@@ -50,6 +52,8 @@ def scratch(name, nbytes):
     key = "scratch:" + name
     buf = handles.get(key)
     if buf is None or buf.nbytes < nbytes:
+        handles.pop(key, None)
+        del buf
         buf = handles[key] = backend.cp.empty(int(nbytes), dtype=np.uint8)
     return buf
 
