@@ -311,6 +311,9 @@ class _CuDNNActivation:
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
+        if getattr(self, "relu_bwd_done", False):
+            self.relu_bwd_done = False
+            return
         if not self._act_ready(bottom):
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
