@@ -58,6 +58,11 @@ flags:
   --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
   --log FILE           also write the log to FILE (overwritten)
   --debug_info         train: print per-blob data and diff norms at each display
+  --cuda_graph         train (GPU): capture the iteration as CUDA graphs and replay them
+                       (default on; --nocuda_graph runs it eagerly; overrides the solver's
+                       cuda_graph)
+  --tf32               train (GPU): let cuDNN and cuBLAS use TF32 tensor cores (the solver's
+                       minicaffe_precision: "TF32"); strict fp32 otherwise
   --version            print the version
 """
 
@@ -76,6 +81,8 @@ FLAGS = {
     "sighup_effect": ("str", "snapshot"),
     "log": ("str", ""),
     "debug_info": ("bool", False),
+    "cuda_graph": ("bool", True),
+    "tf32": ("bool", False),
     "parallel": ("str", "thread"),
     "rank": ("int", -1),
     "world_size": ("int", 0),
@@ -281,6 +288,10 @@ def train(flags, stream=None):
     param.train_state.stage.extend(_stages(flags))
     if flags.debug_info:
         param.debug_info = True
+    if "cuda_graph" in flags.given:
+        param.cuda_graph = flags.cuda_graph
+    if flags.tf32:
+        param.minicaffe_precision = "TF32"
     if flags.gpu is None or flags.gpu == "":
         gpus = []
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
@@ -300,6 +311,9 @@ def train(flags, stream=None):
     if not gpus:
         log.info("Use CPU.")
         context.set_mode_cpu()
+        for f in ("cuda_graph", "tf32"):
+            if f in flags.given:
+                log.warning("--%s has no effect in CPU mode", f)
     else:
         log.info("Using GPUs %s", ", ".join(map(str, gpus)))
         for g in gpus:

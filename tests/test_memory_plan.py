@@ -125,3 +125,10 @@ def test_apply_keeps_inputs_and_points_blobs_into_the_arena():
         np.testing.assert_array_equal(backend.cp.asnumpy(net.blobs["data"].gpu_data()), x)
     finally:
         context.set_mode_cpu()
+
+
+def test_a_plan_larger_than_the_gpu_is_one_line_naming_the_layer():
+    plan = MemoryPlan(_net())
+    err = plan.does_not_fit(1 << 20, "has")
+    msg = str(err)
+    assert "\n" not in msg and "'conv1'" in msg and "MiB" in msg and "planned peak" in msg
