@@ -319,7 +319,7 @@ def test_eltwise_sum_applies_the_following_relu_itself(gpu):
         context.set_random_seed(3)
         net = Net(text, phase=caffe_pb2.TRAIN)
         if mode == "gpu":
-            assert net.layers[3].fuse_relu is net.layers[4]
+            assert net.layer_by_name("sum").fuse_relu is net.layer_by_name("relu")
         net.blobs["data"].data[...] = x
         net.forward()
         net.blobs["ip"].diff[...] = dy
