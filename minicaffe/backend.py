@@ -91,6 +91,37 @@ def alloc_gpu(size, dtype):
     return cp.zeros(size, dtype=dtype)
 
 
+# -- peak memory of the allocator ---------------------------------------------------------
+# For now minicaffe's GPU allocator is CuPy's default MemoryPool.  The pool keeps every
+# block it has taken from the driver until free_all_blocks(), so the bytes it holds
+# (``total_bytes()``: in use + cached) only grow between resets: their value when read is
+# the high-water mark since the last reset.  The stream-ordered pool will report its own
+# high-water mark here.
+_peak_gpu = 0
+
+
+def reset_peak_gpu_bytes():
+    """Release the pool's cached (unused) blocks and start a new high-water mark from the
+    bytes still in use.  No-op without a GPU."""
+    global _peak_gpu
+    if cp is None or not gpu_available():
+        _peak_gpu = 0
+        return
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    _peak_gpu = pool.total_bytes()
+
+
+def peak_gpu_bytes():
+    """Most bytes minicaffe's GPU allocator has held since reset_peak_gpu_bytes()
+    (0 without a GPU)."""
+    global _peak_gpu
+    if cp is None or not gpu_available():
+        return 0
+    _peak_gpu = max(_peak_gpu, cp.get_default_memory_pool().total_bytes())
+    return _peak_gpu
+
+
 def copy_to_gpu(dst, src, stream=None):
     """Copy host array ``src`` into device array ``dst`` (asynchronous if pinned)."""
     if stream is None:

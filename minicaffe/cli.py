@@ -6,6 +6,9 @@
     minicaffe test --model M --weights W [--iterations 50] [--gpu 0]
     minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
     minicaffe device_query [--gpu 0]
+    minicaffe bench --model M[,M2...] | --solver S [--gpu 0] [--batch N] [--iterations 10]
+                    [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
+                    [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
 ``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
@@ -26,6 +29,7 @@ USAGE = """minicaffe: command line brew
 usage: minicaffe <command> <args>
 
 commands:
+  bench           time the training step on synthetic inputs (and its PyTorch twin)
   train           train or finetune a model
   test            score a model
   device_query    show GPU diagnostic information
@@ -41,14 +45,23 @@ flags:
                        (train: finetuning; cannot be given with --snapshot)
   --gpu IDS            run on GPU: a device id, ids separated by ',' or 'all'
                        (train: overrides solver_mode and device_id)
-  --iterations N       test/time: the number of iterations to run (default 50)
-  --phase TRAIN|TEST   time: the network phase (default TRAIN)
+  --iterations N       test/time: the number of iterations to run (default 50);
+                       bench: iterations per timed repeat (default 10)
+  --phase TRAIN|TEST   time/bench: the network phase (default TRAIN)
   --level N            the network level (default 0)
   --stage a,b          the network stages
   --sigint_effect E    train: what SIGINT does: stop (default), snapshot or none
   --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
   --log FILE           also write the log to FILE (overwritten)
   --debug_info         train: print per-blob data and diff norms at each display
+  --batch N            bench: the batch size of every data layer (default: the model's)
+  --repeats N          bench: timed repeats; the median is reported (default 5)
+  --warmup N           bench: untimed iterations first (default 3)
+  --compare torch      bench: also time the same net and step in PyTorch
+  --tf32               bench: let PyTorch use TF32 (off by default)
+  --json FILE          bench: also write the results as JSON
+  --num_classes K      bench: labels are integers in [0, K) (default: from the net)
+  --input_shape C,H,W  bench: the data shape when the model's data cannot be read
   --version            print the version
 """
 
@@ -67,8 +80,16 @@ FLAGS = {
     "sighup_effect": ("str", "snapshot"),
     "log": ("str", ""),
     "debug_info": ("bool", False),
+    "batch": ("int", 0),
+    "repeats": ("int", 5),
+    "warmup": ("int", 3),
+    "compare": ("str", ""),
+    "tf32": ("bool", False),
+    "json": ("str", ""),
+    "num_classes": ("int", 0),
+    "input_shape": ("str", ""),
 }
-COMMANDS = ("train", "test", "time", "device_query")
+COMMANDS = ("train", "test", "time", "device_query", "bench")
 
 
 class Flags:
@@ -473,6 +494,18 @@ def device_query(flags):
     return 0
 
 
+def bench(flags):
+    """Time the training step on synthetic inputs (minicaffe/bench.py)."""
+    from . import bench as _bench
+    if "GLOG_minloglevel" not in os.environ:  # the report is the output, not net set-up
+        log.logger.setLevel(logging.WARNING)
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    _bench.run(flags, gpus[0] if gpus else None)
+    return 0
+
+
 def _g(x):
     return "%g" % float(x)
 
@@ -552,7 +585,9 @@ def _main(argv):
     warnings.showwarning = _warning_to_log
     if command == "train":
         return train(flags, stream)
-    return {"test": test, "time": time, "device_query": device_query}[command](flags)
+    flags.argv = list(argv)
+    return {"test": test, "time": time, "device_query": device_query,
+            "bench": bench}[command](flags)
 
 
 if __name__ == "__main__":  # pragma: no cover
