@@ -782,7 +782,7 @@ def run(flags, gpu=None, out=None):
     if torch_mod is not None:
         set_torch_precision(torch_mod, flags.tf32, gpu)
     machine, versions = machine_info(gpu, torch_mod)
-    report = {"command": "minicaffe bench " + " ".join(getattr(flags, "argv", [])),
+    report = {"command": " ".join(["minicaffe"] + list(getattr(flags, "argv", ["bench"]))),
               "machine": machine, "versions": versions, "dtype": "float32",
               "tf32": {"minicaffe": minicaffe_tf32(),
                        "torch": bool(flags.tf32) if torch_mod is not None else None},

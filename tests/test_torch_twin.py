@@ -64,14 +64,14 @@ def _close(a, b, rtol, what):
     assert err <= rtol, f"{what}: max |difference| / max |value| = {err:.2e} > {rtol:.0e}"
 
 
-def compare_steps(solver, steps=2, rtol=2e-4, same_gradients=False):
+def compare_steps(solver, steps=2, rtol=2e-4, same_gradients=False, device="cpu"):
     """Run ``steps`` solver iterations in minicaffe and in the twin from the same
     weights and inputs; compare the first loss, the first gradients and the weights
     after every step.  ``same_gradients``: the twin's optimizer is given minicaffe's
     gradients at every step, so that only the update rules are compared (the adaptive
     rules turn rounding noise in near-zero gradients into whole steps of +-lr)."""
     net = solver.net
-    twin = TorchTwin(net, "cpu", blobs=_initial_blobs(net))
+    twin = TorchTwin(net, device, blobs=_initial_blobs(net))
     inputs = twin.inputs_from(net)
     opt = make_optimizer(twin, solver.param)
     grads = {}
@@ -88,14 +88,14 @@ def compare_steps(solver, steps=2, rtol=2e-4, same_gradients=False):
         if step == 0:
             _close(float(loss.detach()), float(solver.smoothed_loss), 1e-5, "loss")
             for (name, j), g in grads.items():
-                _close(twin.blob_params[(name, j)].grad.numpy(), g, rtol,
+                _close(twin.blob_params[(name, j)].grad.cpu().numpy(), g, rtol,
                        f"gradient of {name} #{j}")
         if same_gradients:
             for (name, j), g in grads.items():
-                twin.blob_params[(name, j)].grad.copy_(torch.from_numpy(g))
+                twin.blob_params[(name, j)].grad.copy_(torch.from_numpy(g).to(device))
         opt.step()
         for name, j, blob in _learnable(net):
-            _close(twin.blob_params[(name, j)].detach().numpy(), blob.cpu_data(), rtol,
+            _close(twin.blob_params[(name, j)].detach().cpu().numpy(), blob.cpu_data(), rtol,
                    f"{name} #{j} after step {step + 1}")
     return twin
 
@@ -160,7 +160,8 @@ def test_test_phase_uses_global_statistics(tmp_path):
     test_net = Net(param)
     test_net.share_trained_layers_with(solver.net)
     for name in test_net.inputs:
-        test_net.blob_by_name(name).mutable_cpu_data()[...] = solver.net.blob_by_name(name).cpu_data()
+        source = solver.net.blob_by_name(name)
+        test_net.blob_by_name(name).mutable_cpu_data()[...] = source.cpu_data()
     test_net.forward_prefilled()
     twin = TorchTwin(test_net, "cpu")
     with torch.no_grad():
