@@ -435,12 +435,12 @@ def _images_per_iter(net, iter_size=1):
 
 
 def bench_minicaffe(run, net, iterations, repeats, warmup, gpu, iter_size=1, peak_start=None):
-    """Time minicaffe's ``run(k)`` (``solver.step`` or the TEST forward).  ``peak_start``
-    is the CPU peak tracker started before the model was built (GPU: the allocator's mark
-    was reset then)."""
-    sync = backend.synchronize if gpu else (lambda: None)
+    """Time minicaffe's ``run(k)`` (``solver.step`` or the TEST forward) on GPU ``gpu``
+    (None: the CPU).  ``peak_start`` is the CPU peak tracker started before the model was
+    built (GPU: the allocator's mark was reset then)."""
+    sync = backend.synchronize if gpu is not None else (lambda: None)
     ms = time_iterations(run, iterations, repeats, warmup, sync)
-    if gpu:
+    if gpu is not None:
         peak, what = backend.peak_gpu_bytes(), "minicaffe GPU allocator (CuPy pool total_bytes)"
     else:
         peak, what = peak_start.bytes(), "peak RSS growth"
@@ -555,18 +555,9 @@ def capture_cuda_graph(twin, inputs, solver_param, warmup, iter_size=1, clip=-1.
     if train:
         opt.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
-        if train:  # grads are None here: backward allocates them from the graph's pool
-            loss = twin.loss(inputs)
-            (loss if iter_size == 1 else loss / iter_size).backward()
-            for _ in range(iter_size - 1):
-                (twin.loss(inputs) / iter_size).backward()
-            if clip >= 0:
-                torch.nn.utils.clip_grad_norm_([p for p in twin.weights if p.requires_grad],
-                                               clip)
-            opt.step()
-        else:
-            with torch.no_grad():
-                twin(inputs)
+        # the grads are None: backward allocates them from the graph's pool, and on each
+        # replay writes them (zero_grad(set_to_none) inside is no kernel at all)
+        step()
     keep = (graph, opt, inputs)  # the graph reads and writes these tensors
 
     def replay():
@@ -675,35 +666,35 @@ def _f(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _table(rows, compare, gpu):
-    """The results table (one line per net)."""
+def _table(rows, compare, graphs):
+    """The results table (one line per net); ``graphs``: with the CUDA-graph columns."""
     cols = ["net", "batch", "minicaffe ms"]
     if compare:
-        cols += ["torch eager ms"] + (["torch graph ms"] if gpu else [])
-        cols += ["mc/eager"] + (["mc/graph"] if gpu else [])
+        cols += ["torch eager ms"] + (["torch graph ms"] if graphs else [])
+        cols += ["mc/eager"] + (["mc/graph"] if graphs else [])
     cols += ["mc img/s"]
     if compare:
-        cols += ["eager img/s"] + (["graph img/s"] if gpu else [])
+        cols += ["eager img/s"] + (["graph img/s"] if graphs else [])
     cols += ["mc peak MiB"]
     if compare:
-        cols += ["eager peak MiB"] + (["graph peak MiB"] if gpu else [])
+        cols += ["eager peak MiB"] + (["graph peak MiB"] if graphs else [])
     lines = []
     for row in rows:
         r = {res["engine"]: res for res in row["results"]}
         mc, eager, graph = r.get("minicaffe"), r.get("torch eager"), r.get("torch graph")
         cells = [row["net"], str(row["batch"]), _f(mc["ms_per_iter"])]
         if compare:
-            cells += [_f(eager["ms_per_iter"])] + ([_f(graph["ms_per_iter"])] if gpu else [])
+            cells += [_f(eager["ms_per_iter"])] + ([_f(graph["ms_per_iter"])] if graphs else [])
             cells += [_f(row["ratios"].get("minicaffe/torch_eager"))]
-            cells += [_f(row["ratios"].get("minicaffe/torch_graph"))] if gpu else []
+            cells += [_f(row["ratios"].get("minicaffe/torch_graph"))] if graphs else []
         cells += [_f(mc["images_per_s"], 1)]
         if compare:
             cells += [_f(eager["images_per_s"], 1)]
-            cells += [_f(graph["images_per_s"], 1)] if gpu else []
+            cells += [_f(graph["images_per_s"], 1)] if graphs else []
         cells += [_f(_mib(mc["peak_bytes"]), 1)]
         if compare:
             cells += [_f(_mib(eager["peak_bytes"]), 1)]
-            cells += [_f(_mib(graph["peak_bytes"]), 1)] if gpu else []
+            cells += [_f(_mib(graph["peak_bytes"]), 1)] if graphs else []
         lines.append(cells)
     widths = [max(len(c), *(len(line[k]) for line in lines)) for k, c in enumerate(cols)]
     fmt = lambda cells: "  ".join(c.rjust(w) if k else c.ljust(w)
@@ -786,7 +777,7 @@ def run(flags, gpu=None, out=None):
               "machine": machine, "versions": versions, "dtype": "float32",
               "tf32": {"minicaffe": minicaffe_tf32(),
                        "torch": bool(flags.tf32) if torch_mod is not None else None},
-              "cudnn_benchmark": True if torch_mod is not None else None,
+              "cudnn_benchmark": True if torch_mod is not None and gpu is not None else None,
               "phase": "TRAIN" if train else "TEST",
               "timing": {"warmup": flags.warmup, "repeats": flags.repeats,
                          "iterations": iterations, "statistic": "median of repeats",
@@ -831,7 +822,9 @@ def _print_header(report, flags, out):
     tf = report["tf32"]
     line = f"dtype: {report['dtype']}; TF32: minicaffe {'on' if tf['minicaffe'] else 'off'}"
     if tf["torch"] is not None:
-        line += f", torch {'on' if tf['torch'] else 'off'}; cudnn.benchmark on"
+        line += f", torch {'on' if tf['torch'] else 'off'}"
+    if report["cudnn_benchmark"]:
+        line += "; torch.backends.cudnn.benchmark on"
     print(line, file=out)
     t = report["timing"]
     sync = ", synchronised around each repeat" if t["synchronised"] else ""

@@ -239,6 +239,18 @@ def test_time_iterations_warms_up_then_times_repeats():
     assert calls == [1]
 
 
+def test_gpu_zero_is_a_gpu(monkeypatch):
+    """bench_minicaffe on device 0 synchronises with the GPU and reports the GPU
+    allocator's peak (device ids are not truth values)."""
+    syncs = []
+    monkeypatch.setattr(backend, "synchronize", lambda: syncs.append(1))
+    monkeypatch.setattr(backend, "peak_gpu_bytes", lambda: 12345)
+    net = Net(SMALL_NETS["misc"], TRAIN)
+    res = bench.bench_minicaffe(lambda k: None, net, iterations=1, repeats=2, warmup=0, gpu=0)
+    assert res.peak_bytes == 12345 and res.peak_what.startswith("minicaffe GPU allocator")
+    assert len(syncs) == 1 + 2 * 2 and res.images == 4
+
+
 def test_peak_rss_sees_an_allocation():
     bench.release_free_memory()
     assert bench.reset_peak_rss()
