@@ -122,15 +122,16 @@ def _deploy_shapes(lp, model_path):
 
 
 def data_top_shapes(lp, phase=TRAIN, model_path=None, input_shape=None):
-    """The shapes of data layer ``lp``'s tops, without reading its data in the loop:
-    ``input_shape`` (C, H, W) when given, else what the layer declares (Input, DummyData,
-    MemoryData) or reads from the first record of its source, else the Input of the same
-    name in the deploy.prototxt beside the model.  The label tops get (batch,)."""
-    where = f"layer '{lp.name}' ({lp.type})"
-    if input_shape is None and lp.type in _DECLARED_SHAPES:
+    """The shapes of data layer ``lp``'s tops, without reading its data in the loop.
+    Input, DummyData and MemoryData declare theirs.  A file-backed layer: (batch_size,)
+    + ``input_shape`` (C, H, W) when given, else what its source's first record gives
+    (crop applied), else the Input of the same name in the deploy.prototxt beside the
+    model; its later tops (labels) get (batch_size,)."""
+    if lp.type in _DECLARED_SHAPES:
         return _set_up_shapes(lp, phase)
+    where = f"layer '{lp.name}' ({lp.type})"
     batch = _batch_size(lp)
-    if batch <= 0 and lp.type not in _DECLARED_SHAPES:
+    if batch <= 0:
         raise MinicaffeError(f"{where}: batch_size is not set")
     if input_shape is None:
         source = _source(lp)
@@ -145,8 +146,6 @@ def data_top_shapes(lp, phase=TRAIN, model_path=None, input_shape=None):
                 f"{where}: cannot tell the shape of top '{lp.top[0]}' (its source "
                 f"'{source}' cannot be read and no deploy.prototxt beside the model names "
                 f"it); give --input_shape C,H,W")
-    if lp.type in _DECLARED_SHAPES:
-        batch = _set_up_shapes(lp, phase)[0][0]
     return [(batch,) + tuple(input_shape)] + [(batch,)] * (len(lp.top) - 1)
 
 
@@ -615,8 +614,13 @@ def gpu_name(device_id):
 
 
 def minicaffe_tf32():
-    """Whether minicaffe's GEMMs may use TF32 (CuPy's CUPY_TF32=1; GPU mode only)."""
-    return context.is_gpu() and os.environ.get("CUPY_TF32", "0") == "1"
+    """Whether minicaffe's GEMMs may use TF32: CuPy's cuBLAS calls do when CUPY_TF32 is a
+    positive integer (GPU mode only)."""
+    try:
+        on = int(os.environ.get("CUPY_TF32", "0") or 0) > 0
+    except ValueError:
+        on = False
+    return context.is_gpu() and on
 
 
 def machine_info(gpu, torch_mod=None):

@@ -29,13 +29,13 @@ USAGE = """minicaffe: command line brew
 usage: minicaffe <command> <args>
 
 commands:
-  bench           time the training step on synthetic inputs (and its PyTorch twin)
   train           train or finetune a model
   test            score a model
   device_query    show GPU diagnostic information
   draw            draw a net definition (draw NET.prototxt OUT.{dot,png,svg,pdf} [--rankdir LR]
                   [--phase TRAIN|TEST|ALL] [--display_lrm]), as pycaffe's draw_net.py
   time            benchmark model execution time
+  bench           time the training step on synthetic inputs (and its PyTorch twin)
 
 flags:
   --solver FILE        the solver definition (prototxt or .yaml)

@@ -306,6 +306,9 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: 
         ("d", "Data", [("data", (5, 3, 8, 8)), ("label", (5,))]),
         ("dummy", "DummyData", [("extra", (5, 2))]),
         ("mem", "MemoryData", [("m", (5, 1, 2, 3)), ("ml", (5,))])]
+    out2, replaced2 = bench.synthetic_net_param(param, input_shape=(1, 4, 4))
+    assert [r[2] for r in replaced2] == [[("data", (5, 1, 4, 4)), ("label", (5,))]] + \
+        [r[2] for r in replaced[1:]]  # only file-backed layers take --input_shape
     net = Net(out)
     described = bench.fill_synthetic_inputs(net)
     assert described["label"] == "integers in [0, 3)" and described["ml"] == "N(0, 1)"
