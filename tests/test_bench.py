@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from minicaffe import backend, bench
+from minicaffe import backend, bench, synthetic
 from minicaffe.net import Net, TEST, TRAIN, read_net_param
 from minicaffe.proto import caffe_pb2
 
@@ -298,32 +298,32 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: 
     param = read_net_param(text)
     param.state.phase = TRAIN
     with pytest.raises(Exception, match="layer 'h5' \\(HDF5Data\\)"):
-        bench.synthetic_net_param(param)
+        synthetic.synthetic_net_param(param)
     param.layer.remove(next(l for l in param.layer if l.name == "h5"))
-    out, replaced = bench.synthetic_net_param(param)
+    out, replaced = synthetic.synthetic_net_param(param)
     assert all(l.type != "Data" for l in out.layer)
     assert [(n, t, s) for n, t, s in replaced] == [
         ("d", "Data", [("data", (5, 3, 8, 8)), ("label", (5,))]),
         ("dummy", "DummyData", [("extra", (5, 2))]),
         ("mem", "MemoryData", [("m", (5, 1, 2, 3)), ("ml", (5,))])]
-    out2, replaced2 = bench.synthetic_net_param(param, input_shape=(1, 4, 4))
+    out2, replaced2 = synthetic.synthetic_net_param(param, input_shape=(1, 4, 4))
     assert [r[2] for r in replaced2] == [[("data", (5, 1, 4, 4)), ("label", (5,))]] + \
         [r[2] for r in replaced[1:]]  # only file-backed layers take --input_shape
     net = Net(out)
-    described = bench.fill_synthetic_inputs(net)
+    described = synthetic.fill_synthetic_inputs(net)
     assert described["label"] == "integers in [0, 3)" and described["ml"] == "N(0, 1)"
     labels = net.blobs["label"].data
     assert set(np.unique(labels)) <= {0, 1, 2} and len(np.unique(labels)) > 1
     param.state.phase = TEST
-    out, replaced = bench.synthetic_net_param(param, batch=2)
+    out, replaced = synthetic.synthetic_net_param(param, batch=2)
     assert replaced[0][2] == [("data", (2, 3, 10, 12)), ("label", (2,))]
 
 
 def test_labels_follow_the_loss_that_reads_them(tmp_path):
     net = Net(SMALL_NETS["misc"], TRAIN)
-    assert bench.label_classes(net, "label") == 10  # through the Split, two losses
-    assert bench.label_classes(net, "target") is None  # EuclideanLoss reads values
-    described = bench.fill_synthetic_inputs(net, num_classes=5)
+    assert synthetic.label_classes(net, "label") == 10  # through the Split, two losses
+    assert synthetic.label_classes(net, "target") is None  # EuclideanLoss reads values
+    described = synthetic.fill_synthetic_inputs(net, num_classes=5)
     assert described == {"data": "N(0, 1)", "label": "integers in [0, 5)",
                          "target": "N(0, 1)"}
     assert net.blobs["label"].data.max() <= 4
@@ -341,7 +341,7 @@ def test_every_model_gets_its_input_shape(model, shape, phase):
     path = os.path.join(MODELS, model, "train_val.prototxt")
     param = read_net_param(path)
     param.state.phase = phase
-    out, replaced = bench.synthetic_net_param(param, path, batch=1)
+    out, replaced = synthetic.synthetic_net_param(param, path, batch=1)
     ((name, kind, tops),) = replaced
     assert kind == "Data" and tops == [("data", (1,) + shape), ("label", (1,))]
     assert sum(l.type == "Input" for l in out.layer) == 1

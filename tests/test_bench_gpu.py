@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from minicaffe import backend, bench, context
+from minicaffe import backend, bench, context, synthetic
 
 from bench_nets import SMALL_NETS
 from test_cli import _error_line, cli  # noqa: F401  (the in-process CLI fixture)
@@ -92,7 +92,7 @@ def test_bench_gpu_test_phase_captures_the_forward(cli, tmp_path):
 def test_synthetic_inputs_stay_on_the_gpu(gpu_mode):
     """Filled once: after the first step the inputs live on the GPU, and the timed steps
     copy nothing from the host."""
-    solver, _ = bench.synthetic_solver(model=LENET, batch=8)
+    solver, _ = synthetic.synthetic_solver(model=LENET, batch=8)
     solver.step(1)
     data = solver.net.blobs["data"]
     before = backend.cp.asnumpy(data.gpu_data()).copy()
@@ -120,7 +120,7 @@ def test_cuda_graph_replay_trains_like_eager(tmp_path):
     torch = _cuda_torch()
     from minicaffe.torch_twin import TorchTwin, make_optimizer
     bench.set_torch_precision(torch, tf32=False, gpu=0)
-    solver, _ = bench.synthetic_solver(model=LENET, batch=16)  # built on the CPU
+    solver, _ = synthetic.synthetic_solver(model=LENET, batch=16)  # built on the CPU
     net = solver.net
     twins = [TorchTwin(net, "cuda:0") for _ in range(2)]
     eager, graphed = twins

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from minicaffe import bench  # noqa: E402
+from minicaffe import synthetic  # noqa: E402
 from minicaffe.net import Net, TEST  # noqa: E402
 from minicaffe.proto import caffe_pb2  # noqa: E402
 from minicaffe.torch_twin import TorchTwin, UntranslatableError, make_optimizer  # noqa: E402
@@ -33,12 +33,12 @@ def _solver(tmp_path, net_text=None, model=None, batch=None, **solver_fields):
     if net_text is not None:
         model = tmp_path / "net.prototxt"
         model.write_text(net_text)
-    sp = bench.default_solver_param()
+    sp = synthetic.default_solver_param()
     sp.base_lr = 0.05
     for k, v in solver_fields.items():
         setattr(sp, k, v)
     sp.net = str(model)
-    solver, _ = bench.synthetic_solver(solver=sp, batch=batch)
+    solver, _ = synthetic.synthetic_solver(solver=sp, batch=batch)
     return solver
 
 
