@@ -77,7 +77,6 @@ class TorchTwin(torch.nn.Module):
         super().__init__()
         self.device = torch.device(device)
         self.name = net.name
-        self.training_phase = net.phase == TRAIN
         self.notes = []
         self.weights = torch.nn.ParameterList()
         self.blob_params = {}  # (layer name, blob index) -> its Parameter
