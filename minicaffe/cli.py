@@ -7,6 +7,9 @@
     minicaffe test --model M --weights W [--iterations 50] [--gpu 0]
     minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
     minicaffe device_query [--gpu 0]
+    minicaffe bench --model M[,M2...] | --solver S [--gpu 0] [--batch N] [--iterations 10]
+                    [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
+                    [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
 ``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
@@ -33,6 +36,7 @@ commands:
   draw            draw a net definition (draw NET.prototxt OUT.{dot,png,svg,pdf} [--rankdir LR]
                   [--phase TRAIN|TEST|ALL] [--display_lrm]), as pycaffe's draw_net.py
   time            benchmark model execution time
+  bench           time the training step on synthetic inputs (and its PyTorch twin)
 
 flags:
   --solver FILE        the solver definition (prototxt or .yaml)
@@ -50,8 +54,9 @@ flags:
   --world_size N       train: the number of processes of that run
   --init_file F        train: a file every process sees; rank 0 writes the NCCL id there
                        (it must not exist yet)
-  --iterations N       test/time: the number of iterations to run (default 50)
-  --phase TRAIN|TEST   time: the network phase (default TRAIN)
+  --iterations N       test/time: the number of iterations to run (default 50);
+                       bench: iterations per timed repeat (default 10)
+  --phase TRAIN|TEST   time/bench: the network phase (default TRAIN)
   --level N            the network level (default 0)
   --stage a,b          the network stages
   --sigint_effect E    train: what SIGINT does: stop (default), snapshot or none
@@ -61,8 +66,16 @@ flags:
   --cuda_graph         train (GPU): capture the iteration as CUDA graphs and replay them
                        (default on; --nocuda_graph runs it eagerly; overrides the solver's
                        cuda_graph)
-  --tf32               train (GPU): let cuDNN and cuBLAS use TF32 tensor cores (the solver's
-                       minicaffe_precision: "TF32"); strict fp32 otherwise
+  --tf32               train/bench (GPU): let cuDNN and cuBLAS use TF32 tensor cores (the
+                       solver's minicaffe_precision: "TF32"); strict fp32 otherwise; bench:
+                       PyTorch too
+  --batch N            bench: the batch size of every data layer (default: the model's)
+  --repeats N          bench: timed repeats; the median is reported (default 5)
+  --warmup N           bench: untimed iterations first (default 3)
+  --compare torch      bench: also time the same net and step in PyTorch
+  --json FILE          bench: also write the results as JSON
+  --num_classes K      bench: labels are integers in [0, K) (default: from the net)
+  --input_shape C,H,W  bench: the data shape when the model's data cannot be read
   --version            print the version
 """
 
@@ -87,8 +100,15 @@ FLAGS = {
     "rank": ("int", -1),
     "world_size": ("int", 0),
     "init_file": ("str", ""),
+    "batch": ("int", 0),
+    "repeats": ("int", 5),
+    "warmup": ("int", 3),
+    "compare": ("str", ""),
+    "json": ("str", ""),
+    "num_classes": ("int", 0),
+    "input_shape": ("str", ""),
 }
-COMMANDS = ("train", "test", "time", "device_query")
+COMMANDS = ("train", "test", "time", "device_query", "bench")
 
 
 class Flags:
@@ -529,6 +549,18 @@ def device_query(flags):
     return 0
 
 
+def bench(flags):
+    """Time the training step on synthetic inputs (minicaffe/bench.py)."""
+    from . import bench as _bench
+    if "GLOG_minloglevel" not in os.environ:  # the report is the output, not net set-up
+        log.logger.setLevel(logging.WARNING)
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    _bench.run(flags, gpus[0] if gpus else None)
+    return 0
+
+
 def _g(x):
     return "%g" % float(x)
 
@@ -608,7 +640,9 @@ def _main(argv):
     warnings.showwarning = _warning_to_log
     if command == "train":
         return train(flags, stream)
-    return {"test": test, "time": time, "device_query": device_query}[command](flags)
+    flags.argv = list(argv)
+    return {"test": test, "time": time, "device_query": device_query,
+            "bench": bench}[command](flags)
 
 
 if __name__ == "__main__":  # pragma: no cover
