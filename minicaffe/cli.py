@@ -37,6 +37,7 @@ commands:
                   [--phase TRAIN|TEST|ALL] [--display_lrm]), as pycaffe's draw_net.py
   time            benchmark model execution time
   bench           time the training step on synthetic inputs (and its PyTorch twin)
+  memory          print the memory plan of a training iteration (per layer, planned peak)
 
 flags:
   --solver FILE        the solver definition (prototxt or .yaml)
@@ -108,7 +109,7 @@ FLAGS = {
     "num_classes": ("int", 0),
     "input_shape": ("str", ""),
 }
-COMMANDS = ("train", "test", "time", "device_query", "bench")
+COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 
 
 class Flags:
@@ -561,6 +562,42 @@ def bench(flags):
     return 0
 
 
+def memory(flags):
+    """Print the memory plan of a training iteration (gpu/plan.py) before running anything:
+    per-layer bytes, the arena, and the planned peak."""
+    from .gpu.plan import MemoryPlan
+    from .synthetic import synthetic_solver
+    if not flags.model and not flags.solver:
+        raise MinicaffeError("need a model (--model FILE) or a solver (--solver FILE) to plan")
+    if "GLOG_minloglevel" not in os.environ:  # the plan is the output, not net set-up
+        log.logger.setLevel(logging.WARNING)
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    from .bench import parse_input_shape
+    kw = dict(solver=flags.solver) if flags.solver else dict(model=flags.model)
+    solver, info = synthetic_solver(**kw, batch=flags.batch or None,
+                                    input_shape=parse_input_shape(flags.input_shape),
+                                    num_classes=flags.num_classes or None,
+                                    level=flags.level, stages=_stages(flags))
+    net = solver.net
+    hist = len(getattr(solver, "history_flat", [])) or 1
+    plan = MemoryPlan(net, train=True, history_sets=hist)
+    shared = MemoryPlan(net, train=True, history_sets=hist, share_data=True)
+    engine = ("cuDNN" if any(type(l).__name__.startswith("CuDNN") for l in net.layers)
+              else "Caffe's")
+    print(f"memory plan of {net.name}: batch {net.blobs[net.inputs[0]].shape[0]}, "
+          f"training (forward, backward, {solver.type} update), {engine} engine"
+          f"{' on GPU ' + str(gpus[0]) if gpus else ' (no GPU: cuDNN workspaces not counted)'}")
+    for line in plan.report():
+        print(line)
+    mib = 1 << 20
+    print(f"with the data that backward does not read sharing memory too: arena "
+          f"{shared.arena_bytes / mib:.1f} MiB, peak {shared.peak / mib:.1f} MiB")
+    solver.net.close()
+    return 0
+
+
 def _g(x):
     return "%g" % float(x)
 
@@ -642,7 +679,7 @@ def _main(argv):
         return train(flags, stream)
     flags.argv = list(argv)
     return {"test": test, "time": time, "device_query": device_query,
-            "bench": bench}[command](flags)
+            "bench": bench, "memory": memory}[command](flags)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -560,3 +560,13 @@ def test_minicaffe_precision_sets_the_gpu_math_and_rejects_nonsense(cli, tmp_pat
         assert rc == 0 and options.tf32 is False
     finally:
         options.set_tf32(old)
+
+
+def test_memory_prints_the_plan_before_running_anything(cli):
+    rc, out, err = cli("memory", "--model", str(REPO / "models/lenet/train_val.prototxt"),
+                       "--batch", "32")
+    assert rc == 0, err
+    assert "memory plan of LeNet: batch 32" in out
+    assert "planned peak" in out and "conv1" in out and "sharing memory too" in out
+    rc, out, err = cli("memory")
+    assert rc == 1 and "need a model" in err and err.count("\n") == 1

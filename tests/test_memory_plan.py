@@ -132,3 +132,27 @@ def test_a_plan_larger_than_the_gpu_is_one_line_naming_the_layer():
     err = plan.does_not_fit(1 << 20, "has")
     msg = str(err)
     assert "\n" not in msg and "'conv1'" in msg and "MiB" in msg and "planned peak" in msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,batch", [("models/cifar10_quick/train_val.prototxt", 256),
+                                         ("models/bvlc_alexnet/train_val.prototxt", 32)])
+def test_planned_peak_agrees_with_the_allocator_within_5_percent(model, batch):
+    import pathlib
+    from minicaffe import backend
+    from minicaffe.gpu import pool
+    from minicaffe.synthetic import synthetic_solver
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    context.set_mode_gpu()
+    try:
+        solver, _ = synthetic_solver(model=str(repo / model), batch=batch)
+        backend.synchronize()
+        pool.reset_peak()
+        solver.step(5)
+        backend.synchronize()
+        st = solver._gpu_step_obj
+        real = pool.peak_bytes() + st.private_bytes()
+        planned = st.plan.peak
+        assert abs(real - planned) <= 0.05 * planned, (real, planned)
+    finally:
+        context.set_mode_cpu()
