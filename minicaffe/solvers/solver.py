@@ -308,7 +308,7 @@ class Solver:
         update, deferred loss reads, CUDA graphs where they capture); debug_info needs the
         host after every layer and keeps the layer-by-layer path."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
-                and not self.net.net_param.debug_info and context.solver_count() == 1)
+                and not self.net.net_param.debug_info)
 
     def _gpu_step(self):
         st = getattr(self, "_gpu_step_obj", None)
