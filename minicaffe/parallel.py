@@ -261,6 +261,7 @@ class P2PSync:
         self.solver = solver
         self.adopted = solver is not None
         self.comm = None
+        self.host_comm = None
         self.plan = []
         self.images_per_s = 0.0
         self.exposed_ms = []   # per iteration: all-reduce time not hidden under backward
@@ -287,6 +288,9 @@ class P2PSync:
             m.barrier()                 # every net (and data layer) is built
             self.comm = m.comm_kind(m.world_size, m.uid, self.rank)
             m.register_comm(self.comm)
+            if m.host_world is not None:   # thread mode: host numbers sum on the host
+                self.host_comm = comm_mod.FakeComm(m.world_size, m.host_world, self.rank)
+                m.register_comm(self.host_comm)
             m.barrier()                 # every communicator is made
             self._attach()
             self._sync_start_state()
@@ -370,6 +374,8 @@ class P2PSync:
         stream's queued work."""
         if not self.gpu:
             return self.comm.allreduce_host(values)
+        if self.host_comm is not None:
+            return self.host_comm.allreduce_host(values)
         current = backend.cp.cuda.get_current_stream()
         for stream in {id(current): current, id(self.compute): self.compute}.values():
             self.comm_stream.wait_event(stream.record())
@@ -561,6 +567,11 @@ class P2PManager:
         self.grace_s = grace_s
         self.measure = measure
         self._barrier = threading.Barrier(len(self.devices))
+        # every rank a thread of this process (thread mode, GPU): sums of a few host
+        # numbers (start state, test scores) go through the host, not through NCCL and
+        # blocking device copies that one thread can wait on while its peer cannot launch
+        self.host_world = (comm_mod.FakeComm.new_uid(self.world_size)
+                           if gpu and self.world_size == len(self.devices) else None)
         self._lock = threading.Lock()
         self._comms = []
         self._requests = []
