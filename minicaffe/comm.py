@@ -233,7 +233,10 @@ class NcclComm(Comm):
                 return
             self._aborted = True
             try:
-                self._comm.destroy()
+                # ncclCommAbort, not ncclCommDestroy: destroy waits for the peers, and a
+                # thread-mode peer may need this thread's GIL to get there (seen hanging at
+                # the end of a run on 2 H200s); abort frees this rank's resources alone
+                self._comm.abort()
             except Exception:  # pragma: no cover
                 pass
 
