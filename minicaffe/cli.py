@@ -7,6 +7,7 @@
     minicaffe test --model M --weights W [--iterations 50] [--gpu 0]
     minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
     minicaffe device_query [--gpu 0]
+    minicaffe memory --model M [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
 ``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
@@ -33,6 +34,8 @@ commands:
   draw            draw a net definition (draw NET.prototxt OUT.{dot,png,svg,pdf} [--rankdir LR]
                   [--phase TRAIN|TEST|ALL] [--display_lrm]), as pycaffe's draw_net.py
   time            benchmark model execution time
+  memory          planned GPU memory of a training step per layer, under each offload
+                  policy, before anything runs
 
 flags:
   --solver FILE        the solver definition (prototxt or .yaml)
@@ -58,6 +61,10 @@ flags:
   --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
   --log FILE           also write the log to FILE (overwritten)
   --debug_info         train: print per-blob data and diff norms at each display
+  --offload POLICY     train/memory: offload feature maps to host memory: NONE, ALL, CONV
+                       or DYNAMIC (overrides the net's offload_param; docs/offload.md)
+  --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
+                       (overrides offload_param's gpu_memory_budget)
   --version            print the version
 """
 
@@ -80,8 +87,10 @@ FLAGS = {
     "rank": ("int", -1),
     "world_size": ("int", 0),
     "init_file": ("str", ""),
+    "offload": ("str", ""),
+    "gpu_mem_limit": ("int", 0),
 }
-COMMANDS = ("train", "test", "time", "device_query")
+COMMANDS = ("train", "test", "time", "device_query", "memory")
 
 
 class Flags:
@@ -470,6 +479,26 @@ def time(flags):
     return 0
 
 
+def memory(flags):
+    """The planned device memory of the model's training step, per layer and per offload
+    policy (offload.py); nothing runs."""
+    from . import offload
+    from .net import Net, TRAIN
+    if not flags.model:
+        raise MinicaffeError("need a model definition (--model FILE)")
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    net = Net(flags.model, TRAIN, level=flags.level, stages=_stages(flags))
+    policy, budget = offload.settings(net.net_param)
+    policies = offload.POLICIES if policy == "NONE" else ("NONE", policy)
+    rows, summary = offload.memory_rows(net, policies, budget)
+    for line in offload.format_memory_report(net, rows, summary, budget, estimated=True):
+        print(line)
+    print("(parameters counted with one set of solver history, as SGD with momentum keeps)")
+    return 0
+
+
 _DEVICE_FIELDS = [
     ("Major revision number:         ", "major"),
     ("Minor revision number:         ", "minor"),
@@ -552,6 +581,8 @@ def main(argv=None):
         return 130
     finally:
         warnings.showwarning = showwarning
+        from .offload import set_override
+        set_override()          # --offload/--gpu_mem_limit hold for this command only
 
 
 def _warning_to_log(message, category, filename, lineno, file=None, line=None):
@@ -592,9 +623,13 @@ def _main(argv):
         open(flags.log, "w").close()  # a new log per run, as glog starts a new file
     log.init_log(log_file=flags.log or None, stream=stream)
     warnings.showwarning = _warning_to_log
+    from . import offload
+    offload.set_override(flags.offload or None,
+                         flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
     if command == "train":
         return train(flags, stream)
-    return {"test": test, "time": time, "device_query": device_query}[command](flags)
+    return {"test": test, "time": time, "device_query": device_query,
+            "memory": memory}[command](flags)
 
 
 if __name__ == "__main__":  # pragma: no cover
