@@ -40,7 +40,6 @@ Everything down to ``Offloader`` is pure Python over a MemoryPlan and runs (and 
 tested) without a GPU; ``Offloader`` is the CUDA side.  See docs/offload.md.
 """
 import collections
-import ctypes
 
 import numpy as np
 
@@ -602,18 +601,19 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
 # -- the CUDA side ----------------------------------------------------------------------------
 class HostSlab:
     """One page-locked host allocation (``cudaHostAlloc``) holding every offloaded
-    buffer's slot; numpy views of it by offset."""
+    buffer's slot; numpy views of it by offset.  Each view keeps the slab alive (its
+    base holds it), so a SyncedMemory parked in a slot never outlives the memory."""
 
     def __init__(self, nbytes):
         rt = backend.cp.cuda.runtime
         self.nbytes = max(1, int(nbytes))
         self.ptr = rt.hostAlloc(self.nbytes, rt.hostAllocPortable)
         self._free = rt.freeHost
+        self.array = np.asarray(_Pinned(self))
 
     def view(self, offset, count, dtype):
         dtype = np.dtype(dtype)
-        raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(self.ptr + offset)
-        return np.frombuffer(raw, dtype=dtype, count=count)
+        return self.array[offset:offset + count * dtype.itemsize].view(dtype)
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
@@ -622,6 +622,15 @@ class HostSlab:
                 self._free(ptr)
             except Exception:
                 pass
+
+
+class _Pinned:
+    """The slab as a numpy buffer whose base references the slab."""
+
+    def __init__(self, slab):
+        self.slab = slab
+        self.__array_interface__ = {"data": (slab.ptr, False), "shape": (slab.nbytes,),
+                                    "typestr": "|u1", "version": 3}
 
 
 class Offloader:

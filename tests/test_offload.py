@@ -430,3 +430,177 @@ def test_train_flag_in_cpu_mode_warns_and_trains(cli, tmp_path):
     warn = [l for l in err.splitlines() if l.startswith("W") and "offload_param" in l]
     assert len(warn) == 1 and "CPU mode" in warn[0]
     assert "Optimization Done." in err
+
+
+# -- the CUDA side on a fake device ---------------------------------------------------------
+class _FakeDev(np.ndarray):
+    """A "device" array: host memory with CuPy's ``.data.ptr`` and ``.set``."""
+
+    @property
+    def data(self):
+        import types
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def set(self, a, stream=None):
+        self[...] = a
+
+
+class _FakeStream:
+    """A stream whose work runs only when something waits for it ("late": the latest
+    the events allow, so a missing wait shows up as a copy of overwritten data) or as
+    soon as it is queued ("early")."""
+    registry = {}
+
+    def __init__(self, non_blocking=True, early=False, compute=False):
+        self.ops, self.done = [], 0
+        self.early, self.compute = early, compute
+        self.ptr = id(self)
+        _FakeStream.registry[self.ptr] = self
+
+    def enqueue(self, fn):
+        self.ops.append(fn)
+        if self.compute or self.early:
+            self.flush(len(self.ops))
+
+    def flush(self, upto):
+        while self.done < upto:
+            op = self.ops[self.done]
+            self.done += 1
+            op()
+
+    def wait_event(self, ev):
+        src, pos = ev.stream, ev.pos
+        if src is None or src is self:
+            return
+        self.enqueue(lambda: src.flush(pos))
+
+    def record(self, ev=None):
+        ev = ev or _FakeEvent()
+        ev.record(self)
+        return ev
+
+    def synchronize(self):
+        self.flush(len(self.ops))
+
+
+class _FakeEvent:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.stream, self.pos = None, 0
+
+    def record(self, stream=None):
+        self.stream, self.pos = stream, len(stream.ops)
+
+
+def _fake_cupy(early):
+    import ctypes
+    import types
+    hosts = {}
+
+    def host_alloc(n, flags):
+        buf = np.zeros(n, np.uint8)
+        hosts[buf.ctypes.data] = buf
+        return buf.ctypes.data
+
+    def memcpy(dst, src, n, kind, stream_ptr):
+        _FakeStream.registry[stream_ptr].enqueue(lambda: ctypes.memmove(dst, src, n))
+
+    rt = types.SimpleNamespace(hostAlloc=host_alloc, freeHost=lambda p: hosts.pop(p, None),
+                               hostAllocPortable=1, memcpyAsync=memcpy)
+    compute = _FakeStream(compute=True)
+    cuda = types.SimpleNamespace(
+        Stream=lambda non_blocking=True: _FakeStream(early=early), Event=_FakeEvent,
+        runtime=rt, get_current_stream=lambda: compute)
+    return types.SimpleNamespace(cuda=cuda, empty=lambda n, dtype: np.zeros(n, dtype).view(
+        _FakeDev)), compute
+
+
+def _value(b, step):
+    return float(1000 * (id(b) % 997) + step + 1)
+
+
+def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
+    """Drive an Offloader through whole iterations: each step writes the data its layer
+    writes (a value naming the buffer and the step) and checks the data it reads, and
+    diffs write junk where they are placed -- so a copy that reads a place already
+    reused, or a read of a buffer that has not come back, fails."""
+    from minicaffe import backend
+    fake, compute = _fake_cupy(early)
+    monkeypatch.setattr(backend, "cp", fake)
+    op.plan.apply()
+    import types
+    step = types.SimpleNamespace(net=net, plan=op.plan,
+                                 solver=types.SimpleNamespace(history_flat=[]))
+    off = offload.Offloader(step, op, op.policy, 0)
+    off.attach()
+    L = len(net.layers)
+    first = offload.n_prologue(net)
+    data = [e.buf for e in op.entries] + [b for b in op.plan.buffers
+                                          if b.kind == "data" and b.part is None]
+    diffs = [b for b in op.plan.buffers if b.kind == "diff"]
+    checked = 0
+    for _ in range(iterations):
+        latest = {}
+
+        def run(s):
+            nonlocal checked
+            for b in diffs:
+                if b.start == s:
+                    op.plan.arena[b.offset:b.offset + b.nbytes] = 0xEE
+            for b in data:
+                if s in b.reads or s in b.bwd_reads:
+                    v = b.mem._gpu
+                    assert v is not None, (b.names, s)
+                    got = {float(v[0]), float(v[b.mem.size // 2]), float(v[b.mem.size - 1])}
+                    assert got == {latest[id(b)]}, (b.names, s, got, latest[id(b)])
+                    checked += 1
+            for b in data:
+                if s in b.writes:
+                    latest[id(b)] = _value(b, s)
+                    b.mem._gpu[:b.mem.size] = latest[id(b)]
+
+        for i in range(first):       # the data layers, before the body
+            run(i)
+        off.begin()
+        for i in range(first, L):
+            for cb in net._before_forward:
+                cb(i)
+            run(i)
+            for cb in net._after_forward:
+                cb(i)
+        for i in range(L - 1, -1, -1):
+            for cb in net._before_backward:
+                cb(i)
+            run(2 * L - 1 - i)
+            for cb in net._after_backward:
+                cb(i)
+        off.end()
+        for e in op.entries:     # parked: the host side holds the last forward value
+            m = e.buf.mem
+            assert m._gpu is None
+            assert (np.asarray(m.cpu_data()) == latest[id(e.buf)]).all(), e.name
+    net._offloader = None
+    return checked
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["late-copies", "early-copies"])
+@pytest.mark.parametrize("policy", ["ALL", "CONV", "DYNAMIC"])
+def test_offloader_moves_the_right_bytes_at_the_right_time(monkeypatch, googlenet, policy, early):
+    net = googlenet if policy != "CONV" else _net()
+    budget = 0
+    if policy == "DYNAMIC":
+        none, every = offload.build(net, "NONE"), offload.build(net, "ALL")
+        budget = (none.peak + every.peak) // 2
+    op = offload.build(net, policy, budget, times=_fake_times(net))
+    assert op.entries
+    assert _run_on_fake_device(monkeypatch, net, op, early) > len(op.entries)
+
+
+def test_fake_device_catches_a_missing_wait(monkeypatch):
+    """The harness is not blind: drop the waits before reuse and a copy reads junk."""
+    net = _net()
+    op = offload.build(net, "ALL")
+    assert any(e.release is not None for e in op.entries)
+    for e in op.entries:
+        e.release = None
+    with pytest.raises(AssertionError):
+        _run_on_fake_device(monkeypatch, net, op, early=False)
