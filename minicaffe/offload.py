@@ -686,7 +686,8 @@ class Offloader:
         self.h2d = cp.cuda.Stream(non_blocking=True)
         self._use(oplan)
         net = self.net
-        if getattr(net, "_offloader", None) is None:     # the Net's hooks, once per net
+        if not getattr(net, "_offload_hooks", False):     # the Net's hooks, once per net
+            net._offload_hooks = True
             L = len(net.layers)
 
             def hook(fn, to_step):
