@@ -8,6 +8,7 @@
     minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
     minicaffe device_query [--gpu 0]
     minicaffe memory --model M [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
+                     [--input_shape N,C,H,W]
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
 ``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
@@ -65,6 +66,8 @@ flags:
                        or DYNAMIC (overrides the net's offload_param; docs/offload.md)
   --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
                        (overrides offload_param's gpu_memory_budget)
+  --input_shape N,C,H,W  memory: plan with Input layers of this shape (and labels of N)
+                       in place of the data layers (whose databases need not exist)
   --version            print the version
 """
 
@@ -89,6 +92,7 @@ FLAGS = {
     "init_file": ("str", ""),
     "offload": ("str", ""),
     "gpu_mem_limit": ("int", 0),
+    "input_shape": ("str", ""),
 }
 COMMANDS = ("train", "test", "time", "device_query", "memory")
 
@@ -489,7 +493,10 @@ def memory(flags):
     gpus = _single_gpu(get_gpus(flags.gpu))
     _check_gpus(gpus)
     _set_mode(gpus)
-    net = Net(flags.model, TRAIN, level=flags.level, stages=_stages(flags))
+    model = flags.model
+    if flags.input_shape:
+        model = _with_inputs(model, flags.input_shape)
+    net = Net(model, TRAIN, level=flags.level, stages=_stages(flags))
     policy, budget = offload.settings(net.net_param)
     policies = offload.POLICIES if policy == "NONE" else ("NONE", policy)
     rows, summary = offload.memory_rows(net, policies, budget)
@@ -497,6 +504,39 @@ def memory(flags):
         print(line)
     print("(parameters counted with one set of solver history, as SGD with momentum keeps)")
     return 0
+
+
+_DATA_LAYERS = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData")
+
+
+def _with_inputs(path, shape):
+    """The net of ``path`` with its TRAIN data layers replaced by Input layers of
+    ``shape`` ('N,C,H,W'; a second top gets labels of shape (N,))."""
+    from .net import read_net_param
+    from .proto import caffe_pb2
+    try:
+        dims = [int(v) for v in shape.split(",")]
+    except ValueError:
+        dims = []
+    if not dims or any(d <= 0 for d in dims):
+        raise MinicaffeError(f"illegal value '{shape}' specified for flag 'input_shape' "
+                             "(positive integers separated by ',')")
+    src = read_net_param(path)
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(src)
+    del out.layer[:]
+    for lp in src.layer:
+        if lp.type in _DATA_LAYERS and not any(r.phase == caffe_pb2.TEST for r in lp.include):
+            n = out.layer.add()
+            n.name, n.type = lp.name, "Input"
+            n.top.extend(lp.top)
+            n.input_param.shape.add().dim.extend(dims)
+            for _ in lp.top[1:]:
+                n.input_param.shape.add().dim.extend(dims[:1])
+            n.include.extend(lp.include)
+        else:
+            out.layer.add().CopyFrom(lp)
+    return out
 
 
 _DEVICE_FIELDS = [

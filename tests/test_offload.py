@@ -419,6 +419,16 @@ def test_memory_command(cli, tmp_path):
     assert offload.settings(caffe_pb2.NetParameter()) == ("NONE", 0)   # flags hold per command
 
 
+def test_memory_command_on_a_model_with_data_layers(cli):
+    rc, out, err = cli("memory", "--model", os.path.join(ROOT, "models/lenet/train_val.prototxt"),
+                       "--input_shape", "64,1,28,28", "--offload", "ALL")
+    assert rc == 0, err
+    assert "conv1" in out and any(l.startswith("ALL") for l in out.splitlines())
+    rc, out, err = cli("memory", "--model", os.path.join(ROOT, "models/lenet/train_val.prototxt"),
+                       "--input_shape", "64,x")
+    assert rc == 1 and "input_shape" in err.strip().splitlines()[-1]
+
+
 def test_train_flag_in_cpu_mode_warns_and_trains(cli, tmp_path):
     (tmp_path / "net.prototxt").write_text(CHAIN)
     (tmp_path / "solver.prototxt").write_text(
