@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--legacy", action="store_true")
     ap.add_argument("--no-eager", action="store_true")
-    ap.add_argument("--allocator", default="default")
+    ap.add_argument("--allocator", default="async")
     a = ap.parse_args()
     shape = {"lenet": [1, 28, 28], "cifar10": [3, 32, 32], "alexnet": [3, 227, 227],
              "caffenet": [3, 227, 227]}

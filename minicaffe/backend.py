@@ -91,6 +91,27 @@ def alloc_gpu(size, dtype):
     return cp.zeros(size, dtype=dtype)
 
 
+# -- peak memory of the allocator ---------------------------------------------------------
+def reset_peak_gpu_bytes():
+    """Start a new high-water mark of minicaffe's GPU allocator (gpu/pool.py); no-op
+    without a GPU."""
+    if cp is None or not gpu_available():
+        return
+    from .gpu import pool
+    pool.reset_peak()
+
+
+def peak_gpu_bytes():
+    """Most bytes minicaffe's GPU allocator has had in use since reset_peak_gpu_bytes():
+    the stream-ordered pool's high-water mark, or the caching pool's total_bytes (0 without
+    a GPU).  A GPU step's graphs keep their temporaries in pools of their own, counted by
+    ``GpuStep.private_bytes()``."""
+    if cp is None or not gpu_available():
+        return 0
+    from .gpu import pool
+    return pool.peak_bytes()
+
+
 def copy_to_gpu(dst, src, stream=None):
     """Copy host array ``src`` into device array ``dst`` (asynchronous if pinned)."""
     if stream is None:

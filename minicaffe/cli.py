@@ -7,8 +7,11 @@
     minicaffe test --model M --weights W [--iterations 50] [--gpu 0]
     minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
     minicaffe device_query [--gpu 0]
-    minicaffe memory --model M [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
-                     [--input_shape N,C,H,W]
+    minicaffe bench --model M[,M2...] | --solver S [--gpu 0] [--batch N] [--iterations 10]
+                    [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
+                    [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
+    minicaffe memory --model M | --solver S [--batch N] [--input_shape C,H,W] [--gpu 0]
+                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
 ``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
@@ -35,8 +38,8 @@ commands:
   draw            draw a net definition (draw NET.prototxt OUT.{dot,png,svg,pdf} [--rankdir LR]
                   [--phase TRAIN|TEST|ALL] [--display_lrm]), as pycaffe's draw_net.py
   time            benchmark model execution time
-  memory          planned GPU memory of a training step per layer, under each offload
-                  policy, before anything runs
+  bench           time the training step on synthetic inputs (and its PyTorch twin)
+  memory          print the memory plan of a training iteration (per layer, planned peak)
 
 flags:
   --solver FILE        the solver definition (prototxt or .yaml)
@@ -54,20 +57,32 @@ flags:
   --world_size N       train: the number of processes of that run
   --init_file F        train: a file every process sees; rank 0 writes the NCCL id there
                        (it must not exist yet)
-  --iterations N       test/time: the number of iterations to run (default 50)
-  --phase TRAIN|TEST   time: the network phase (default TRAIN)
+  --iterations N       test/time: the number of iterations to run (default 50);
+                       bench: iterations per timed repeat (default 10)
+  --phase TRAIN|TEST   time/bench: the network phase (default TRAIN)
   --level N            the network level (default 0)
   --stage a,b          the network stages
   --sigint_effect E    train: what SIGINT does: stop (default), snapshot or none
   --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
   --log FILE           also write the log to FILE (overwritten)
   --debug_info         train: print per-blob data and diff norms at each display
+  --cuda_graph         train (GPU): capture the iteration as CUDA graphs and replay them
+                       (default on; --nocuda_graph runs it eagerly; overrides the solver's
+                       cuda_graph)
+  --tf32               train/bench (GPU): let cuDNN and cuBLAS use TF32 tensor cores (the
+                       solver's minicaffe_precision: "TF32"); strict fp32 otherwise; bench:
+                       PyTorch too
+  --batch N            bench: the batch size of every data layer (default: the model's)
+  --repeats N          bench: timed repeats; the median is reported (default 5)
+  --warmup N           bench: untimed iterations first (default 3)
+  --compare torch      bench: also time the same net and step in PyTorch
+  --json FILE          bench: also write the results as JSON
+  --num_classes K      bench: labels are integers in [0, K) (default: from the net)
+  --input_shape C,H,W  bench: the data shape when the model's data cannot be read
   --offload POLICY     train/memory: offload feature maps to host memory: NONE, ALL, CONV
                        or DYNAMIC (overrides the net's offload_param; docs/offload.md)
   --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
                        (overrides offload_param's gpu_memory_budget)
-  --input_shape N,C,H,W  memory: plan with Input layers of this shape (and labels of N)
-                       in place of the data layers (whose databases need not exist)
   --version            print the version
 """
 
@@ -86,15 +101,23 @@ FLAGS = {
     "sighup_effect": ("str", "snapshot"),
     "log": ("str", ""),
     "debug_info": ("bool", False),
+    "cuda_graph": ("bool", True),
+    "tf32": ("bool", False),
     "parallel": ("str", "thread"),
     "rank": ("int", -1),
     "world_size": ("int", 0),
     "init_file": ("str", ""),
+    "batch": ("int", 0),
+    "repeats": ("int", 5),
+    "warmup": ("int", 3),
+    "compare": ("str", ""),
+    "json": ("str", ""),
+    "num_classes": ("int", 0),
+    "input_shape": ("str", ""),
     "offload": ("str", ""),
     "gpu_mem_limit": ("int", 0),
-    "input_shape": ("str", ""),
 }
-COMMANDS = ("train", "test", "time", "device_query", "memory")
+COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 
 
 class Flags:
@@ -294,6 +317,10 @@ def train(flags, stream=None):
     param.train_state.stage.extend(_stages(flags))
     if flags.debug_info:
         param.debug_info = True
+    if "cuda_graph" in flags.given:
+        param.cuda_graph = flags.cuda_graph
+    if flags.tf32:
+        param.minicaffe_precision = "TF32"
     if flags.gpu is None or flags.gpu == "":
         gpus = []
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
@@ -313,6 +340,9 @@ def train(flags, stream=None):
     if not gpus:
         log.info("Use CPU.")
         context.set_mode_cpu()
+        for f in ("cuda_graph", "tf32"):
+            if f in flags.given:
+                log.warning("--%s has no effect in CPU mode", f)
     else:
         log.info("Using GPUs %s", ", ".join(map(str, gpus)))
         for g in gpus:
@@ -483,62 +513,6 @@ def time(flags):
     return 0
 
 
-def memory(flags):
-    """The planned device memory of the model's training step, per layer and per offload
-    policy (offload.py); nothing runs."""
-    from . import offload
-    from .net import Net, TRAIN
-    if not flags.model:
-        raise MinicaffeError("need a model definition (--model FILE)")
-    gpus = _single_gpu(get_gpus(flags.gpu))
-    _check_gpus(gpus)
-    _set_mode(gpus)
-    model = flags.model
-    if flags.input_shape:
-        model = _with_inputs(model, flags.input_shape)
-    net = Net(model, TRAIN, level=flags.level, stages=_stages(flags))
-    policy, budget = offload.settings(net.net_param)
-    policies = offload.POLICIES if policy == "NONE" else ("NONE", policy)
-    rows, summary = offload.memory_rows(net, policies, budget)
-    for line in offload.format_memory_report(net, rows, summary, budget, estimated=True):
-        print(line)
-    print("(parameters counted with one set of solver history, as SGD with momentum keeps)")
-    return 0
-
-
-_DATA_LAYERS = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData")
-
-
-def _with_inputs(path, shape):
-    """The net of ``path`` with its TRAIN data layers replaced by Input layers of
-    ``shape`` ('N,C,H,W'; a second top gets labels of shape (N,))."""
-    from .net import read_net_param
-    from .proto import caffe_pb2
-    try:
-        dims = [int(v) for v in shape.split(",")]
-    except ValueError:
-        dims = []
-    if not dims or any(d <= 0 for d in dims):
-        raise MinicaffeError(f"illegal value '{shape}' specified for flag 'input_shape' "
-                             "(positive integers separated by ',')")
-    src = read_net_param(path)
-    out = caffe_pb2.NetParameter()
-    out.CopyFrom(src)
-    del out.layer[:]
-    for lp in src.layer:
-        if lp.type in _DATA_LAYERS and not any(r.phase == caffe_pb2.TEST for r in lp.include):
-            n = out.layer.add()
-            n.name, n.type = lp.name, "Input"
-            n.top.extend(lp.top)
-            n.input_param.shape.add().dim.extend(dims)
-            for _ in lp.top[1:]:
-                n.input_param.shape.add().dim.extend(dims[:1])
-            n.include.extend(lp.include)
-        else:
-            out.layer.add().CopyFrom(lp)
-    return out
-
-
 _DEVICE_FIELDS = [
     ("Major revision number:         ", "major"),
     ("Minor revision number:         ", "minor"),
@@ -581,6 +555,61 @@ def device_query(flags):
             elif key in _YES_NO and v != "n/a":
                 v = "Yes" if v else "No"
             log.info("%s%s", label, v)
+    return 0
+
+
+def bench(flags):
+    """Time the training step on synthetic inputs (minicaffe/bench.py)."""
+    from . import bench as _bench
+    if "GLOG_minloglevel" not in os.environ:  # the report is the output, not net set-up
+        log.logger.setLevel(logging.WARNING)
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    _bench.run(flags, gpus[0] if gpus else None)
+    return 0
+
+
+def memory(flags):
+    """Print the memory plan of a training iteration (gpu/plan.py) before running anything:
+    per-layer bytes, the arena, and the planned peak."""
+    from .gpu.plan import MemoryPlan
+    from .synthetic import synthetic_solver
+    if not flags.model and not flags.solver:
+        raise MinicaffeError("need a model (--model FILE) or a solver (--solver FILE) to plan")
+    if "GLOG_minloglevel" not in os.environ:  # the plan is the output, not net set-up
+        log.logger.setLevel(logging.WARNING)
+    gpus = _single_gpu(get_gpus(flags.gpu))
+    _check_gpus(gpus)
+    _set_mode(gpus)
+    from .bench import parse_input_shape
+    from . import offload
+    kw = dict(solver=flags.solver) if flags.solver else dict(model=flags.model)
+    override = offload.get_override()
+    offload.set_override()    # (building the solver must not warn that nothing trains)
+    solver, info = synthetic_solver(**kw, batch=flags.batch or None,
+                                    input_shape=parse_input_shape(flags.input_shape),
+                                    num_classes=flags.num_classes or None,
+                                    level=flags.level, stages=_stages(flags))
+    offload.set_override(*override)
+    net = solver.net
+    hist = len(getattr(solver, "history_flat", [])) or 1
+    plan = MemoryPlan(net, train=True, history_sets=hist)
+    shared = MemoryPlan(net, train=True, history_sets=hist, share_data=True)
+    engine = ("cuDNN" if any(type(l).__name__.startswith("CuDNN") for l in net.layers)
+              else "Caffe's")
+    print(f"memory plan of {net.name}: batch {net.blobs[net.inputs[0]].shape[0]}, "
+          f"training (forward, backward, {solver.type} update), {engine} engine"
+          f"{' on GPU ' + str(gpus[0]) if gpus else ' (no GPU: cuDNN workspaces not counted)'}")
+    for line in plan.report():
+        print(line)
+    mib = 1 << 20
+    print(f"with the data that backward does not read sharing memory too: arena "
+          f"{shared.arena_bytes / mib:.1f} MiB, peak {shared.peak / mib:.1f} MiB")
+    print()
+    for line in offload.memory_lines(net, hist):   # per offload policy (offload.py)
+        print(line)
+    solver.net.close()
     return 0
 
 
@@ -668,8 +697,9 @@ def _main(argv):
                          flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
     if command == "train":
         return train(flags, stream)
+    flags.argv = list(argv)
     return {"test": test, "time": time, "device_query": device_query,
-            "memory": memory}[command](flags)
+            "bench": bench, "memory": memory}[command](flags)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -411,7 +411,9 @@ class Net:
             if not in_place_next:
                 continue
             if (hasattr(a, "fuse_relu") and b.type == "ReLU"
-                    and b.layer_param.relu_param.negative_slope == 0):
+                    and b.layer_param.relu_param.negative_slope == 0
+                    and (a.type != "Eltwise" or a._fusable(self.bottom_vecs[lid],
+                                                             self.top_vecs[lid]))):
                 a.fuse_relu = b
                 self._fused.append((lid, a, b, "fuse_relu"))
             elif (hasattr(a, "fuse_scale") and b.type == "Scale" and not a.use_global_stats
@@ -424,7 +426,7 @@ class Net:
         """Fuse a pair only when this pass runs both of its layers."""
         for lid, a, b, attr in self._fused:
             setattr(a, attr, b if start <= lid and lid + 1 <= end else None)
-            b.relu_done = b.scale_done = b.scale_bwd_done = False
+            b.relu_done = b.relu_bwd_done = b.scale_done = b.scale_bwd_done = False
 
     def _analyse_backward(self, param):
         under_loss, skip_backp = set(), set()

@@ -92,6 +92,10 @@ def set_override(policy=None, budget=None):
     _override["budget"] = int(budget) if budget is not None else None
 
 
+def get_override():
+    return _override["policy"], _override["budget"]
+
+
 def settings(net_param):
     """(policy name, budget bytes) for a NetParameter, overrides applied."""
     p = net_param.offload_param
@@ -109,7 +113,7 @@ def check_solver(solver):
     if not context.is_gpu():
         why = "in CPU mode nothing is offloaded"
     elif not solver._gpu_step_wanted():
-        why = ("it needs the one-GPU training step of the SGD family without debug_info; "
+        why = ("it needs the GPU training step of the SGD family without debug_info; "
                "this run trains without it")
     else:
         return None
@@ -596,6 +600,16 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
         out.append("DYNAMIC here chooses from estimated layer times (a roofline guess); "
                    "training chooses from a timed iteration")
     return out
+
+
+def memory_lines(net, history_sets=1):
+    """``minicaffe memory``'s part: the net's policy and budget (``--offload``,
+    ``--gpu_mem_limit`` applied) -- all four policies when it asks for none, else NONE
+    and that one -- per layer and per policy, DYNAMIC from estimated layer times."""
+    policy, budget = settings(net.net_param)
+    policies = POLICIES if policy == "NONE" else ("NONE", policy)
+    rows, summary = memory_rows(net, policies, budget, history_sets)
+    return format_memory_report(net, rows, summary, budget, estimated=True)
 
 
 # -- the CUDA side ----------------------------------------------------------------------------

@@ -530,3 +530,43 @@ def test_draw_subcommand_writes_dot(tmp_path):
     text = out.read_text()
     assert text.startswith('digraph "n"')
     assert '"x_blob" -> "r_ReLU"' in text and '"r_ReLU" -> "y_blob"' in text
+
+
+def test_gpu_only_train_flags_warn_in_cpu_mode(cli, tmp_path):
+    _setup(tmp_path)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--nocuda_graph", "--tf32")
+    assert rc == 0, err
+    msgs = _messages(err)
+    assert "--cuda_graph has no effect in CPU mode" in msgs
+    assert "--tf32 has no effect in CPU mode" in msgs
+
+
+def test_minicaffe_precision_sets_the_gpu_math_and_rejects_nonsense(cli, tmp_path):
+    from minicaffe.gpu import options
+    _setup(tmp_path)
+    text = (tmp_path / "solver.prototxt").read_text()
+    (tmp_path / "solver.prototxt").write_text(text + 'minicaffe_precision: "HALF"\n')
+    rc, out, err = cli("train", "--solver", "solver.prototxt")
+    assert rc == 1 and "minicaffe_precision" in err and "HALF" in err
+    old = options.tf32
+    try:
+        (tmp_path / "solver.prototxt").write_text(text + 'minicaffe_precision: "TF32"\n')
+        rc, out, err = cli("train", "--solver", "solver.prototxt")
+        assert rc == 0, err
+        assert options.tf32 is True
+        assert "GPU math: fp32 with TF32" in err
+        (tmp_path / "solver.prototxt").write_text(text + 'minicaffe_precision: "FLOAT"\n')
+        rc, out, err = cli("train", "--solver", "solver.prototxt")
+        assert rc == 0 and options.tf32 is False
+    finally:
+        options.set_tf32(old)
+
+
+def test_memory_prints_the_plan_before_running_anything(cli):
+    rc, out, err = cli("memory", "--model", str(REPO / "models/lenet/train_val.prototxt"),
+                       "--batch", "32")
+    assert rc == 0, err
+    assert "memory plan of LeNet: batch 32" in out
+    assert "planned peak" in out and "conv1" in out and "sharing memory too" in out
+    rc, out, err = cli("memory")
+    assert rc == 1 and "need a model" in err and err.count("\n") == 1

@@ -296,6 +296,42 @@ def test_batchnorm_applies_the_following_scale_itself(gpu):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
 
 
+def test_eltwise_sum_applies_the_following_relu_itself(gpu):
+    """y = relu(a + b) in one pass and the masked gradient copied to both bottoms,
+    against the CPU (which never fuses)."""
+    from minicaffe import Net
+    text = """
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 dim: 6 dim: 6 } } }
+    layer { name: "a" type: "Convolution" bottom: "data" top: "a"
+      convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+    layer { name: "b" type: "Convolution" bottom: "data" top: "b"
+      convolution_param { num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+    layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "sum" }
+    layer { name: "relu" type: "ReLU" bottom: "sum" top: "sum" }
+    layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
+      inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+    """
+    x = np.random.RandomState(0).randn(4, 3, 6, 6).astype(np.float32)
+    dy = np.random.RandomState(1).randn(4, 3).astype(np.float32)
+    outs = {}
+    for mode in ("gpu", "cpu"):
+        (context.set_mode_gpu if mode == "gpu" else context.set_mode_cpu)()
+        context.set_random_seed(3)
+        net = Net(text, phase=caffe_pb2.TRAIN)
+        if mode == "gpu":
+            assert net.layer_by_name("sum").fuse_relu is net.layer_by_name("relu")
+        net.blobs["data"].data[...] = x
+        net.forward()
+        net.blobs["ip"].diff[...] = dy
+        net.backward()
+        outs[mode] = [net.blobs["ip"].data.copy(), net.blobs["sum"].data.copy(),
+                      net.blobs["a"].diff.copy(), net.blobs["b"].diff.copy()] + \
+            [b.diff.copy() for b in net.learnable_params]
+    context.set_mode_gpu()
+    for a, b in zip(outs["gpu"], outs["cpu"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 # -- dropout's counter-based generator ------------------------------------------------------
 def test_philox_dropout_masks(gpu):
     cp = gpu

@@ -125,3 +125,42 @@ def test_apply_keeps_inputs_and_points_blobs_into_the_arena():
         np.testing.assert_array_equal(backend.cp.asnumpy(net.blobs["data"].gpu_data()), x)
     finally:
         context.set_mode_cpu()
+
+
+def test_a_plan_larger_than_the_gpu_is_one_line_naming_the_layer():
+    plan = MemoryPlan(_net())
+    err = plan.does_not_fit(1 << 20, "has")
+    msg = str(err)
+    assert "\n" not in msg and "'conv1'" in msg and "MiB" in msg and "planned peak" in msg
+
+
+_MEASURE = """
+import sys
+from minicaffe import backend, context
+from minicaffe.gpu import pool
+from minicaffe.synthetic import synthetic_solver
+context.set_mode_gpu()
+solver, _ = synthetic_solver(model=sys.argv[1], batch=int(sys.argv[2]))
+backend.synchronize()
+pool.reset_peak()          # the training iteration's memory, not the net's construction
+solver.step(5)
+backend.synchronize()
+st = solver._gpu_step_obj
+print(pool.peak_bytes() + st.private_bytes(), st.plan.peak)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,batch", [("models/cifar10_quick/train_val.prototxt", 256),
+                                         ("models/bvlc_alexnet/train_val.prototxt", 32)])
+def test_planned_peak_agrees_with_the_allocator_within_5_percent(model, batch):
+    """In a fresh process (the allocator's high-water mark is per process)."""
+    import pathlib
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _MEASURE, str(repo / model), str(batch)],
+                       cwd=repo, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    real, planned = (int(v) for v in r.stdout.split()[-2:])
+    assert abs(real - planned) <= 0.05 * planned, (real, planned)

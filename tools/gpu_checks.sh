@@ -10,6 +10,9 @@
 #   time      minicaffe time on LeNet (TRAIN, from LMDB) and CIFAR-10 quick (deploy)
 #   scaling   benchmarks/multi_gpu_scaling.py: images/s on 1, 2, 4 GPUs, threads and processes
 #   lenetall  Caffe's LeNet recipe (10,000 iterations) with --gpu all (several GPUs)
+#   bench     minicaffe bench --compare torch on the five reference nets, strict fp32, then
+#             the three large ones with --tf32; one JSON per run in OUTDIR/bench, all of
+#             them in OUTDIR/bench_all.json
 # Logs go to OUTDIR; the last lines of each step are printed.
 set -u
 OUT=${1:-out}
@@ -46,5 +49,21 @@ for step in $STEPS; do
       /usr/bin/time -f "wall %e s" python3 examples/mnist/train_lenet.py --gpu all \
         --log "$OUT/lenet_all.log" >"$OUT/lenet_all.out" 2>&1
       tail -3 "$OUT/lenet_all.out"; grep -E "Test net output|P2PManager: total" "$OUT/lenet_all.log" | tail -3;;
+    bench)
+      mkdir -p "$OUT/bench"
+      for spec in lenet:64:100 cifar10_quick:100:100 bvlc_alexnet:128:20 vgg16:64:10 resnet50:64:10; do
+        IFS=: read -r m b it <<<"$spec"
+        python3 -m minicaffe bench --gpu 0 --model "models/$m/train_val.prototxt" --batch "$b" \
+          --iterations "$it" --compare torch --json "$OUT/bench/$m.json" >"$OUT/bench/$m.txt" 2>&1
+        tail -4 "$OUT/bench/$m.txt"
+      done
+      for spec in bvlc_alexnet:128:20 vgg16:64:10 resnet50:64:10; do
+        IFS=: read -r m b it <<<"$spec"
+        python3 -m minicaffe bench --gpu 0 --model "models/$m/train_val.prototxt" --batch "$b" \
+          --iterations "$it" --compare torch --tf32 --json "$OUT/bench/${m}_tf32.json" \
+          >"$OUT/bench/${m}_tf32.txt" 2>&1
+        tail -4 "$OUT/bench/${m}_tf32.txt"
+      done
+      python3 -c "import json,glob,sys; json.dump({f: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + '/bench/*.json'))}, open(sys.argv[1] + '/bench_all.json', 'w'), indent=1)" "$OUT";;
   esac
 done

@@ -63,6 +63,12 @@ _SIGS = {
                                                     ctypes.POINTER(AlgoPerf), _v, _sz],
     "cudnnFindConvolutionBackwardFilterAlgorithmEx": [_v, _v, _v, _v, _v, _v, _v, _v, _i, _ip,
                                                       ctypes.POINTER(AlgoPerf), _v, _sz],
+    "cudnnGetConvolutionForwardAlgorithm_v7": [_v, _v, _v, _v, _v, _i, _ip,
+                                               ctypes.POINTER(AlgoPerf)],
+    "cudnnGetConvolutionBackwardDataAlgorithm_v7": [_v, _v, _v, _v, _v, _i, _ip,
+                                                    ctypes.POINTER(AlgoPerf)],
+    "cudnnGetConvolutionBackwardFilterAlgorithm_v7": [_v, _v, _v, _v, _v, _i, _ip,
+                                                      ctypes.POINTER(AlgoPerf)],
     "cudnnConvolutionForward": [_v, _v, _v, _v, _v, _v, _v, _i, _v, _sz, _v, _v, _v],
     "cudnnConvolutionBackwardData": [_v, _v, _v, _v, _v, _v, _v, _i, _v, _sz, _v, _v, _v],
     "cudnnConvolutionBackwardFilter": [_v, _v, _v, _v, _v, _v, _v, _i, _v, _sz, _v, _v, _v],
@@ -334,7 +340,24 @@ _FIND = {
     "bwd_data": "cudnnFindConvolutionBackwardDataAlgorithmEx",
     "bwd_filter": "cudnnFindConvolutionBackwardFilterAlgorithmEx",
 }
+_GET = {
+    "fwd": "cudnnGetConvolutionForwardAlgorithm_v7",
+    "bwd_data": "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+    "bwd_filter": "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+}
 _algo_cache = {}
+
+
+def search_workspace(kind, descs, limit):
+    """Bytes of workspace worth giving Find: the most any algorithm of ``kind`` asks for
+    (cuDNN's heuristics list them with their needs), capped at ``limit``, so that small
+    layers are not timed with a gigabyte of scratch.  ``descs``: the 4 descriptors in the
+    heuristics call's order."""
+    perf = (AlgoPerf * 16)()
+    n = ctypes.c_int(0)
+    call(_GET[kind], handle(), *descs, 16, ctypes.byref(n), perf)
+    need = [p.memory for p in perf[:n.value] if p.status == SUCCESS and p.memory <= limit]
+    return int(max(need, default=0))
 
 
 def find_algorithm(kind, key, args, workspace, limit):

@@ -31,7 +31,7 @@ import ctypes
 
 import numpy as np
 
-from .. import backend, log
+from .. import backend, context, log
 from ..blob import Blob
 from ..kernels import step as step_kernels
 from ..solvers.fused import FusedUpdate
@@ -113,7 +113,13 @@ class GpuStep:
                 produced.add(id(t))
         self.input_blobs = inputs
         reason = why_not_capturable(net, n)
-        self.graphs_on = bool(graphs) and reason is None
+        if reason is None and self.iter_size > 1 and context.solver_count() > 1:
+            # the all-reduce runs in the last of iter_size passes only: a pass's graph
+            # would carry the choice made when it was captured
+            graphs_reason = "several GPUs with iter_size > 1"
+        else:
+            graphs_reason = reason
+        self.graphs_on = bool(graphs) and graphs_reason is None
         self.plan = None
         self.offload = None
         if reason is None:
@@ -136,9 +142,9 @@ class GpuStep:
                      "(%.1f MiB unshared); planned peak %.1f MiB", net.name,
                      self.plan.arena_bytes / mib, self.plan.unshared_bytes / mib,
                      self.plan.peak / mib)
-        if graphs and reason:
+        if graphs and graphs_reason:
             log.info("CUDA graph: off for net %s: %s; the iteration runs eagerly",
-                     net.name, reason)
+                     net.name, graphs_reason)
         if reason:
             from ..offload import settings
             if settings(net.net_param)[0] != "NONE":

@@ -203,7 +203,13 @@ class MemoryPlan:
         say)."""
         from ..synced_memory import HEAD_AT_CPU, HEAD_AT_GPU, SYNCED
         cp = backend.cp
-        self.arena = cp.empty(max(self.arena_bytes, 1), dtype=np.uint8)
+        free, total = cp.cuda.runtime.memGetInfo()
+        if self.peak > total:
+            raise self.does_not_fit(total, "has")
+        try:
+            self.arena = cp.empty(max(self.arena_bytes, 1), dtype=np.uint8)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise self.does_not_fit(free, "has free") from None
         for b in self.buffers:
             m = b.mem
             view = self.arena[b.offset:b.offset + m.size * m.dtype.itemsize].view(m.dtype)
@@ -243,6 +249,16 @@ class MemoryPlan:
         for blob in self.net._blobs:
             blob.drop_views()
         self.arena = None
+
+    def does_not_fit(self, available, words):
+        from ..errors import MinicaffeError
+        mib = 1 << 20
+        big = max(self.rows, key=lambda r: r["top_data"] + r["state"])
+        return MinicaffeError(
+            f"net {self.net.name}: training needs {self.peak / mib:.0f} MiB of GPU memory "
+            f"(planned peak) but the GPU {words} {available / mib:.0f} MiB; the largest layer "
+            f"is '{big['layer']}' ({(big['top_data'] + big['state']) / mib:.0f} MiB of "
+            f"activations); use a smaller batch")
 
     # -- reporting -------------------------------------------------------------------------
     def report(self):

@@ -330,7 +330,7 @@ def _ave_bwd_fast(gdiv, P, out=None):
 # --------------------------------------------------------------------------
 def _to(out, a):
     """``a``, or ``a`` copied into ``out`` (then ``out``)."""
-    if out is None:
+    if out is None or a is out:
         return a
     out[...] = a
     return out
@@ -342,12 +342,13 @@ def _direct(out, shape, dtype):
                            and tuple(out.shape) == tuple(shape) and out.dtype == dtype)
 
 
-def max_pool_forward(x, kernel, stride=1, pad=0, out=None):
+def max_pool_forward(x, kernel, stride=1, pad=0, out=None, mask_out=None):
     """MAX pooling -> ``(y, mask)``; ``mask`` int32 plane index ``h*W+w``.
-    ``out`` (optional) receives ``y`` and is returned as ``y``."""
+    ``out`` (optional) receives ``y`` and is returned as ``y``; on the GPU ``mask_out``
+    (optional) receives the mask."""
     g = _geom(x.shape, kernel, stride, pad)
     if is_cupy_array(x):
-        y, mask = _max_fwd_cupy(x, *g)
+        y, mask = _max_fwd_cupy(x, *g, out=out, mask_out=mask_out)
         return _to(out, y), mask
     P = _Phase(*g)
     if P.ok() and _direct(out, (P.N, P.C, P.PH, P.PW), x.dtype):
@@ -399,7 +400,7 @@ def max_pool_backward(dy, mask, x_shape, kernel=None, stride=None, pad=0, out=No
     (optional) receives ``dx`` and is returned.
     """
     if is_cupy_array(dy):
-        return _to(out, _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad))
+        return _to(out, _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad, out=out))
     return _index_backward_dispatch(dy, mask, x_shape, out)
 
 
@@ -441,7 +442,7 @@ def ave_pool_forward(x, kernel, stride=1, pad=0, out=None):
     (written into ``out`` when given)."""
     g = _geom(x.shape, kernel, stride, pad)
     if is_cupy_array(x):
-        return _to(out, _ave_fwd_cupy(x, *g))
+        return _to(out, _ave_fwd_cupy(x, *g, out=out))
     N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW = g
     P = _Phase(*g)
     # the planes pay for their copy only when windows overlap (each input read
@@ -469,7 +470,7 @@ def ave_pool_backward(dy, x_shape, kernel, stride=1, pad=0, out=None):
     (written into ``out`` when given)."""
     g = _geom(x_shape, kernel, stride, pad)
     if is_cupy_array(dy):
-        return _to(out, _ave_bwd_cupy(dy, *g))
+        return _to(out, _ave_bwd_cupy(dy, *g, out=out))
     N, C, H, W = g[:4]
     if _direct(out, (N, C, H, W), dy.dtype):
         return _ave_bwd_numpy(dy, g, out)
@@ -786,33 +787,42 @@ extern "C" __global__ void mc_ave_pool_bwd(
 """
 
 
-def _max_fwd_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+def _gpu_out(out, shape, dtype):
+    """``out`` when a CuPy body can write straight into it, else a new array."""
+    cp = _cupy()
+    if (out is not None and isinstance(out, cp.ndarray) and out.flags.c_contiguous
+            and tuple(out.shape) == tuple(shape) and out.dtype == dtype):
+        return out
+    return cp.empty(shape, dtype=dtype)
+
+
+def _max_fwd_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW, out=None, mask_out=None):
     cp = _cupy()
     x = cp.ascontiguousarray(x)
-    y = cp.empty((N, C, PH, PW), dtype=x.dtype)
-    mask = cp.empty((N, C, PH, PW), dtype=cp.int32)
+    y = _gpu_out(out, (N, C, PH, PW), x.dtype)
+    mask = _gpu_out(mask_out, (N, C, PH, PW), np.dtype(np.int32))
     k = raw_kernel(_MAX_FWD_SRC, "mc_max_pool_fwd", cuda_type(x.dtype))
     launch(k, y.size, (np.int64(y.size), x) + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw)
            + (y, mask))
     return y, mask
 
 
-def _ave_fwd_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+def _ave_fwd_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW, out=None):
     cp = _cupy()
     x = cp.ascontiguousarray(x)
-    y = cp.empty((N, C, PH, PW), dtype=x.dtype)
+    y = _gpu_out(out, (N, C, PH, PW), x.dtype)
     k = raw_kernel(_AVE_FWD_SRC, "mc_ave_pool_fwd", cuda_type(x.dtype))
     launch(k, y.size, (np.int64(y.size), x) + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw)
            + (y,))
     return y
 
 
-def _ave_bwd_cupy(dy, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
+def _ave_bwd_cupy(dy, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW, out=None):
     cp = _cupy()
     if tuple(dy.shape) != (N, C, PH, PW):
         raise ValueError(f"dy has shape {dy.shape}, expected {(N, C, PH, PW)}")
     dy = cp.ascontiguousarray(dy)
-    dx = cp.empty((N, C, H, W), dtype=dy.dtype)
+    dx = _gpu_out(out, (N, C, H, W), dy.dtype)
     k = raw_kernel(_AVE_BWD_SRC, "mc_ave_pool_bwd", cuda_type(dy.dtype))
     launch(k, dx.size, (np.int64(dx.size), dy) + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw)
            + (dx,))
@@ -840,7 +850,7 @@ def _sto_test_cupy(x, N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW):
     return y
 
 
-def _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad):
+def _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad, out=None):
     cp = _cupy()
     N, C, H, W = (int(v) for v in x_shape)
     dy = cp.ascontiguousarray(dy)
@@ -859,7 +869,7 @@ def _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad):
     ph, pw = as_pair(pad, "pad")
     if (PH, PW) != (_pooled(H, kh, sh, ph), _pooled(W, kw, sw, pw)):
         raise ValueError("dy's spatial shape does not match the pooling geometry")
-    dx = cp.empty((N, C, H, W), dtype=dy.dtype)
+    dx = _gpu_out(out, (N, C, H, W), dy.dtype)
     k = raw_kernel(_INDEX_BWD_SRC, "mc_index_pool_bwd", ctype)
     launch(k, dx.size, (np.int64(dx.size), dy, mask)
            + _i32(H, W, PH, PW, kh, kw, sh, sw, ph, pw) + (dx,))

@@ -389,6 +389,23 @@ _SUM = caffe_pb2.EltwiseParameter.SUM
 _MAX = caffe_pb2.EltwiseParameter.MAX
 
 
+def _add_relu():
+    from ..kernels._backend import elementwise_kernel
+    return elementwise_kernel("T a, T b", "T y", "T s = a + b; y = s > (T)0 ? s : (T)0",
+                              "mc_add_relu")
+
+
+def _relu_grad1():
+    from ..kernels._backend import elementwise_kernel
+    return elementwise_kernel("T y, T dy", "T dx", "dx = y > (T)0 ? dy : (T)0", "mc_relu_grad1")
+
+
+def _relu_grad2():
+    from ..kernels._backend import elementwise_kernel
+    return elementwise_kernel("T y, T dy", "T d0, T d1",
+                              "T d = y > (T)0 ? dy : (T)0; d0 = d; d1 = d", "mc_relu_grad2")
+
+
 @register_layer("Eltwise")
 class EltwiseLayer(Layer):
     """Elementwise over bottoms of one shape: PROD (y = prod x_i), SUM (y = sum c_i x_i,
@@ -446,9 +463,41 @@ class EltwiseLayer(Layer):
             self._argmax = arg
         top[0].mutable_data_for(xp)[...] = y
 
+    # GPU: a plain ReLU in place on the top right after a unit-coefficient SUM (set by
+    # the Net: ResNet's y = relu(a + b)) is applied here, forward (one pass) and backward
+    # (the mask applied while copying dy to the bottoms); the ReLU skips both.
+    fuse_relu = None
+
+    def _fusable(self, bottom, top):
+        return (self.op == _SUM and all(c == 1 for c in self.coeffs) and len(bottom) == 2
+                and not any(top[0] is b for b in bottom))
+
+    def forward_gpu(self, bottom, top):
+        if self.fuse_relu is not None and self._fusable(bottom, top):
+            _add_relu()(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data())
+            self.fuse_relu.relu_done = self.fuse_relu.relu_bwd_done = True
+            self._fused_pass = True
+            return
+        self._fused_pass = False
+        super().forward_gpu(bottom, top)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if getattr(self, "_fused_pass", False):
+            y, dy = top[0].gpu_data(), top[0].gpu_diff()
+            outs = [b.mutable_gpu_diff() if propagate_down[i] else None
+                    for i, b in enumerate(bottom)]
+            if outs[0] is not None and outs[1] is not None:
+                _relu_grad2()(y, dy, outs[0], outs[1])
+            else:
+                for o in outs:
+                    if o is not None:
+                        _relu_grad1()(y, dy, o)
+            return
+        super().backward_gpu(top, propagate_down, bottom)
+
     def backward_reads(self, bottom, top):
         if self.op == _SUM:
-            return (), ()
+            return ((), (0,)) if self.fuse_relu is not None else ((), ())
         return super().backward_reads(bottom, top)
 
     def state_bytes(self, bottom, top):

@@ -94,8 +94,13 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
         y = rs.standard_normal(yshape, dtype=dt)
         lim = WORKSPACE_LIMIT
-        ws = cp.empty(lim, dtype=np.uint8)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
+        need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
+                   cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
+                                          lim),
+                   cudnn.search_workspace("bwd_filter", (d[0].ptr, d[3].ptr, d[2].ptr,
+                                                         d[1].ptr), lim))
+        ws = cp.empty(need, dtype=np.uint8) if need else None
         self.fwd = cudnn.find_algorithm(
             "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)), ws, lim)
         self.bwd_data = cudnn.find_algorithm(
@@ -311,6 +316,9 @@ class _CuDNNActivation:
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
+        if getattr(self, "relu_bwd_done", False):
+            self.relu_bwd_done = False
+            return
         if not self._act_ready(bottom):
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:

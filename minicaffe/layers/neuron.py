@@ -51,6 +51,13 @@ class ReLULayer(_SavesInput):
     """y = max(x, 0) + negative_slope * min(x, 0);  dx = dy * (x > 0 ? 1 : negative_slope)."""
 
     relu_done = False   # set by a cuDNN convolution that applied this ReLU itself
+    relu_bwd_done = False   # set by an Eltwise that also applies its gradient mask
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        if self.relu_bwd_done:
+            self.relu_bwd_done = False
+            return
+        super().backward_gpu(top, propagate_down, bottom)
 
     def backward_reads(self, bottom, top):
         return (0,), ()

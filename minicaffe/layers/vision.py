@@ -815,7 +815,13 @@ class PoolingLayer(Layer):
         # CEIL geometry (the usual case): the kernels write straight into the top
         out = top[0].mutable_data_for(xp) if self.out_shape == tuple(self.ceil_shape) else None
         if self.method == _Pool.MAX:
-            y, self.mask = K.max_pool_forward(x, *geo, out=out)
+            mask_out = None
+            if xp is not np:   # one mask buffer for the layer's life (fixed address)
+                shape = x.shape[:2] + tuple(self.ceil_shape)
+                if getattr(self, "_mask_buf", None) is None or self._mask_buf.shape != shape:
+                    self._mask_buf = xp.empty(shape, dtype=np.int32)
+                mask_out = self._mask_buf
+            y, self.mask = K.max_pool_forward(x, *geo, out=out, mask_out=mask_out)
             if len(top) > 1:
                 top[1].mutable_data_for(xp)[...] = self._crop(self.mask)
         elif self.method == _Pool.AVE:

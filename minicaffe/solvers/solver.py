@@ -98,6 +98,15 @@ class Solver:
             raise ConfigError(f"{self.source}: unknown regularization_type "
                               f"'{p.regularization_type}' (L1 or L2)")
         lr_policy.check_policy(p, self.source)
+        prec = p.minicaffe_precision.upper()
+        if prec not in ("FLOAT", "TF32"):
+            raise ConfigError(f"{self.source}: minicaffe_precision must be \"FLOAT\" (strict "
+                              f"fp32) or \"TF32\", got \"{p.minicaffe_precision}\"")
+        if p.HasField("minicaffe_precision"):
+            from ..gpu import options
+            options.set_tf32(prec == "TF32")
+            if self.root:
+                log.info("GPU math: %s", options.describe())
         if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             try:
                 import h5py  # noqa: F401
@@ -301,7 +310,7 @@ class Solver:
         update, deferred loss reads, CUDA graphs where they capture); debug_info needs the
         host after every layer and keeps the layer-by-layer path."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
-                and not self.net.net_param.debug_info and context.solver_count() == 1)
+                and not self.net.net_param.debug_info)
 
     def _gpu_step(self):
         st = getattr(self, "_gpu_step_obj", None)
