@@ -202,7 +202,7 @@ def child(argv):
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def spawn(*args, timeout=420):
+def spawn(*args, timeout=180):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
     t = time.perf_counter()
     try:
@@ -254,9 +254,9 @@ def main():
                                                       a.repeats)))
         report[name] = {"rows": rows}
         print_table(name, a.batch, rows, bw)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+        if a.json:                 # after each net: a run cut short keeps what it measured
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=1)
 
 
 def print_table(name, batch, rows, bw):
