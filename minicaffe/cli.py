@@ -10,6 +10,8 @@
     minicaffe bench --model M[,M2...] | --solver S [--gpu 0] [--batch N] [--iterations 10]
                     [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
                     [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
+    minicaffe memory --model M | --solver S [--batch N] [--input_shape C,H,W] [--gpu 0]
+                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
 ``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
@@ -77,6 +79,10 @@ flags:
   --json FILE          bench: also write the results as JSON
   --num_classes K      bench: labels are integers in [0, K) (default: from the net)
   --input_shape C,H,W  bench: the data shape when the model's data cannot be read
+  --offload POLICY     train/memory: offload feature maps to host memory: NONE, ALL, CONV
+                       or DYNAMIC (overrides the net's offload_param; docs/offload.md)
+  --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
+                       (overrides offload_param's gpu_memory_budget)
   --version            print the version
 """
 
@@ -108,6 +114,8 @@ FLAGS = {
     "json": ("str", ""),
     "num_classes": ("int", 0),
     "input_shape": ("str", ""),
+    "offload": ("str", ""),
+    "gpu_mem_limit": ("int", 0),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 
@@ -575,11 +583,15 @@ def memory(flags):
     _check_gpus(gpus)
     _set_mode(gpus)
     from .bench import parse_input_shape
+    from . import offload
     kw = dict(solver=flags.solver) if flags.solver else dict(model=flags.model)
+    override = offload.get_override()
+    offload.set_override()    # (building the solver must not warn that nothing trains)
     solver, info = synthetic_solver(**kw, batch=flags.batch or None,
                                     input_shape=parse_input_shape(flags.input_shape),
                                     num_classes=flags.num_classes or None,
                                     level=flags.level, stages=_stages(flags))
+    offload.set_override(*override)
     net = solver.net
     hist = len(getattr(solver, "history_flat", [])) or 1
     plan = MemoryPlan(net, train=True, history_sets=hist)
@@ -594,6 +606,9 @@ def memory(flags):
     mib = 1 << 20
     print(f"with the data that backward does not read sharing memory too: arena "
           f"{shared.arena_bytes / mib:.1f} MiB, peak {shared.peak / mib:.1f} MiB")
+    print()
+    for line in offload.memory_lines(net, hist):   # per offload policy (offload.py)
+        print(line)
     solver.net.close()
     return 0
 
@@ -635,6 +650,8 @@ def main(argv=None):
         return 130
     finally:
         warnings.showwarning = showwarning
+        from .offload import set_override
+        set_override()          # --offload/--gpu_mem_limit hold for this command only
 
 
 def _warning_to_log(message, category, filename, lineno, file=None, line=None):
@@ -675,6 +692,9 @@ def _main(argv):
         open(flags.log, "w").close()  # a new log per run, as glog starts a new file
     log.init_log(log_file=flags.log or None, stream=stream)
     warnings.showwarning = _warning_to_log
+    from . import offload
+    offload.set_override(flags.offload or None,
+                         flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
     if command == "train":
         return train(flags, stream)
     flags.argv = list(argv)

@@ -236,11 +236,14 @@ def test_minicaffe_extensions():
     assert offload.number == 10001
     assert offload.message_type.full_name == "caffe.OffloadParameter"
     param = pb.OffloadParameter()
-    assert param.enable is False
-    assert param.policy == pb.OffloadParameter.ALL_CONV
-    assert param.use_memory_pool is True
-    assert pb.OffloadParameter.Policy.Value("ALL") == 1
-    assert pb.OffloadParameter.Policy.Value("NONE") == 2
+    assert param.policy == pb.OffloadParameter.NONE
+    assert param.gpu_memory_budget == 0
+    assert [pb.OffloadParameter.Policy.Value(n) for n in ("NONE", "ALL", "CONV", "DYNAMIC")] \
+        == [0, 1, 2, 3]
+    # the numbers of an earlier draft stay reserved
+    assert {f.number for f in pb.OffloadParameter.DESCRIPTOR.fields} == {4, 5}
+    param.gpu_memory_budget = 1 << 40        # budgets past 4 GiB need 64 bits
+    assert pb.OffloadParameter.FromString(param.SerializeToString()).gpu_memory_budget == 1 << 40
     assert _field(pb.SolverParameter, "reduce_buckets").number == 10001
     assert _field(pb.SolverParameter, "cuda_graph").number == 10002
     assert _field(pb.SolverParameter, "minicaffe_precision").number == 10003
@@ -320,7 +323,7 @@ layer {
   top: "loss"
   include { phase: TRAIN }
 }
-offload_param { enable: true policy: ALL }
+offload_param { policy: ALL gpu_memory_budget: 8000000000 }
 """
 
 
@@ -335,6 +338,7 @@ def test_text_format_round_trip():
     assert net.layer[5].include[0].phase == pb.TRAIN
     assert list(net.layer[0].input_param.shape[0].dim) == [64, 1, 28, 28]
     assert net.offload_param.policy == pb.OffloadParameter.ALL
+    assert net.offload_param.gpu_memory_budget == 8000000000
 
     again = text_format.Parse(text_format.MessageToString(net),
                               pb.NetParameter())

@@ -121,11 +121,17 @@ class GpuStep:
             graphs_reason = reason
         self.graphs_on = bool(graphs) and graphs_reason is None
         self.plan = None
+        self.offload = None
         if reason is None:
             # every layer declares what it keeps: activations' diffs can share memory
             from .plan import MemoryPlan
+            from ..offload import Offloader
             self.plan = MemoryPlan(net, train=True, history_sets=len(solver.history_flat))
+            # offload_param: a plan whose offloaded feature maps live twice (offload.py)
+            self.offload = Offloader.for_step(self)
             self.plan.apply()
+            if self.offload is not None:
+                self.offload.attach()
             # the shared buffers at their final sizes now, not grown layer by layer
             from ..layers.cudnn_layers import scratch, workspace
             workspace(self.plan.workspace_bytes)
@@ -139,6 +145,12 @@ class GpuStep:
         if graphs and graphs_reason:
             log.info("CUDA graph: off for net %s: %s; the iteration runs eagerly",
                      net.name, graphs_reason)
+        if reason:
+            from ..offload import settings
+            if settings(net.net_param)[0] != "NONE":
+                log.warning("offload_param: no offload for net %s (it needs the memory plan, "
+                            "made only for nets whose iteration can be captured: %s)",
+                            net.name, reason)
         self.graphs, self.pools, self.warm = {}, {}, set()
         self.shapes = None
         self.mems = []
@@ -232,8 +244,13 @@ class GpuStep:
             _, first, with_update = key
             if first:
                 self.update.flat.diff.mutable_gpu_data().fill(0)
+            off = self.offload
+            if off is not None:          # the offload copies run from the layer hooks
+                off.begin()
             net.forward_device(self.first_body, None, self.losses.ptr, self.counter, RING)
             net.backward_from_to()
+            if off is not None:
+                off.end()
             if with_update:
                 self._update_body()
         else:
@@ -252,6 +269,11 @@ class GpuStep:
         return tuple(b.shape for b in self.input_blobs)
 
     def _run(self, key):
+        off = self.offload
+        if off is not None and off.profiling_due(key, not self.graphs_on or key in self.warm):
+            off.profile(lambda: self._body(key))   # timed; DYNAMIC's plan replaces ALL's
+            self.graphs = {}
+            return
         if not self.graphs_on:
             self._body(key)
             return
@@ -277,6 +299,8 @@ class GpuStep:
         g.launch(self.stream)
         for m in self.mems:
             m.head = HEAD_AT_GPU
+        if off is not None:
+            off.park()
 
     def private_bytes(self):
         """Device bytes held by the graphs' own pools (outside the main allocator)."""

@@ -36,7 +36,8 @@ def _aligned(n):
 
 
 class Buffer:
-    __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned")
+    __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned",
+                 "writes", "reads", "bwd_reads", "part", "view")
 
     def __init__(self, mem, kind, name):
         self.mem = mem
@@ -46,6 +47,13 @@ class Buffer:
         self.names = [name]
         self.offset = None
         self.pinned = False   # alive for the whole iteration
+        # data: the forward steps that write it (producer, in-place layers) and read it,
+        # the backward steps that read it (``Layer.backward_reads``)
+        self.writes, self.reads, self.bwd_reads = [], [], []
+        # None, or which life of a split buffer this is ("forward", "backward": offload);
+        # a part's device side is pointed at ``view`` by whoever split it, not by apply()
+        self.part = None
+        self.view = None
 
     def touch(self, step):
         self.start = step if self.start is None else min(self.start, step)
@@ -91,10 +99,13 @@ class MemoryPlan:
                 bid = net.top_id_vecs[i][j]
                 b = buf(t.data_mem, "data", net.blob_names[bid])
                 b.touch(i)
+                b.writes.append(i)
                 if i < n_prologue or bid in outputs or layer.loss(j):
                     b.pinned = True
             for j, x in enumerate(bot):
-                buf(x.data_mem, "data", net.blob_names[net.bottom_id_vecs[i][j]]).touch(i)
+                b = buf(x.data_mem, "data", net.blob_names[net.bottom_id_vecs[i][j]])
+                b.touch(i)
+                b.reads.append(i)
         if train:
             for i in range(L - 1, -1, -1):
                 if not net.layer_need_backward[i]:
@@ -103,10 +114,10 @@ class MemoryPlan:
                 layer = net.layers[i]
                 bot, top = net.bottom_vecs[i], net.top_vecs[i]
                 rb, rt = layer.backward_reads(bot, top)
-                for j in rb:
-                    bufs[id(bot[j].data_mem)].touch(step)
-                for j in rt:
-                    bufs[id(top[j].data_mem)].touch(step)
+                read = [bot[j].data_mem for j in rb] + [top[j].data_mem for j in rt]
+                for b in {id(m): bufs[id(m)] for m in read}.values():
+                    b.touch(step)
+                    b.bwd_reads.append(step)
                 for j, t in enumerate(top):
                     if layer.loss(j):
                         continue   # the loss weight lives in this diff: not planned
@@ -124,10 +135,27 @@ class MemoryPlan:
             if b.pinned or (b.kind == "data" and not share_data):
                 b.start, b.end = 0, end
             self.buffers.append(b)
-        self._place()
+        self.place()
         self._side(history_sets)
 
-    def _place(self):
+    def split(self, buf, parts):
+        """Replace ``buf`` by one buffer per ``(part, start, end)``: the same
+        SyncedMemory at its own place in the arena for each stretch of the iteration
+        (offload: a forward life and a backward life).  ``place()`` after the splits."""
+        self.buffers.remove(buf)
+        out = []
+        for part, start, end in parts:
+            b = Buffer(buf.mem, buf.kind, buf.names[0])
+            b.names = list(buf.names)
+            b.writes, b.reads, b.bwd_reads = buf.writes, buf.reads, buf.bwd_reads
+            b.part, b.start, b.end = part, start, end
+            out.append(b)
+        self.buffers.extend(out)
+        return out
+
+    def place(self):
+        """Greedy placement (largest first, lowest free offset); sets ``arena_bytes`` and,
+        once the side figures are known, ``peak``."""
         placed = []
         for b in sorted(self.buffers, key=lambda b: (-b.nbytes, b.start)):
             live = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.overlaps(b))
@@ -139,7 +167,9 @@ class MemoryPlan:
             b.offset = off
             placed.append(b)
         self.arena_bytes = max((b.offset + b.nbytes for b in placed), default=0)
-        self.unshared_bytes = sum(b.nbytes for b in self.buffers)
+        self.unshared_bytes = sum(b.nbytes for b in self.buffers if b.part in (None, "forward"))
+        if hasattr(self, "side_bytes"):
+            self.peak = self.arena_bytes + self.side_bytes
 
     def _side(self, history_sets):
         net = self.net
@@ -161,8 +191,10 @@ class MemoryPlan:
         self.scratch_bytes = max((int(getattr(l, "scratch_bytes", lambda b, t: 0)(
             net.bottom_vecs[i], net.top_vecs[i])) for i, l in enumerate(net.layers)), default=0)
         self.fixed_bytes = CUBLAS_WORKSPACE
-        self.peak = (self.arena_bytes + self.param_bytes_total + self.workspace_bytes +
-                     self.state_bytes + self.scratch_bytes + self.fixed_bytes)
+        # everything beside the arena (a constant of the net: offload leaves it alone)
+        self.side_bytes = (self.param_bytes_total + self.workspace_bytes + self.state_bytes +
+                           self.scratch_bytes + self.fixed_bytes)
+        self.peak = self.arena_bytes + self.side_bytes
 
     # -- applying it ---------------------------------------------------------------------
     def apply(self):
@@ -181,6 +213,9 @@ class MemoryPlan:
         for b in self.buffers:
             m = b.mem
             view = self.arena[b.offset:b.offset + m.size * m.dtype.itemsize].view(m.dtype)
+            if b.part is not None:
+                b.view = view      # the offload schedule points the memory here and back
+                continue
             if m.head == HEAD_AT_CPU:
                 view.set(m._cpu[:m.size])
             elif m.head in (HEAD_AT_GPU, SYNCED) and m._gpu is not None:
@@ -189,6 +224,31 @@ class MemoryPlan:
             m.planned = True
         for blob in self.net._blobs:
             blob.drop_views()
+
+    def release(self):
+        """Give the arena back (before another plan of the same net is applied): what
+        lives the whole iteration (inputs written on the host, say) is brought to the
+        host first, so that the next ``apply()`` puts it in its new place."""
+        from ..synced_memory import HEAD_AT_GPU, SYNCED, UNINITIALIZED
+        if getattr(self, "arena", None) is None:
+            return
+        for b in self.buffers:
+            m = b.mem
+            b.view = None
+            if b.part is not None or m._gpu is None or not m.planned:
+                continue
+            if m.head == HEAD_AT_GPU and b.start == 0 and b.end == self.steps:
+                m.to_cpu()               # SYNCED now
+            if m.head == SYNCED:
+                m.release_gpu()          # HEAD_AT_CPU: the host copy is the newest
+            else:                        # transient contents (diffs): nothing to keep
+                m._gpu, m._own_gpu = None, False
+                if m.head == HEAD_AT_GPU:
+                    m.head = UNINITIALIZED
+            m.planned = False
+        for blob in self.net._blobs:
+            blob.drop_views()
+        self.arena = None
 
     def does_not_fit(self, available, words):
         from ..errors import MinicaffeError

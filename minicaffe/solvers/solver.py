@@ -124,6 +124,8 @@ class Solver:
         self.iter = 0
         self.current_step = 0
         self.pre_solve()
+        from ..offload import check_solver
+        check_solver(self)      # a net asking for offload where none can run: a warning
 
     def check_params(self):
         """Type-specific checks (overridden)."""

@@ -1,0 +1,174 @@
+"""Offload on the GPU (offload.py's Offloader inside gpu/graph.py's GpuStep): the weights
+after N iterations are bit-identical with and without offload, eager and replayed as CUDA
+graphs; pycaffe reads after a step see the offloaded values; DYNAMIC times an iteration
+and re-plans under its budget; the measured peak goes down; bad budgets stop before
+training.  All marked gpu: they skip without CuPy and a device."""
+import gc
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from minicaffe import backend, context, offload
+from minicaffe.proto import caffe_pb2
+
+pytestmark = pytest.mark.gpu
+
+# conv, in-place ReLU, max and average pooling, a Split into two branches joined by an
+# Eltwise and a Concat, dropout in place, and a loss: what VGG, ResNet and GoogLeNet use
+NET = """
+name: "offload_net"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 16 dim: 3 dim: 64 dim: 64 } shape { dim: 16 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 3 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "a" type: "Convolution" bottom: "pool1" top: "a"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu_a" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "b" type: "Convolution" bottom: "pool1" top: "b"
+  convolution_param { num_output: 16 kernel_size: 1 weight_filler { type: "xavier" } } }
+layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "sum" }
+layer { name: "cat" type: "Concat" bottom: "sum" bottom: "pool1" top: "cat" }
+layer { name: "conv2" type: "Convolution" bottom: "cat" top: "conv2"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+  inner_product_param { num_output: 32 weight_filler { type: "xavier" } } }
+layer { name: "drop" type: "Dropout" bottom: "ip1" top: "ip1" dropout_param { dropout_ratio: 0.3 } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.fixture
+def gpu():
+    from minicaffe.gpu import options
+    old = options.deterministic
+    options.set_deterministic(True)
+    context.set_mode_gpu()
+    offload.set_override()
+    yield backend.cp
+    offload.set_override()
+    context.set_mode_cpu()
+    options.set_deterministic(old)
+
+
+def _solver(policy="NONE", budget=0, graphs=True, **fields):
+    from minicaffe.solvers import get_solver
+    p = caffe_pb2.SolverParameter()
+    text_format.Merge(NET, p.net_param)
+    p.net_param.offload_param.policy = caffe_pb2.OffloadParameter.Policy.Value(policy)
+    p.net_param.offload_param.gpu_memory_budget = budget
+    p.base_lr, p.lr_policy, p.momentum, p.weight_decay = 0.01, "fixed", 0.9, 0.0005
+    p.display, p.random_seed = 0, 1701
+    p.solver_mode = caffe_pb2.SolverParameter.GPU
+    p.cuda_graph = graphs
+    for k, v in fields.items():
+        setattr(p, k, v)
+    context.set_random_seed(1701)
+    return get_solver(p)
+
+
+def _weights(s):
+    return [b.data.copy() for b in s.net.learnable_params]
+
+
+def _between(lo, hi):
+    return (lo + hi) // 2
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("policy", ["ALL", "CONV", "DYNAMIC"])
+def test_offload_changes_no_number(gpu, policy, graphs):
+    ref = _solver("NONE", graphs=graphs)
+    ref.step(8)
+    budget = 0
+    if policy == "DYNAMIC":   # between ALL's peak and NONE's: something must move
+        net = ref.net
+        budget = _between(offload.build(net, "ALL").peak, offload.build(net, "NONE").peak)
+    s = _solver(policy, budget, graphs=graphs)
+    s.step(8)
+    st = s._gpu_step_obj
+    assert st.offload is not None and st.offload.oplan.entries
+    if graphs:
+        assert st.graphs, "nothing was captured"
+    if policy == "DYNAMIC":
+        assert not st.offload.pending_profile and st.plan.peak <= budget
+        assert sum(st.offload.times) > 0
+    for a, b in zip(_weights(ref), _weights(s)):
+        np.testing.assert_array_equal(a, b)
+    assert ref.smoothed_loss == s.smoothed_loss
+    # what pycaffe reads after the step is Caffe's value, offloaded or not
+    for name in ("conv1", "pool1", "a", "sum", "cat", "conv2", "ip1"):
+        np.testing.assert_array_equal(ref.net.blobs[name].data, s.net.blobs[name].data, name)
+
+
+def test_iter_size_and_a_forward_after_training(gpu):
+    ref = _solver("NONE", iter_size=2)
+    ref.step(4)
+    s = _solver("ALL", iter_size=2)
+    s.step(4)
+    for a, b in zip(_weights(ref), _weights(s)):
+        np.testing.assert_array_equal(a, b)
+    # a plain pycaffe forward on the trained net still works (fresh device memory for the
+    # offloaded blobs), and the next step offloads again
+    runs = []
+    for solver in (ref, s):        # the same random data and dropout for both
+        context.set_random_seed(7)
+        runs.append(solver.net.forward()["loss"].copy())
+    np.testing.assert_array_equal(runs[0], runs[1])
+    for solver in (ref, s):
+        context.set_random_seed(8)
+        solver.step(2)
+    for a, b in zip(_weights(ref), _weights(s)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_offload_lowers_the_planned_and_the_measured_peak(gpu):
+    from minicaffe.gpu import pool
+    peaks = {}
+    for policy in ("NONE", "ALL"):
+        s = _solver(policy, graphs=False)
+        backend.cp.cuda.Device().synchronize()
+        pool.reset_peak()          # after the net is built (cuDNN's Find takes its own)
+        before = pool.used_bytes()
+        s.step(3)
+        backend.cp.cuda.Device().synchronize()
+        peaks[policy] = (pool.peak_bytes() - before, s._gpu_step_obj.plan.peak)
+        del s
+        gc.collect()               # (the offload hooks make a cycle through the net)
+    print("measured / planned peak bytes:", peaks)
+    assert peaks["ALL"][1] < peaks["NONE"][1]
+    assert peaks["ALL"][0] < peaks["NONE"][0]
+
+
+def test_budget_too_small_stops_before_training(gpu):
+    s = _solver("ALL", budget=1 << 20)
+    before = _weights(s)
+    with pytest.raises(offload.BudgetError, match="too small .* even with offload policy ALL"):
+        s.step(1)
+    assert s.iter == 0
+    for a, b in zip(before, _weights(s)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_copies_and_events_are_captured_in_the_graph(gpu):
+    """One replay is one launch: the copy streams fork from and join into the capture."""
+    s = _solver("ALL")
+    s.step(3)
+    st = s._gpu_step_obj
+    assert st.graphs_on and st.graphs
+    g = next(iter(st.graphs.values()))
+    st.stream.synchronize()
+    for _ in range(3):
+        g.launch(st.stream)
+    st.stream.synchronize()
+    st.offload.park()
+    assert all(e.buf.mem._gpu is None for e in st.offload.oplan.entries)
