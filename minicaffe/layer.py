@@ -15,7 +15,7 @@ import numpy as np
 
 from . import backend, context
 from .blob import Blob
-from .errors import LayerError
+from .errors import LayerError, MinicaffeError, layer_failure
 
 
 class Layer:
@@ -28,6 +28,7 @@ class Layer:
     max_top_blobs = -1
     equal_num_bottom_top_blobs = False
     auto_top_blobs = False
+    allow_in_place = True   # False: a top may not be one of the bottoms
 
     def __init__(self, param):
         self.layer_param = param
@@ -49,11 +50,26 @@ class Layer:
         """A LayerError naming this layer, to raise."""
         return LayerError(self.layer_param.name, self.type, message)
 
+    def failure(self, exc):
+        """``exc``, raised by this layer's code, as one line naming the layer (and still of
+        its own type: see errors.layer_failure)."""
+        return layer_failure(self.layer_param.name, self.type, exc)
+
     # -- lifecycle -----------------------------------------------------------
+    # Each step of the lifecycle turns any failure of the layer's code into one line
+    # naming the layer (MinicaffeErrors already are one).
     def setup(self, bottom, top):
         self.check_blob_counts(bottom, top)
-        self.layer_setup(bottom, top)
-        self.reshape(bottom, top)
+        if not self.allow_in_place and any(t is b for t in top for b in bottom):
+            raise self.error("cannot be computed in place (a top is also its bottom); give "
+                             "its top a name of its own")
+        try:
+            self.layer_setup(bottom, top)
+            self.reshape(bottom, top)
+        except MinicaffeError:
+            raise
+        except Exception as e:
+            raise self.failure(e) from e
         self.set_loss_weights(top)
 
     def layer_setup(self, bottom, top):
@@ -101,13 +117,18 @@ class Layer:
 
     # -- forward/backward -------------------------------------------------------
     def forward(self, bottom, top):
-        self.reshape(bottom, top)
-        if context.is_gpu():
-            self.forward_gpu(bottom, top)
-            xp = backend.cp
-        else:
-            self.forward_cpu(bottom, top)
-            xp = np
+        try:
+            self.reshape(bottom, top)
+            if context.is_gpu():
+                self.forward_gpu(bottom, top)
+                xp = backend.cp
+            else:
+                self.forward_cpu(bottom, top)
+                xp = np
+        except MinicaffeError:
+            raise
+        except Exception as e:
+            raise self.failure(e) from e
         loss = 0.0
         for i, t in enumerate(top):
             if self.loss(i):
@@ -115,10 +136,15 @@ class Layer:
         return loss
 
     def backward(self, top, propagate_down, bottom):
-        if context.is_gpu():
-            self.backward_gpu(top, propagate_down, bottom)
-        else:
-            self.backward_cpu(top, propagate_down, bottom)
+        try:
+            if context.is_gpu():
+                self.backward_gpu(top, propagate_down, bottom)
+            else:
+                self.backward_cpu(top, propagate_down, bottom)
+        except MinicaffeError:
+            raise
+        except Exception as e:
+            raise self.failure(e) from e
 
     def forward_xp(self, xp, bottom, top):
         raise NotImplementedError

@@ -3,8 +3,8 @@
 BINARYPROTO: ``PREFIX_iter_N.solverstate``, a SolverState message (iter,
 learned_net, current_step, history blobs).
 
-HDF5: ``PREFIX_iter_N.solverstate.h5`` with scalar int datasets ``iter`` and
-``current_step``, a string dataset ``learned_net`` and a group ``history`` of
+HDF5: ``PREFIX_iter_N.solverstate.h5`` with int datasets ``iter`` and ``current_step``
+(one-element, rank 1, as Caffe's ``hdf5_save_int`` writes them; rank 0 is read too), a string dataset ``learned_net`` and a group ``history`` of
 float datasets ``0``, ``1``, ... (Caffe's ``SnapshotSolverStateToHDF5``).
 
 Every file is written under a temporary name and renamed into place, so a crash
@@ -91,9 +91,10 @@ def write_hdf5_state(path, state):
     os.close(fd)
     try:
         with h5py.File(tmp, "w") as f:
-            f.create_dataset("iter", data=np.int32(state.iter))
+            # hdf5_save_int: one-element rank-1 int datasets, as Caffe writes them
+            f.create_dataset("iter", data=np.array([state.iter], np.int32))
             _write_string(h5py, f, "learned_net", state.learned_net)
-            f.create_dataset("current_step", data=np.int32(state.current_step))
+            f.create_dataset("current_step", data=np.array([state.current_step], np.int32))
             g = f.create_group("history")
             for i, (shape, arr) in enumerate(state.history):
                 g.create_dataset(str(i), data=np.asarray(arr).reshape(shape))
@@ -102,6 +103,11 @@ def write_hdf5_state(path, state):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _h5_int(dataset):
+    """An int dataset's value: Caffe writes rank 1 (one element), older minicaffe rank 0."""
+    return int(np.asarray(dataset[()]).reshape(-1)[0])
 
 
 def read_hdf5_state(path):
@@ -120,7 +126,7 @@ def read_hdf5_state(path):
         if "learned_net" in f:
             v = f["learned_net"][()]
             learned = v.decode("utf-8").rstrip("\0") if isinstance(v, bytes) else str(v)
-        current_step = int(f["current_step"][()]) if "current_step" in f else 0
+        current_step = _h5_int(f["current_step"]) if "current_step" in f else 0
         g = f["history"]
         n = len(g)
         history = []
@@ -129,7 +135,7 @@ def read_hdf5_state(path):
                 raise MinicaffeError(f"{path}: history dataset '{i}' is missing")
             arr = np.asarray(g[str(i)])
             history.append((arr.shape, arr.reshape(-1)))
-        return SolverStateData(int(f["iter"][()]), learned, current_step, history)
+        return SolverStateData(_h5_int(f["iter"]), learned, current_step, history)
 
 
 def read_state(path):
