@@ -218,6 +218,8 @@ class _MinicaffeAsCaffe(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     (installed only where no real caffe is importable; first on sys.meta_path, so that
     ``caffe.proto`` is minicaffe's module, not a second copy of it)."""
 
+    said = False
+
     def find_spec(self, name, path=None, target=None):
         if name != "caffe" and not name.startswith("caffe."):
             return None
@@ -225,6 +227,9 @@ class _MinicaffeAsCaffe(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             importlib.util.find_spec("mini" + name)
         except ImportError:
             return None
+        if not self.said:
+            log.info("No caffe module is installed: 'import caffe' gets minicaffe")
+            self.said = True
         return importlib.util.spec_from_loader(name, self)
 
     def create_module(self, spec):
@@ -244,7 +249,6 @@ def serve_caffe_import():
     if "caffe" in sys.modules or importlib.util.find_spec("caffe") is not None:
         return
     sys.meta_path.insert(0, _MinicaffeAsCaffe())
-    log.info("No caffe module is installed: Python layers that import caffe get minicaffe")
 
 
 def _one_line(e):
