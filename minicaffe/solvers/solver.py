@@ -25,7 +25,7 @@ from ..errors import ConfigError, MinicaffeError
 from ..net import Net, read_net_param
 from ..proto import caffe_pb2
 from . import lr_policy
-from .param import read_solver_param
+from .param import check_solver_param, read_solver_param
 
 TRAIN = caffe_pb2.TRAIN
 TEST = caffe_pb2.TEST
@@ -98,6 +98,7 @@ class Solver:
             raise ConfigError(f"{self.source}: unknown regularization_type "
                               f"'{p.regularization_type}' (L1 or L2)")
         lr_policy.check_policy(p, self.source)
+        check_solver_param(p, self.source)
         if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             try:
                 import h5py  # noqa: F401
@@ -148,23 +149,32 @@ class Solver:
             if self.root:
                 log.info("Creating training net specified in train_net_param.")
             net_param = read_net_param(p.train_net_param)
+            where = f"{self.source} (train_net_param)"
         elif p.HasField("train_net"):
             if self.root:
                 log.info("Creating training net from train_net file: %s", p.train_net)
             net_param = self._read_net(p.train_net)
+            where = self._net_path(p.train_net)
         elif p.HasField("net_param"):
             if self.root:
                 log.info("Creating training net specified in net_param.")
             net_param = read_net_param(p.net_param)
+            where = f"{self.source} (net_param)"
         else:
             if self.root:
                 log.info("Creating training net from net file: %s", p.net)
             net_param = self._read_net(p.net)
+            where = self._net_path(p.net)
         state = caffe_pb2.NetState(phase=TRAIN)
         state.MergeFrom(net_param.state)
         state.MergeFrom(p.train_state)
         net_param.state.CopyFrom(state)
         self.net = Net(net_param)
+        if not self.net.layers:
+            raise ConfigError(f"{where}: the train net has no layers (in phase TRAIN)")
+        if not any(self.net.blob_loss_weights.values()):
+            raise ConfigError(f"{where}: the train net has no loss (no layer has a loss weight "
+                              "in phase TRAIN): training would change nothing")
 
     def init_test_nets(self):
         p = self.param
@@ -211,6 +221,9 @@ class Solver:
             np_.state.CopyFrom(state)
             log.info("Creating test net (#%d) specified by %s", i, sources[i])
             net = Net(np_)
+            if not net.layers:
+                raise ConfigError(f"{self.source}: test net #{i} ({sources[i]}) has no layers "
+                                  "(in phase TEST)")
             net.debug_info = p.debug_info
             self.test_nets.append(net)
         self.mean_scores = [[] for _ in self.test_nets]
@@ -407,10 +420,13 @@ class Solver:
 
     # -- snapshots ----------------------------------------------------------------------
     def check_snapshot_write_permissions(self):
+        """Caffe's check, made whenever a snapshot will be written (periodic ones, or the
+        final one of snapshot_after_train), so a final snapshot is never lost to a folder
+        found unwritable only after training."""
         p = self.param
-        if not (self.root and p.snapshot):
+        if not self.root or not (p.snapshot or p.snapshot_after_train):
             return
-        if not p.HasField("snapshot_prefix"):
+        if p.snapshot and not p.HasField("snapshot_prefix"):
             raise ConfigError(f"{self.source}: snapshot is specified but snapshot_prefix is not")
         probe = self.snapshot_filename(".tempfile")
         try:
