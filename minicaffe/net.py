@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from . import context, log, protoio
+from . import context, fileio, log, protoio
 from .blob import Blob
 from .errors import ConfigError, MinicaffeError
 from .proto import caffe_pb2
@@ -728,27 +728,18 @@ class Net:
         protoio.write_binary(filename, self.to_proto(write_diff))
 
     def save_hdf5(self, filename, write_diff=False):
+        """Write a .caffemodel.h5 (temporary file, then rename)."""
         import h5py
-        import tempfile
-        d = os.path.dirname(os.path.abspath(filename))
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".h5", dir=d)
-        os.close(fd)
-        try:
-            with h5py.File(tmp, "w") as f:
-                groups = [("data", False)] + ([("diff", True)] if write_diff else [])
-                for gname, is_diff in groups:
-                    g = f.create_group(gname)
-                    for lid, layer in enumerate(self.layers):
-                        lg = g.require_group(self.layer_names[lid])  # 'a/b': nested
-                        for j, blob in enumerate(layer.blobs):
-                            if self.param_owners[self.param_id_vecs[lid][j]] != -1:
-                                continue
-                            lg.create_dataset(str(j), data=blob.cpu_diff() if is_diff else blob.cpu_data())
-            os.replace(tmp, filename)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with fileio.atomic_path(filename) as tmp, h5py.File(tmp, "w") as f:
+            groups = [("data", False)] + ([("diff", True)] if write_diff else [])
+            for gname, is_diff in groups:
+                g = f.create_group(gname)
+                for lid, layer in enumerate(self.layers):
+                    lg = g.require_group(self.layer_names[lid])  # 'a/b': nested
+                    for j, blob in enumerate(layer.blobs):
+                        if self.param_owners[self.param_id_vecs[lid][j]] != -1:
+                            continue
+                        lg.create_dataset(str(j), data=blob.cpu_diff() if is_diff else blob.cpu_data())
 
     def load_hdf5(self, filename):
         """pycaffe's ``load_hdf5``: copy_from for a .caffemodel.h5 of any name."""

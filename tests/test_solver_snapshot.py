@@ -2,6 +2,7 @@
 training exactly (in a new process), plus BVLC's LeNet .solverstate."""
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 
@@ -186,10 +187,67 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(MinicaffeError, match=r"^snaps/run_iter_1\.caffemodel: cannot write "
+                                             r"\(No space left on device\)$"):
         s.snapshot()
     monkeypatch.undo()
     assert os.listdir(tmp_path / "snaps") == []
+
+
+@pytest.mark.parametrize("fmt", ["BINARYPROTO", "HDF5"])
+def test_full_disk_names_the_snapshot_file(tmp_path, monkeypatch, fmt):
+    if fmt == "HDF5":
+        pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, "SGD", fmt)
+    s = _solver(tmp_path)
+    s.step(1)
+    real_replace = os.replace
+
+    def full_for_states(src, dst):  # the weights are written, the state finds the disk full
+        if ".solverstate" in dst:
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_for_states)
+    with pytest.raises(MinicaffeError, match=r"^snaps/run_iter_1\.solverstate(\.h5)?: cannot "
+                                             r"write \(No space left on device\)$"):
+        s.snapshot()
+    assert not [f for f in os.listdir("snaps") if ".solverstate" in f or ".tmp-" in f]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+@pytest.mark.parametrize("fmt", ["BINARYPROTO", "HDF5"])
+def test_snapshots_get_the_mode_of_a_plain_write(tmp_path, monkeypatch, umask, fmt):
+    if fmt == "HDF5":
+        pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, "SGD", fmt)
+    old = os.umask(umask)
+    try:
+        s = _solver(tmp_path)
+        s.step(1)
+        s.snapshot()
+    finally:
+        os.umask(old)
+    files = os.listdir("snaps")
+    assert len(files) == 2
+    for f in files:
+        assert stat.S_IMODE(os.stat(os.path.join("snaps", f)).st_mode) == 0o666 & ~umask, f
+
+
+def test_leftovers_of_a_killed_write_are_removed_at_the_next_snapshot(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, "SGD", "BINARYPROTO")
+    s = _solver(tmp_path)
+    s.step(1)
+    leftovers = [".tmp-run_iter_1.caffemodel-ab12cd", ".tmp-run_iter_1.solverstate-x9"]
+    for name in leftovers + [".tmp-other_iter_1.caffemodel-zz"]:
+        (tmp_path / "snaps" / name).write_bytes(b"half")
+    s.step(1)
+    s.snapshot()
+    assert sorted(os.listdir("snaps")) == [".tmp-other_iter_1.caffemodel-zz",
+                                           "run_iter_2.caffemodel", "run_iter_2.solverstate"]
 
 
 def test_restore_finds_weights_next_to_a_moved_state(tmp_path, monkeypatch):

@@ -11,11 +11,10 @@ Every file is written under a temporary name and renamed into place, so a crash
 never leaves a truncated snapshot.
 """
 import os
-import tempfile
 
 import numpy as np
 
-from .. import protoio
+from .. import fileio, protoio
 from ..errors import MinicaffeError
 from ..proto import caffe_pb2
 
@@ -86,23 +85,14 @@ def _write_string(h5py, f, name, value):
 
 def write_hdf5_state(path, state):
     h5py = _h5py(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=d)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w") as f:
-            # hdf5_save_int: one-element rank-1 int datasets, as Caffe writes them
-            f.create_dataset("iter", data=np.array([state.iter], np.int32))
-            _write_string(h5py, f, "learned_net", state.learned_net)
-            f.create_dataset("current_step", data=np.array([state.current_step], np.int32))
-            g = f.create_group("history")
-            for i, (shape, arr) in enumerate(state.history):
-                g.create_dataset(str(i), data=np.asarray(arr).reshape(shape))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with fileio.atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        # hdf5_save_int: one-element rank-1 int datasets, as Caffe writes them
+        f.create_dataset("iter", data=np.array([state.iter], np.int32))
+        _write_string(h5py, f, "learned_net", state.learned_net)
+        f.create_dataset("current_step", data=np.array([state.current_step], np.int32))
+        g = f.create_group("history")
+        for i, (shape, arr) in enumerate(state.history):
+            g.create_dataset(str(i), data=np.asarray(arr).reshape(shape))
 
 
 def _h5_int(dataset):

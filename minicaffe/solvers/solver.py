@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .. import context, log
+from .. import context, fileio, log
 from ..errors import ConfigError, MinicaffeError
 from ..net import Net, read_net_param
 from ..proto import caffe_pb2
@@ -446,6 +446,7 @@ class Solver:
         if not self.root:
             raise MinicaffeError("only the root solver snapshots")
         p = self.param
+        fileio.remove_leftovers(f"{p.snapshot_prefix}_iter_")  # of snapshots killed mid-write
         if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             model_filename = self.snapshot_filename(".caffemodel.h5")
             log.info("Snapshotting to HDF5 file %s", model_filename)
