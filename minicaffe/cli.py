@@ -272,9 +272,9 @@ def train(flags, stream=None):
         gpus = []
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
             dev = param.device_id if param.HasField("device_id") else 0
-            if backend.gpu_count() == 0:
-                log.warning("solver_mode is GPU but no GPU is usable (%s); training on the CPU",
-                            backend.why_no_gpu())
+            if backend.gpu_count() == 0:  # the README promises CPU by default: no warning
+                log.info("solver_mode is GPU but no GPU is usable (%s): training on the CPU",
+                         backend.why_no_gpu())
             else:
                 gpus = [dev]
     else:
@@ -551,8 +551,14 @@ def _main(argv):
     log.init_log(log_file=flags.log or None, stream=stream)
     warnings.showwarning = _warning_to_log
     if command == "train":
-        return train(flags, stream)
-    return {"test": test, "time": time, "device_query": device_query}[command](flags)
+        rc = train(flags, stream)
+    else:
+        rc = {"test": test, "time": time, "device_query": device_query}[command](flags)
+    failed = log.log_file_failure()
+    if failed:
+        why = getattr(failed[1], "strerror", None) or failed[1]
+        raise MinicaffeError(f"{flags.log}: cannot write the log ({why}); it is incomplete")
+    return rc
 
 
 if __name__ == "__main__":  # pragma: no cover

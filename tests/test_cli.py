@@ -219,13 +219,30 @@ def test_several_gpus_is_a_clear_error(cli, tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU fallback")
-def test_solver_mode_gpu_falls_back_to_cpu_with_a_warning(cli, tmp_path):
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU message")
+def test_solver_mode_gpu_falls_back_to_cpu_with_an_info_line(cli, tmp_path):
+    """Caffe's example solvers say solver_mode: GPU; the README promises the CPU by default,
+    so a CPU-only machine gets an info line, not a warning."""
     _setup(tmp_path, solver=SOLVER.replace("solver_mode: CPU", "solver_mode: GPU"))
     rc, out, err = cli("train", "--solver", "solver.prototxt")
     assert rc == 0
-    assert any(l.startswith("W") and "solver_mode is GPU but no GPU is usable" in l
-               for l in err.splitlines())
+    said = [l for l in err.splitlines() if "solver_mode is GPU but no GPU is usable" in l]
+    assert len(said) == 1 and said[0].startswith("I"), said
+    assert not any(l.startswith("W") for l in err.splitlines())
     assert "Use CPU." in _messages(err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_log_on_a_full_disk_is_one_warning_and_exit_1(cli, tmp_path):
+    _setup(tmp_path)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--log", "/dev/full")
+    assert rc == 1
+    assert "Traceback" not in err and "Logging error" not in err
+    warned = [l for l in err.splitlines() if l.startswith("W")]
+    assert len(warned) == 1 and "cannot write the log file /dev/full" in warned[0]
+    assert _error_line(err) == ("minicaffe: error: /dev/full: cannot write the log (No space "
+                                "left on device); it is incomplete")
+    assert sorted(os.listdir("snap"))[-1] == "dummy_iter_5.solverstate"  # training went on
 
 
 def test_resume_with_snapshot_continues_exactly(cli, tmp_path):
