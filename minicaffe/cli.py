@@ -13,6 +13,7 @@ exit status 1, never a traceback (set MINICAFFE_TRACEBACK=1 to see one).
 """
 import logging
 import os
+import signal
 import sys
 import time as _time
 import warnings
@@ -315,6 +316,16 @@ def train(flags, stream=None):
             for net in [solver.net] + list(solver.test_nets):  # stop the prefetch threads
                 if net is not None:
                     net.close()
+    if handler.stopped_by:
+        last_iter, state_file = solver.last_snapshot or (None, None)
+        if last_iter == solver.iter:
+            log.info("Stopped by %s at iteration %d; resume with --snapshot %s",
+                     handler.stopped_by, solver.iter, state_file)
+        else:
+            log.info("Stopped by %s at iteration %d; no snapshot was written "
+                     "(snapshot_after_train is false)", handler.stopped_by, solver.iter)
+        if handler.stopped_by == "SIGTERM":
+            return 128 + signal.SIGTERM  # the status of a process SIGTERM ended
     log.info("Optimization Done.")
     return 0
 

@@ -14,6 +14,11 @@ class ConfigError(MinicaffeError):
     """A net or solver definition that cannot be used as written."""
 
 
+class WaitInterrupted(KeyboardInterrupt):
+    """A stop was asked for (a signal) while this thread waited on another one (the data
+    prefetch): the solver stops as after any stop request, and elsewhere it is a Ctrl-C."""
+
+
 class LayerError(MinicaffeError):
     """A layer was given parameters or blobs it cannot work with."""
 

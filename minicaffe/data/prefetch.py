@@ -28,12 +28,13 @@ import threading
 import time
 import traceback
 import weakref
+from concurrent.futures import Future
 
 import numpy as np
 
 from .. import backend, context, log
 from ..blob import Blob
-from ..errors import MinicaffeError
+from ..errors import MinicaffeError, WaitInterrupted
 from ..layer import Layer
 from ..proto import caffe_pb2
 from .transformer import DataTransformer, TransformError
@@ -59,6 +60,46 @@ class _Failure:
 
 
 _STOP = object()
+STOP_TIMEOUT = 2.0   # seconds ``stop`` waits for a thread (a stalled read may never end)
+
+
+class DaemonPool:
+    """``map(fn, *iterables)`` over ``n`` daemon threads: the decode pool of a loader.
+    (concurrent.futures joins its workers at interpreter exit, so one stuck in a hung
+    read would keep the process from exiting; daemon threads never do.)"""
+
+    def __init__(self, n, name="prefetch-decode"):
+        self._tasks = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self):
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            future, fn, args = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+    def map(self, fn, *iterables):
+        """[fn(*args) for args in zip(*iterables)], computed on the pool's threads."""
+        futures = []
+        for args in zip(*iterables):
+            futures.append(Future())
+            self._tasks.put((futures[-1], fn, args))
+        return [f.result() for f in futures]
+
+    def shutdown(self, timeout=STOP_TIMEOUT):
+        for _ in self._threads:
+            self._tasks.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
 
 
 class PrefetchThread:
@@ -156,6 +197,9 @@ class PrefetchThread:
                     if not self._thread.is_alive() and self.full.empty():
                         why = "was closed" if self._stop.is_set() else "is not running"
                         raise MinicaffeError(f"the prefetch thread {why}") from None
+                    if context.stop_requested():  # a stalled read never makes us deaf
+                        raise WaitInterrupted(f"{self.describe}: stopped while waiting "
+                                              "for data") from None
             self.host_wait_s += time.perf_counter() - t0
         if isinstance(item, _Failure):
             self._failure = item
@@ -169,7 +213,7 @@ class PrefetchThread:
             batch.consumed = backend.current_stream().record()
         self.free.put(batch)
 
-    def stop(self, timeout=10.0):
+    def stop(self, timeout=STOP_TIMEOUT):
         """Stop the thread and wait for it (not when called from the thread itself)."""
         self._stop.set()
         self.free.put(_STOP)

@@ -19,7 +19,7 @@ from .. import context, log
 from ..blob import Blob
 from ..data.db import DBError, key_text, open_db, parse_datum
 from ..data.images import ImageError, read_image
-from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer
+from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer, DaemonPool
 from ..data.transformer import TransformError
 from ..errors import MinicaffeError
 from ..layer import Layer
@@ -78,15 +78,14 @@ def decode_pool(loader):
         n = decode_threads()
         if n <= 1:
             return None
-        from concurrent.futures import ThreadPoolExecutor
-        pool = loader._pool = ThreadPoolExecutor(n, thread_name_prefix="prefetch-decode")
+        pool = loader._pool = DaemonPool(n)
     return pool
 
 
 def close_decode_pool(loader):
     pool = getattr(loader, "_pool", None)
     if pool is not None:
-        pool.shutdown(wait=True)
+        pool.shutdown()
         loader._pool = None
 
 

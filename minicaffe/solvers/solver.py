@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from .. import context, fileio, log
-from ..errors import ConfigError, MinicaffeError
+from ..errors import ConfigError, MinicaffeError, WaitInterrupted
 from ..net import Net, read_net_param
 from ..proto import caffe_pb2
 from . import lr_policy
@@ -77,6 +77,7 @@ class Solver:
         self.losses = []
         self.smoothed_loss = _f(0)
         self.iterations_last = 0
+        self.last_snapshot = None  # (iter, solver state file) of the last snapshot
         self.net = None
         self.test_nets = []
         self._init()
@@ -277,8 +278,12 @@ class Solver:
             display = bool(p.display) and self.iter % p.display == 0
             net.debug_info = display and (p.debug_info or net.net_param.debug_info)
             loss = 0.0
-            for _ in range(p.iter_size):
-                loss += net.forward_backward()
+            try:
+                for _ in range(p.iter_size):
+                    loss += net.forward_backward()
+            except WaitInterrupted as e:  # a stop signal during a stalled read
+                self._stop_on(e)
+                break
             loss /= p.iter_size
             if not math.isfinite(loss):
                 self._report_nonfinite(loss)
@@ -304,6 +309,14 @@ class Solver:
             if request == SolverAction.STOP:
                 self.requested_early_exit = True
                 break
+
+    def _stop_on(self, interrupted):
+        """Stop as the pending request asks, after a wait for data that a stop signal
+        ended: the iteration did not happen, the snapshot is of the one before."""
+        log.info("%s", interrupted)
+        while self.get_requested_action() != SolverAction.NONE:
+            pass
+        self.requested_early_exit = True
 
     def _log_outputs(self, net, kind):
         index = 0
@@ -388,7 +401,11 @@ class Solver:
                 request = self.get_requested_action()
             if self.requested_early_exit:
                 break
-            iter_loss = test_net.forward_prefilled()
+            try:
+                iter_loss = test_net.forward_prefilled()
+            except WaitInterrupted as e:
+                self._stop_on(e)
+                break
             if p.test_compute_loss:
                 loss += iter_loss
             k = 0
@@ -455,7 +472,7 @@ class Solver:
             model_filename = self.snapshot_filename(".caffemodel")
             log.info("Snapshotting to binary proto file %s", model_filename)
             self.net.save(model_filename, write_diff=p.snapshot_diff)
-        self.snapshot_solver_state(model_filename)
+        self.last_snapshot = (self.iter, self.snapshot_solver_state(model_filename))
         return model_filename
 
     def restore(self, state_file):
