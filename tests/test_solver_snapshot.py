@@ -149,7 +149,8 @@ def test_hdf5_state_layout_is_caffes(tmp_path, monkeypatch):
     s.step(3)
     s.snapshot()
     with h5py.File("snaps/run_iter_3.solverstate.h5", "r") as f:
-        assert sorted(f.keys()) == ["current_step", "history", "iter", "learned_net"]
+        assert sorted(f.keys()) == ["current_step", "history", "iter", "learned_net",
+                                    "minicaffe_resume"]  # the last, Caffe does not read
         assert f["iter"].shape == (1,) and int(f["iter"][0]) == 3  # hdf5_save_int's rank 1
         assert f["current_step"].shape == (1,)
         assert f["iter"].dtype == np.int32

@@ -479,6 +479,39 @@ class Solver:
         """Continue from a .solverstate or .solverstate.h5 (Caffe's Solver::Restore)."""
         self.restore_solver_state(os.fspath(state_file))
 
+    def resume_state(self):
+        """minicaffe's addition to a solver state (SolverState.resume): this thread's
+        generator and every data layer's position, as of this iteration."""
+        from . import snapshot as snap
+        r = caffe_pb2.ResumeState()
+        snap.rng_to_proto(context.rng().get_state(), r.rng)
+        for net_id, net in enumerate([self.net] + self.test_nets):
+            for name, layer in zip(net.layer_names, net.layers):
+                position = getattr(layer, "data_position", None)
+                if position is not None:
+                    snap.position_to_proto(position(), r.data.add(net=net_id, layer=name))
+        return r
+
+    def restore_resume_state(self, resume, state_file):
+        """Put the data layers and the generator where ``resume`` says (None: a state
+        written by Caffe, which has no positions: the data starts at its first record)."""
+        from . import snapshot as snap
+        if resume is None:
+            log.info("%s holds no data positions (written by Caffe?): the data layers start "
+                     "from their first record", state_file)
+            return
+        nets = [self.net] + self.test_nets
+        for d in resume.data:
+            net = nets[d.net] if d.net < len(nets) else None
+            layer = net.layer_dict.get(d.layer) if net is not None else None
+            if layer is None or not hasattr(layer, "set_data_position"):
+                log.warning("%s: data layer '%s' of net #%d is not in this solver's nets: its "
+                            "position is not restored", state_file, d.layer, d.net)
+                continue
+            layer.set_data_position(snap.position_from_proto(d))
+        if resume.HasField("rng"):
+            context.rng().set_state(snap.rng_from_proto(resume.rng))
+
     def snapshot_solver_state(self, model_filename):
         raise NotImplementedError
 
