@@ -14,7 +14,7 @@ if REPO_ROOT not in sys.path:
 
 PB2_PATH = os.path.join(REPO_ROOT, "minicaffe", "proto", "caffe_pb2.py")
 GEN_PATH = os.path.join(REPO_ROOT, "tools", "gen_proto.py")
-FIXTURES = os.path.join("/work", "shared", "fixtures", "caffe")
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "caffe")
 
 from minicaffe.proto import caffe_pb2 as pb  # noqa: E402
 from google.protobuf import text_format  # noqa: E402
