@@ -339,7 +339,7 @@ def test_weights_finetune_into_train_and_test_nets(tmp_path, monkeypatch):
 
 
 def test_bvlc_lenet_solverstate_restores_and_training_continues(fixtures_dir, tmp_path,
-                                                                  monkeypatch):
+                                                                  monkeypatch, request):
     """Caffe's own lenet_iter_10000.solverstate (V1 era; history in 4-D legacy shapes)
     restores into minicaffe's LeNet; with MNIST at hand the net scores ~99% and keeps
     training from iteration 10000 with Caffe's momentum history."""
@@ -350,12 +350,16 @@ def test_bvlc_lenet_solverstate_restores_and_training_continues(fixtures_dir, tm
     p = solver_param(lenet_memory(64, 100), LENET_SOLVER.replace("test_iter: 100", "test_iter: 5"),
                      snapshot=0, snapshot_after_train=False, random_seed=1)
     s = get_solver(p)
-    mnist = REPO.parents[0] / "shared" / "data" / "mnist"
-    have_mnist = (mnist / "t10k-images-idx3-ubyte.gz").exists()
+    try:  # MNIST from the example's cache (fetched there), else random stand-ins
+        mnist = request.getfixturevalue("mnist_dir")
+    except pytest.skip.Exception:
+        mnist = None
+    have_mnist = mnist is not None
     if have_mnist:
-        from minicaffe.datasets import read_idx
-        images = read_idx(str(mnist / "t10k-images-idx3-ubyte.gz"))[:, None] * np.float32(1 / 256)
-        labels = read_idx(str(mnist / "t10k-labels-idx1-ubyte.gz")).astype(np.float32)
+        from minicaffe.datasets import find_mnist_files, read_idx
+        files = find_mnist_files(str(mnist))
+        images = read_idx(files["test_images"])[:, None] * np.float32(1 / 256)
+        labels = read_idx(files["test_labels"]).astype(np.float32)
     else:
         rng = np.random.RandomState(0)
         images = rng.rand(1000, 1, 28, 28).astype(np.float32)
