@@ -452,3 +452,13 @@ def test_nan_label_is_reported_as_nan():
     net.blobs["label"].data[...] = [0, 1, np.nan, 0]
     with pytest.raises(MinicaffeError, match=r"layer '(loss|acc)' .*label nan is out of range"):
         net.forward()
+
+
+@pytest.mark.gpu
+def test_nan_label_is_reported_as_nan_on_the_gpu():
+    from minicaffe import context
+    context.set_mode_gpu()
+    net = tiny_net()
+    net.blobs["label"].data[...] = [0, 1, np.nan, 0]
+    with pytest.raises(MinicaffeError, match=r"layer 'loss' .*label nan is out of range"):
+        net.forward()
