@@ -362,9 +362,8 @@ def caffe_module(tmp_path, monkeypatch):
     name = f"mc_caffe_layers_{tmp_path.name}".replace("-", "_")
     (tmp_path / f"{name}.py").write_text(CAFFE_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    from minicaffe.layers.python_layer import _MinicaffeAsCaffe
-    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
-                                           if not isinstance(f, _MinicaffeAsCaffe)])
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path  # minicaffe's caffe alias
+                                           if type(f).__module__ != "minicaffe.layers.python_layer"])
     saved = {m: sys.modules.pop(m) for m in list(sys.modules)
              if m == "caffe" or m.startswith("caffe.")}
     yield name
