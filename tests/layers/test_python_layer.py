@@ -258,6 +258,15 @@ def test_exception_in_forward_names_layer_method_and_line(pymod):
     assert isinstance(e.value.__cause__, ValueError)
 
 
+def test_exception_in_forward_keeps_its_type(pymod):
+    x = blob(np.zeros((2, 2)))
+    layer = make_layer(py_text(pymod, "Broken"))
+    top = [Blob(dtype=np.float64)]
+    layer.setup([x], top)
+    with pytest.raises(ValueError, match=r"layer '.*' \(Python\): forward\(\) raised ValueError"):
+        layer.forward([x], top)
+
+
 def test_layer_without_forward(pymod):
     x = blob(np.zeros((2, 2)))
     layer = make_layer(py_text(pymod, "NoForward"))
