@@ -18,19 +18,21 @@ and the module defines it as pycaffe users do::
 
 The module is imported when the layer is created (its directory must be on
 ``sys.path``/``PYTHONPATH``, as with Caffe).  A module that says ``import caffe`` (as
-BVLC's do) gets minicaffe when no real caffe is installed (one info line says so).  The blobs a Python layer sees are
-the net's blobs themselves (:class:`PyBlob`): ``data``/``diff`` are numpy
-arrays that write through, ``reshape(*shape)``, ``shape``, ``num``/``channels``/
-``height``/``width`` and ``count`` as a number.  ``self.blobs`` holds the layer's
-parameters (``self.blobs.add_blob(*shape)`` adds one); they are the net's learnable
-parameters, saved to and loaded from ``.caffemodel`` files like any layer's.
+BVLC's do) gets minicaffe when no real caffe is installed (one info line says so).
+The blobs a Python layer sees are the net's blobs themselves (:class:`PyBlob`):
+``data``/``diff`` are numpy arrays that write through, ``reshape(*shape)``, ``shape``,
+``num``/``channels``/``height``/``width`` and ``count`` as a number.  ``self.blobs``
+holds the layer's parameters (``self.blobs.add_blob(*shape)`` adds one); they are the
+net's learnable parameters, saved to and loaded from ``.caffemodel`` files like any
+layer's.
 
 Python layers run on the CPU; in GPU mode the data moves to the host and back, as in
 Caffe.  An exception raised by the layer's code reaches the caller as its own type (a
 RuntimeError is still a RuntimeError, as pycaffe's tests expect) that is also a
 one-line LayerError naming the layer, the method and the file:line where it was
-raised (the original exception is its ``__cause__``).  ``share_in_parallel`` is deprecated and ignored: every solver
-thread builds its own net, so each gets its own Python layer object.
+raised (the original exception is its ``__cause__``).  ``share_in_parallel`` is
+deprecated and ignored: every solver thread builds its own net, so each gets its own
+Python layer object.
 """
 import importlib
 import importlib.abc

@@ -24,7 +24,7 @@ from .. import context, fileio, log
 from ..errors import ConfigError, MinicaffeError, WaitInterrupted
 from ..net import Net, read_net_param
 from ..proto import caffe_pb2
-from . import lr_policy
+from . import lr_policy, snapshot as snap
 from .param import check_solver_param, read_solver_param
 
 TRAIN = caffe_pb2.TRAIN
@@ -482,7 +482,6 @@ class Solver:
     def resume_state(self):
         """minicaffe's addition to a solver state (SolverState.resume): this thread's
         generator and every data layer's position, as of this iteration."""
-        from . import snapshot as snap
         r = caffe_pb2.ResumeState()
         snap.rng_to_proto(context.rng().get_state(), r.rng)
         for net_id, net in enumerate([self.net] + self.test_nets):
@@ -495,7 +494,6 @@ class Solver:
     def restore_resume_state(self, resume, state_file):
         """Put the data layers and the generator where ``resume`` says (None: a state
         written by Caffe, which has no positions: the data starts at its first record)."""
-        from . import snapshot as snap
         if resume is None:
             log.info("%s holds no data positions (written by Caffe?): the data layers start "
                      "from their first record", state_file)
