@@ -631,7 +631,7 @@ def test_ctrl_c_during_a_stalled_read_ends_minicaffe_test(tmp_path):
             'top: "ip" inner_product_param { num_output: 2 } }\n')
     (tmp_path / "weights.prototxt").write_text(same)
     Net(str(tmp_path / "weights.prototxt"), TEST).save(str(tmp_path / "w.caffemodel"))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
     p = subprocess.Popen([sys.executable, "-m", "minicaffe", "test", "--model", "net.prototxt",
                           "--weights", "w.caffemodel", "--iterations", "10"], cwd=tmp_path,
                          env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -643,10 +643,16 @@ def test_ctrl_c_during_a_stalled_read_ends_minicaffe_test(tmp_path):
                 break
         time.sleep(0.5)  # now waiting for the image that never comes
         p.send_signal(signal.SIGINT)
-        _, rest = p.communicate(timeout=30)
+        try:
+            _, rest = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # show where every thread is (faulthandler)
+            p.send_signal(signal.SIGABRT)
+            _, rest = p.communicate(timeout=30)
+            raise AssertionError("minicaffe test ignored Ctrl-C:\n" + rest[-6000:]) from None
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+        p.stderr.close()
     assert p.returncode == 130
     assert "minicaffe: interrupted" in rest and "Traceback" not in rest
