@@ -632,7 +632,11 @@ def test_ctrl_c_during_a_stalled_read_ends_minicaffe_test(tmp_path):
     (tmp_path / "weights.prototxt").write_text(same)
     Net(str(tmp_path / "weights.prototxt"), TEST).save(str(tmp_path / "w.caffemodel"))
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
-    p = subprocess.Popen([sys.executable, "-m", "minicaffe", "test", "--model", "net.prototxt",
+    # a shell without job control starts background jobs (CI) with SIGINT ignored, and
+    # Python keeps it so: give the command a terminal's Ctrl-C
+    run = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from minicaffe.cli import main; sys.exit(main(sys.argv[1:]))")
+    p = subprocess.Popen([sys.executable, "-c", run, "test", "--model", "net.prototxt",
                           "--weights", "w.caffemodel", "--iterations", "10"], cwd=tmp_path,
                          env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines = []
