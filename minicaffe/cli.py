@@ -19,6 +19,7 @@ exit status 1, never a traceback (set MINICAFFE_TRACEBACK=1 to see one).
 """
 import logging
 import os
+import signal
 import sys
 import time as _time
 import warnings
@@ -325,9 +326,9 @@ def train(flags, stream=None):
         gpus = []
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
             dev = param.device_id if param.HasField("device_id") else 0
-            if backend.gpu_count() == 0:
-                log.warning("solver_mode is GPU but no GPU is usable (%s); training on the CPU",
-                            backend.why_no_gpu())
+            if backend.gpu_count() == 0:  # the README promises CPU by default: no warning
+                log.info("solver_mode is GPU but no GPU is usable (%s): training on the CPU",
+                         backend.why_no_gpu())
             else:
                 gpus = [dev]
     else:
@@ -372,6 +373,16 @@ def train(flags, stream=None):
             for net in [solver.net] + list(solver.test_nets):  # stop the prefetch threads
                 if net is not None:
                     net.close()
+    if handler.stopped_by:
+        last_iter, state_file = solver.last_snapshot or (None, None)
+        if last_iter == solver.iter:
+            log.info("Stopped by %s at iteration %d; resume with --snapshot %s",
+                     handler.stopped_by, solver.iter, state_file)
+        else:
+            log.info("Stopped by %s at iteration %d; no snapshot was written "
+                     "(snapshot_after_train is false)", handler.stopped_by, solver.iter)
+        if handler.stopped_by == "SIGTERM":
+            return 128 + signal.SIGTERM  # the status of a process SIGTERM ended
     log.info("Optimization Done.")
     return 0
 
@@ -696,10 +707,16 @@ def _main(argv):
     offload.set_override(flags.offload or None,
                          flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
     if command == "train":
-        return train(flags, stream)
-    flags.argv = list(argv)
-    return {"test": test, "time": time, "device_query": device_query,
-            "bench": bench, "memory": memory}[command](flags)
+        rc = train(flags, stream)
+    else:
+        flags.argv = list(argv)
+        rc = {"test": test, "time": time, "device_query": device_query,
+              "bench": bench, "memory": memory}[command](flags)
+    failed = log.log_file_failure()
+    if failed:
+        why = getattr(failed[1], "strerror", None) or failed[1]
+        raise MinicaffeError(f"{flags.log}: cannot write the log ({why}); it is incomplete")
+    return rc
 
 
 if __name__ == "__main__":  # pragma: no cover

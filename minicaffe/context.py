@@ -36,6 +36,7 @@ class _State:
         self._gpu_rng = None
         self.solver_rank = 0
         self.handles = {}
+        self.stop_check = None
 
     @property
     def rng(self):
@@ -158,3 +159,14 @@ def set_solver_rank(r):
 
 def root_solver():
     return get().solver_rank == 0
+
+
+def set_stop_check(fn):
+    """``fn()`` says whether this thread was asked to stop (a signal); long waits on other
+    threads (the data prefetch) poll it, so they end when it says so.  None: never."""
+    get().stop_check = fn
+
+
+def stop_requested():
+    fn = get().stop_check
+    return bool(fn is not None and fn())

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import backend, context
 from .blob import Blob
-from .errors import LayerError
+from .errors import LayerError, MinicaffeError, layer_failure
 
 
 class Layer:
@@ -38,6 +38,7 @@ class Layer:
     # set by the Net: a later layer rewrites one of this layer's tops in place, so a
     # backward that reads the top data would read the later value (cuDNN's pooling does)
     top_rewritten = False
+    allow_in_place = True   # False: a top may not be one of the bottoms
 
     def __init__(self, param):
         self.layer_param = param
@@ -59,11 +60,26 @@ class Layer:
         """A LayerError naming this layer, to raise."""
         return LayerError(self.layer_param.name, self.type, message)
 
+    def failure(self, exc):
+        """``exc``, raised by this layer's code, as one line naming the layer (and still of
+        its own type: see errors.layer_failure)."""
+        return layer_failure(self.layer_param.name, self.type, exc)
+
     # -- lifecycle -----------------------------------------------------------
+    # Each step of the lifecycle turns any failure of the layer's code into one line
+    # naming the layer (MinicaffeErrors already are one).
     def setup(self, bottom, top):
         self.check_blob_counts(bottom, top)
-        self.layer_setup(bottom, top)
-        self.reshape(bottom, top)
+        if not self.allow_in_place and any(t is b for t in top for b in bottom):
+            raise self.error("cannot be computed in place (a top is also its bottom); give "
+                             "its top a name of its own")
+        try:
+            self.layer_setup(bottom, top)
+            self.reshape(bottom, top)
+        except MinicaffeError:
+            raise
+        except Exception as e:
+            raise self.failure(e) from e
         self.set_loss_weights(top)
 
     def layer_setup(self, bottom, top):
@@ -124,11 +140,16 @@ class Layer:
     def forward_body(self, bottom, top):
         """Reshape and run this mode's forward body; no loss read back (the GPU step
         accumulates it on the device)."""
-        self.reshape(bottom, top)
-        if context.is_gpu():
-            self.forward_gpu(bottom, top)
-        else:
-            self.forward_cpu(bottom, top)
+        try:
+            self.reshape(bottom, top)
+            if context.is_gpu():
+                self.forward_gpu(bottom, top)
+            else:
+                self.forward_cpu(bottom, top)
+        except MinicaffeError:
+            raise
+        except Exception as e:
+            raise self.failure(e) from e
 
     # -- what the memory plan needs to know (gpu/plan.py) ---------------------------------
     def backward_reads(self, bottom, top):
@@ -146,10 +167,15 @@ class Layer:
         (a label out of range, say).  Called once the host has waited for the work."""
 
     def backward(self, top, propagate_down, bottom):
-        if context.is_gpu():
-            self.backward_gpu(top, propagate_down, bottom)
-        else:
-            self.backward_cpu(top, propagate_down, bottom)
+        try:
+            if context.is_gpu():
+                self.backward_gpu(top, propagate_down, bottom)
+            else:
+                self.backward_cpu(top, propagate_down, bottom)
+        except MinicaffeError:
+            raise
+        except Exception as e:
+            raise self.failure(e) from e
 
     def forward_xp(self, xp, bottom, top):
         raise NotImplementedError

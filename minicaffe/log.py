@@ -34,6 +34,53 @@ class _ThreadFilter(logging.Filter):
 
 
 _logger.addFilter(_ThreadFilter())
+
+
+class LogFile(logging.FileHandler):
+    """The ``--log`` file.  Its first failed write (a full disk) is said once, as a warning
+    on the other handlers, and ends the writes to it; ``failure`` keeps the error so the
+    command can exit non-zero (logging's own handler would print a traceback per line)."""
+
+    failure = None
+
+    def emit(self, record):
+        if self.failure is None:
+            super().emit(record)
+
+    def flush(self):
+        try:
+            super().flush()
+        except OSError as e:
+            self._failed(e)
+
+    def close(self):
+        try:
+            super().close()
+        except OSError as e:  # what was still buffered could not be written either
+            self._failed(e)
+
+    def handleError(self, record):
+        self._failed(sys.exc_info()[1])
+
+    def _failed(self, error):
+        if self.failure is not None:
+            return
+        self.failure = error
+        why = getattr(error, "strerror", None) or error
+        warn = _logger.makeRecord(_logger.name, logging.WARNING, "log.py", 0,
+                                  "cannot write the log file %s (%s); it is incomplete from "
+                                  "here on", (self.baseFilename, why), None)
+        for h in _logger.handlers:
+            if h is not self:
+                h.handle(warn)
+
+
+def log_file_failure():
+    """(path, error) of a log file that could not be written, else None."""
+    for h in _logger.handlers:
+        if isinstance(h, LogFile) and h.failure is not None:
+            return h.baseFilename, h.failure
+    return None
 _default_handler = None
 
 
@@ -59,7 +106,7 @@ def init_log(level=None, log_file=None, stream=None):
     _default_handler.setFormatter(GlogFormatter())
     _logger.addHandler(_default_handler)
     if log_file:
-        fh = logging.FileHandler(log_file)
+        fh = LogFile(log_file)
         fh.setFormatter(GlogFormatter())
         _logger.addHandler(fh)
     if level is None:

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from . import context, log, protoio
+from . import context, fileio, log, protoio
 from .blob import Blob
 from .errors import ConfigError, MinicaffeError
 from .proto import caffe_pb2
@@ -297,6 +297,11 @@ class Net:
                     log.info("    with loss weight %g", layer.loss(top_id))
                 memory_used += top.count()
             log.info("Memory required for data: %d", memory_used * 4)
+            if not lp.bottom:  # a data layer: an empty batch is a mistake in its parameters
+                for blob_id in self.top_id_vecs[-1]:
+                    if 0 in self._blobs[blob_id].shape:
+                        raise layer.error(f"top '{self.blob_names[blob_id]}' has shape "
+                                          f"{self._blobs[blob_id].shape}: a zero dimension")
             n_specs, n_blobs = len(lp.param), len(layer.blobs)
             if n_specs > n_blobs:
                 raise ConfigError(f"layer '{lp.name}': too many params specified "
@@ -324,9 +329,22 @@ class Net:
         for i in self.output_blob_indices:
             log.info("This network produces output %s", self.blob_names[i])
         self.blob_names_index = {n: i for i, n in enumerate(self.blob_names)}
+        self._check_unique_names()
         self.layer_names_index = {n: i for i, n in enumerate(self.layer_names)}
         self.share_weights()
         log.info("Network initialization done.")
+
+    def _check_unique_names(self):
+        """Weights are matched to layers by name, so two layers of one name where either has
+        parameters would take each other's weights: an error.  (Caffe's own
+        mnist_autoencoder.prototxt names two parameterless loss layers alike: allowed.)"""
+        first = {}
+        for i, (name, layer) in enumerate(zip(self.layer_names, self.layers)):
+            j = first.setdefault(name, i)
+            if j != i and (layer.blobs or self.layers[j].blobs):
+                raise ConfigError(f"layer '{name}' is defined twice in net '{self.name}' "
+                                  f"(layers #{j} and #{i}); a layer with parameters needs a "
+                                  "name of its own (weights are matched to layers by name)")
 
     def _append_top(self, lp, layer_id, top_id, name, available, name_to_idx):
         if name_to_idx is not None and top_id < len(lp.bottom) and name == lp.bottom[top_id]:
@@ -686,23 +704,55 @@ class Net:
 
     # -- weights ------------------------------------------------------------------------
     def copy_from(self, source):
-        """Copy trained layers from a .caffemodel, .caffemodel.h5, or a NetParameter."""
+        """Copy trained layers from a .caffemodel, .caffemodel.h5, or a NetParameter (layers
+        matched by name).  Fails when a file fills none of this net's parameters; warns
+        when it leaves some of them at their initial values."""
         if isinstance(source, caffe_pb2.NetParameter):
-            return self.copy_trained_layers_from_param(source, "<NetParameter>")
+            filled = self.copy_trained_layers_from_param(source, "<NetParameter>")
+            return self._check_filled(filled, "<NetParameter>", len(source.layer))
         for path in str(source).split(","):
             if path.endswith(".h5"):
-                self.copy_trained_layers_from_hdf5(path)
+                filled = self.copy_trained_layers_from_hdf5(path)
+                n_layers = None
             else:
-                self.copy_trained_layers_from_param(read_weights(path), path)
+                weights = read_weights(path)
+                filled = self.copy_trained_layers_from_param(weights, path)
+                n_layers = len(weights.layer)
+            self._check_filled(filled, path, n_layers)
 
     copy_trained_layers_from = copy_from
 
+    def _check_filled(self, filled, source, n_layers=None):
+        """``filled``: the (layer id, blob index) pairs a weights file wrote."""
+        owners = {pid for pid, owner in enumerate(self.param_owners) if owner == -1}
+        if not owners:
+            return
+        done = set()
+        for lid, j in filled:
+            pid = self.param_id_vecs[lid][j]
+            done.add(pid if self.param_owners[pid] == -1 else self.param_owners[pid])
+        missing = sorted({self.layer_names[self.param_layer_indices[pid][0]]
+                          for pid in owners - done}, key=self.layer_names.index)
+        if not done:
+            what = ("it holds no layers (an empty or truncated file?)" if n_layers == 0 else
+                    "none of its layers with weights matches a layer of this net by name")
+            raise MinicaffeError(f"{source}: no weights were copied into net '{self.name}': "
+                                 f"{what}; layers with parameters here: {', '.join(missing)}")
+        if missing:
+            log.warning("%s: %d of %d parameter blobs of net '%s' were not in the file and keep "
+                        "their initial values (layers: %s)", source, len(owners - done),
+                        len(owners), self.name, ", ".join(missing))
+
     def copy_trained_layers_from_param(self, param, source="<net>"):
+        """Copy the blobs of ``param``'s layers into this net's layers of the same names;
+        returns the (layer id, blob index) pairs written."""
+        filled = []
         for src in param.layer:
             if src.name not in self.layer_names_index:
                 log.info("Ignoring source layer %s", src.name)
                 continue
-            target = self.layers[self.layer_names_index[src.name]].blobs
+            lid = self.layer_names_index[src.name]
+            target = self.layers[lid].blobs
             if len(target) != len(src.blobs):
                 raise MinicaffeError(f"{source}: incompatible number of blobs for layer "
                                      f"'{src.name}' (file has {len(src.blobs)}, net has {len(target)})")
@@ -714,8 +764,12 @@ class Net:
                         f"shape is {target[j].shape}. To learn this layer's parameters from "
                         f"scratch rather than copying from a saved net, rename the layer.")
                 target[j].from_proto(bp, reshape=False)
+                filled.append((lid, j))
+        return filled
 
     def copy_trained_layers_from_hdf5(self, path):
+        """Copy weights from a .caffemodel.h5; returns the (layer id, blob index) pairs
+        written.  A layer named with '/' ('inception_3a/1x1') is a nested group there."""
         try:
             import h5py
         except ImportError:
@@ -723,32 +777,48 @@ class Net:
                                  "(pip install minicaffe[data])") from None
         if not os.path.exists(path):
             raise MinicaffeError(f"{path}: no such file")
-        with h5py.File(path, "r") as f:
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise MinicaffeError(f"{path}: not a readable HDF5 file ({_one_line(e)})") from None
+        with f:
             if "data" not in f:
                 raise MinicaffeError(f"{path}: not a Caffe HDF5 weights file (no 'data' group)")
-            data = f["data"]
-            for lname in data:
-                if lname not in self.layer_names_index:
+            try:
+                return self._copy_hdf5_layers(f["data"], path, h5py)
+            except MinicaffeError:
+                raise
+            except Exception as e:  # a damaged file: h5py's errors name no file
+                raise MinicaffeError(f"{path}: cannot read the weights ({type(e).__name__}: "
+                                     f"{_one_line(e)})") from None
+
+    def _copy_hdf5_layers(self, data, path, h5py):
+        filled = []
+        for lname, group in _hdf5_groups(data, h5py):
+            blobs = {k: v for k, v in group.items() if isinstance(v, h5py.Dataset)}
+            if lname not in self.layer_names_index:
+                if blobs:
                     log.info("Ignoring source layer %s", lname)
-                    continue
-                lid = self.layer_names_index[lname]
-                target = self.layers[lid].blobs
-                group = data[lname]
-                if len(group) > len(target):
+                continue
+            lid = self.layer_names_index[lname]
+            target = self.layers[lid].blobs
+            if len(blobs) > len(target):
+                raise MinicaffeError(f"{path}: incompatible number of blobs for layer '{lname}'")
+            for j, blob in enumerate(target):
+                key = str(j)
+                if key not in blobs:
+                    if self.param_owners[self.param_id_vecs[lid][j]] != -1:
+                        continue
                     raise MinicaffeError(f"{path}: incompatible number of blobs for layer '{lname}'")
-                for j, blob in enumerate(target):
-                    key = str(j)
-                    if key not in group:
-                        if self.param_owners[self.param_id_vecs[lid][j]] != -1:
-                            continue
-                        raise MinicaffeError(f"{path}: incompatible number of blobs for layer '{lname}'")
-                    arr = np.asarray(group[key])
-                    if arr.shape != blob.shape:
-                        raise MinicaffeError(
-                            f"{path}: cannot copy param {j} weights from layer '{lname}'; shape "
-                            f"mismatch. Source param shape is {arr.shape}; target param shape is "
-                            f"{blob.shape}")
-                    blob.mutable_cpu_data()[...] = arr
+                arr = np.asarray(blobs[key])
+                if arr.shape != blob.shape:
+                    raise MinicaffeError(
+                        f"{path}: cannot copy param {j} weights from layer '{lname}'; shape "
+                        f"mismatch. Source param shape is {arr.shape}; target param shape is "
+                        f"{blob.shape}")
+                blob.mutable_cpu_data()[...] = arr
+                filled.append((lid, j))
+        return filled
 
     def to_proto(self, write_diff=False):
         p = caffe_pb2.NetParameter()
@@ -763,29 +833,22 @@ class Net:
         protoio.write_binary(filename, self.to_proto(write_diff))
 
     def save_hdf5(self, filename, write_diff=False):
+        """Write a .caffemodel.h5 (temporary file, then rename)."""
         import h5py
-        import tempfile
-        d = os.path.dirname(os.path.abspath(filename))
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".h5", dir=d)
-        os.close(fd)
-        try:
-            with h5py.File(tmp, "w") as f:
-                groups = [("data", False)] + ([("diff", True)] if write_diff else [])
-                for gname, is_diff in groups:
-                    g = f.create_group(gname)
-                    for lid, layer in enumerate(self.layers):
-                        lg = g.create_group(self.layer_names[lid])
-                        for j, blob in enumerate(layer.blobs):
-                            if self.param_owners[self.param_id_vecs[lid][j]] != -1:
-                                continue
-                            lg.create_dataset(str(j), data=blob.cpu_diff() if is_diff else blob.cpu_data())
-            os.replace(tmp, filename)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with fileio.atomic_path(filename) as tmp, h5py.File(tmp, "w") as f:
+            groups = [("data", False)] + ([("diff", True)] if write_diff else [])
+            for gname, is_diff in groups:
+                g = f.create_group(gname)
+                for lid, layer in enumerate(self.layers):
+                    lg = g.require_group(self.layer_names[lid])  # 'a/b': nested
+                    for j, blob in enumerate(layer.blobs):
+                        if self.param_owners[self.param_id_vecs[lid][j]] != -1:
+                            continue
+                        lg.create_dataset(str(j), data=blob.cpu_diff() if is_diff else blob.cpu_data())
 
-    load_hdf5 = copy_trained_layers_from_hdf5
+    def load_hdf5(self, filename):
+        """pycaffe's ``load_hdf5``: copy_from for a .caffemodel.h5 of any name."""
+        self._check_filled(self.copy_trained_layers_from_hdf5(filename), filename)
 
     def share_trained_layers_with(self, other):
         """Make this net's layers use ``other``'s parameter blobs (same names)."""
@@ -866,6 +929,19 @@ class Net:
             sumsq_diff += b.sumsq_diff()
         log.info("    [Backward] All net params (data, diff): L1 norm = (%g, %g); L2 norm = (%g, %g)",
                  asum_data, asum_diff, sumsq_data ** 0.5, sumsq_diff ** 0.5)
+
+
+def _hdf5_groups(group, h5py, prefix=""):
+    """(layer name, group) for every group below ``group``, nested ones included: h5py
+    stores a name with '/' as nested groups, as HDF5 paths are."""
+    for name, item in group.items():
+        if isinstance(item, h5py.Group):
+            yield prefix + name, item
+            yield from _hdf5_groups(item, h5py, prefix + name + "/")
+
+
+def _one_line(e):
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class _NameOrIndexDict(collections.OrderedDict):

@@ -3,11 +3,11 @@
 Errors are one line naming the file (and line and column for text).
 """
 import os
-import tempfile
 
 from google.protobuf import text_format, json_format
 from google.protobuf.message import DecodeError
 
+from . import fileio
 from .errors import ConfigError, MinicaffeError
 
 
@@ -118,22 +118,11 @@ def read_any(path, message):
 
 
 def atomic_write(path, data, mode="wb"):
-    """Write to a temporary file in the same folder, then rename into place."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=d)
-    try:
-        with os.fdopen(fd, mode) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write to a temporary file in the same folder, then rename into place (fileio)."""
+    with fileio.atomic_path(path) as tmp, open(tmp, mode) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_binary(path, message):

@@ -9,9 +9,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
-FIXTURES = SHARED / "fixtures" / "caffe"
-MNIST_DIR = SHARED / "data" / "mnist"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# BVLC-trained LeNet and CIFAR-10 quick files, shipped with the tests (tests/data/caffe/README.md)
+FIXTURES = REPO / "tests" / "data" / "caffe"
+# MNIST: where examples/mnist/train_lenet.py fetches it (its cache), by the same fetch path
+MNIST_CACHE = REPO / "data" / "mnist"
+# a local copy to fetch from, where a machine keeps one beside the checkout
+LOCAL_MNIST = REPO.parent / "shared" / "data" / "mnist"
 
 
 def _gpu_count():
@@ -45,13 +49,23 @@ def _fresh_manager():
 
 @pytest.fixture
 def fixtures_dir():
-    if not FIXTURES.exists():
-        pytest.skip("BVLC fixtures (../shared/fixtures/caffe) not present")
     return FIXTURES
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mnist_dir():
-    if not MNIST_DIR.exists():
-        pytest.skip("MNIST (../shared/data/mnist) not present")
-    return MNIST_DIR
+    """MNIST in the example's cache (data/mnist), fetched there once as the example does
+    (files already there, $MINICAFFE_MNIST_DIR, a local copy, the official mirrors); the
+    tests that need it skip, saying how to get it, when that fails (offline)."""
+    from minicaffe.datasets import find_mnist_files
+    if find_mnist_files(MNIST_CACHE) is None:
+        from minicaffe.tools.fetch_data import fetch_mnist
+        local = str(LOCAL_MNIST) if LOCAL_MNIST.is_dir() else None
+        try:
+            fetch_mnist(MNIST_CACHE, from_dir=local, use_registry=False)
+        except FileNotFoundError:
+            pytest.skip("MNIST could not be fetched into data/mnist (offline?): run "
+                        "`python examples/mnist/train_lenet.py` or `python -m "
+                        "minicaffe.tools.fetch_data mnist data/mnist` once, or set "
+                        "$MINICAFFE_MNIST_DIR to a folder holding the four files")
+    return MNIST_CACHE

@@ -245,13 +245,30 @@ def test_bad_multi_gpu_requests_are_one_clear_line(cli, tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the CPU fallback")
-def test_solver_mode_gpu_falls_back_to_cpu_with_a_warning(cli, tmp_path):
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU message")
+def test_solver_mode_gpu_falls_back_to_cpu_with_an_info_line(cli, tmp_path):
+    """Caffe's example solvers say solver_mode: GPU; the README promises the CPU by default,
+    so a CPU-only machine gets an info line, not a warning."""
     _setup(tmp_path, solver=SOLVER.replace("solver_mode: CPU", "solver_mode: GPU"))
     rc, out, err = cli("train", "--solver", "solver.prototxt")
     assert rc == 0
-    assert any(l.startswith("W") and "solver_mode is GPU but no GPU is usable" in l
-               for l in err.splitlines())
+    said = [l for l in err.splitlines() if "solver_mode is GPU but no GPU is usable" in l]
+    assert len(said) == 1 and said[0].startswith("I"), said
+    assert not any(l.startswith("W") for l in err.splitlines())
     assert "Use CPU." in _messages(err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_log_on_a_full_disk_is_one_warning_and_exit_1(cli, tmp_path):
+    _setup(tmp_path)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--log", "/dev/full")
+    assert rc == 1
+    assert "Traceback" not in err and "Logging error" not in err
+    warned = [l for l in err.splitlines() if l.startswith("W")]
+    assert len(warned) == 1 and "cannot write the log file /dev/full" in warned[0]
+    assert _error_line(err) == ("minicaffe: error: /dev/full: cannot write the log (No space "
+                                "left on device); it is incomplete")
+    assert sorted(os.listdir("snap"))[-1] == "dummy_iter_5.solverstate"  # training went on
 
 
 def test_resume_with_snapshot_continues_exactly(cli, tmp_path):
@@ -570,3 +587,142 @@ def test_memory_prints_the_plan_before_running_anything(cli):
     assert "planned peak" in out and "conv1" in out and "sharing memory too" in out
     rc, out, err = cli("memory")
     assert rc == 1 and "need a model" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+def test_sigterm_stops_with_a_snapshot_and_a_line(tmp_path):
+    """docker stop, Slurm preemption and timeout send SIGTERM: training stops after the
+    iteration, writes its snapshot, says where, and exits as SIGTERM's status (143)."""
+    _setup(tmp_path, net=CONST_NET, solver=LONG_SOLVER)
+    proc = _Proc(tmp_path, "--sigint_effect", "none")  # SIGTERM stops whatever SIGINT does
+    proc.wait_for(r"Iteration \d+ \(")
+    proc.p.send_signal(signal.SIGTERM)
+    assert proc.finish() == 128 + signal.SIGTERM
+    msgs = [l.split("] ", 1)[-1] for l in proc.lines]
+    assert "Caught SIGTERM: stop" in msgs
+    said = [m for m in msgs if m.startswith("Stopped by SIGTERM at iteration ")]
+    assert len(said) == 1, msgs[-10:]
+    n = int(re.search(r"iteration (\d+);", said[0]).group(1))
+    assert said[0].endswith(f"resume with --snapshot snap/long_iter_{n}.solverstate")
+    assert (tmp_path / f"snap/long_iter_{n}.solverstate").is_file()
+    assert (tmp_path / f"snap/long_iter_{n}.caffemodel").is_file()
+    assert not any("Traceback" in l for l in proc.lines)
+
+
+def _ctrl_c_during_snapshot(monkeypatch, extra_signals):
+    """Ctrl-C after iteration 3's update; ``extra_signals`` more while the solver state is
+    being written."""
+    from minicaffe.solvers import SGDSolver
+    real_update, real_state = SGDSolver.apply_update, SGDSolver.snapshot_solver_state
+
+    def update(self):
+        real_update(self)
+        if self.iter == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def state(self, model_filename):
+        for _ in range(extra_signals):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_state(self, model_filename)
+
+    monkeypatch.setattr(SGDSolver, "apply_update", update)
+    monkeypatch.setattr(SGDSolver, "snapshot_solver_state", state)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+def test_second_ctrl_c_waits_for_the_stop_snapshot(cli, tmp_path, monkeypatch):
+    _setup(tmp_path, net=CONST_NET, solver=LONG_SOLVER)
+    _ctrl_c_during_snapshot(monkeypatch, 1)
+    rc, out, err = cli("train", "--solver", "solver.prototxt")
+    assert rc == 0, err
+    assert sorted(os.listdir("snap")) == ["long_iter_4.caffemodel", "long_iter_4.solverstate"]
+    warned = [l for l in err.splitlines() if l.startswith("W")]
+    assert len(warned) == 1 and "Caught SIGINT again: stopping after the snapshot" in warned[0]
+    assert "Stopped by SIGINT at iteration 4; resume with --snapshot " \
+           "snap/long_iter_4.solverstate" in _messages(err)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+def test_third_ctrl_c_aborts(cli, tmp_path, monkeypatch):
+    _setup(tmp_path, net=CONST_NET, solver=LONG_SOLVER)
+    _ctrl_c_during_snapshot(monkeypatch, 2)
+    rc, out, err = cli("train", "--solver", "solver.prototxt")
+    assert rc == 130 and err.rstrip().endswith("minicaffe: interrupted")
+    assert not [f for f in os.listdir("snap") if "solverstate" in f]  # nothing half-written
+
+
+def _stalled_image_list(tmp_path):
+    """An ImageData net whose fourth image is a FIFO nobody writes: a read that hangs, as a
+    hung network file does."""
+    from PIL import Image
+    rs = np.random.RandomState(0)
+    (tmp_path / "img").mkdir()
+    for i in range(3):
+        Image.fromarray(rs.randint(0, 256, (6, 6, 3)).astype(np.uint8)).save(
+            tmp_path / "img" / f"{i}.png")
+    os.mkfifo(tmp_path / "img" / "hung.png")
+    (tmp_path / "list.txt").write_text("img/0.png 0\nimg/1.png 1\nimg/2.png 0\nimg/hung.png 1\n")
+    return ('name: "stall"\nlayer { name: "data" type: "ImageData" top: "data" top: "label"\n'
+            '  image_data_param { source: "list.txt" batch_size: 1 } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"\n'
+            '  inner_product_param { num_output: 2 } }\n'
+            'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" '
+            'top: "loss" }\n')
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO (POSIX)")
+def test_ctrl_c_during_a_stalled_read_stops_training(tmp_path):
+    pytest.importorskip("PIL")
+    _setup(tmp_path, net=_stalled_image_list(tmp_path),
+           solver=LONG_SOLVER.replace("display: 50", "display: 1"))
+    proc = _Proc(tmp_path)
+    proc.wait_for(r"Iteration 2, lr = ")
+    time.sleep(0.5)  # the training thread now waits for the image that never comes
+    proc.p.send_signal(signal.SIGINT)
+    assert proc.finish(timeout=30) == 0
+    msgs = [l.split("] ", 1)[-1] for l in proc.lines]
+    assert "layer 'data' (ImageData): stopped while waiting for data" in msgs
+    assert "Stopped by SIGINT at iteration 3; resume with --snapshot " \
+           "snap/long_iter_3.solverstate" in msgs
+    assert (tmp_path / "snap/long_iter_3.solverstate").is_file()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO (POSIX)")
+def test_ctrl_c_during_a_stalled_read_ends_minicaffe_test(tmp_path):
+    pytest.importorskip("PIL")
+    from minicaffe.net import Net, TEST
+    (tmp_path / "net.prototxt").write_text(_stalled_image_list(tmp_path))
+    same = ('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 '
+            'dim: 3 dim: 6 dim: 6 } } }\nlayer { name: "ip" type: "InnerProduct" bottom: "data" '
+            'top: "ip" inner_product_param { num_output: 2 } }\n')
+    (tmp_path / "weights.prototxt").write_text(same)
+    Net(str(tmp_path / "weights.prototxt"), TEST).save(str(tmp_path / "w.caffemodel"))
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
+    # a shell without job control starts background jobs (CI) with SIGINT ignored, and
+    # Python keeps it so: give the command a terminal's Ctrl-C
+    run = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from minicaffe.cli import main; sys.exit(main(sys.argv[1:]))")
+    p = subprocess.Popen([sys.executable, "-c", run, "test", "--model", "net.prototxt",
+                          "--weights", "w.caffemodel", "--iterations", "10"], cwd=tmp_path,
+                         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines = []
+    try:
+        for line in p.stderr:
+            lines.append(line)
+            if "Batch 2, loss = " in line:
+                break
+        time.sleep(0.5)  # now waiting for the image that never comes
+        p.send_signal(signal.SIGINT)
+        try:
+            _, rest = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # show where every thread is (faulthandler)
+            p.send_signal(signal.SIGABRT)
+            _, rest = p.communicate(timeout=30)
+            raise AssertionError("minicaffe test ignored Ctrl-C:\n" + rest[-6000:]) from None
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+    assert p.returncode == 130
+    assert "minicaffe: interrupted" in rest and "Traceback" not in rest

@@ -1,6 +1,7 @@
 """Databases and conversion tools: LMDB/LevelDB round trips, convert_mnist, convert_cifar,
 convert_imageset, compute_image_mean, and their one-line errors."""
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -74,6 +75,19 @@ def test_a_failed_write_leaves_nothing(tmp_path):
             db.new_transaction().put(b"k", b"v")
             raise RuntimeError("boom")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_a_new_database_gets_the_mode_of_a_plain_mkdir(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        with open_db(tmp_path / "x", "lmdb", "new") as db:
+            t = db.new_transaction()
+            t.put(b"k", b"v")
+            t.commit()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "x").st_mode) == 0o777 & ~umask
 
 
 def test_open_errors(tmp_path):

@@ -345,3 +345,120 @@ def test_lenet_trains_with_plain_sgd_loop():
         for blob, lr in zip(net.learnable_params, net.params_lr):
             blob.data[...] -= 0.05 * lr * blob.diff
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+
+
+# -- weights that fill nothing, names that collide, empty batches ------------------------------
+def test_weights_that_fill_nothing_are_an_error(tmp_path):
+    net = tiny_net()
+    empty = tmp_path / "empty.caffemodel"
+    empty.write_bytes(b"")  # what a failed download leaves
+    with pytest.raises(MinicaffeError, match=r"empty\.caffemodel: no weights were copied .*"
+                                             r"holds no layers.*ip1, ip2"):
+        net.copy_from(str(empty))
+    other = tiny_net(TINY.replace('"ip1"', '"fc1"').replace('"ip2"', '"fc2"'))
+    other.save(str(tmp_path / "other.caffemodel"))
+    with pytest.raises(MinicaffeError, match="none of its layers with weights matches"):
+        net.copy_from(str(tmp_path / "other.caffemodel"))
+    with pytest.raises(MinicaffeError, match="no weights were copied"):
+        Net(parse_text(TINY, caffe_pb2.NetParameter()), caffe.TEST,
+            weights=str(tmp_path / "other.caffemodel"))
+
+
+def test_weights_that_fill_some_layers_say_which_keep_their_values(tmp_path):
+    from test_solver_nets import captured_log
+    renamed = tiny_net(TINY.replace('"ip2"', '"fc2"'))  # fine-tuning: a renamed last layer
+    renamed.save(str(tmp_path / "part.caffemodel"))
+    net = tiny_net()
+    with captured_log() as lines:
+        net.copy_from(str(tmp_path / "part.caffemodel"))
+    np.testing.assert_array_equal(net.params["ip1"][0].data, renamed.params["ip1"][0].data)
+    warned = [l for l in lines if l.startswith("W")]
+    assert len(warned) == 1 and "2 of 4 parameter blobs" in warned[0] and "ip2" in warned[0]
+
+
+def test_duplicate_names_of_layers_with_parameters_are_an_error():
+    text = TINY.replace('name: "ip2"', 'name: "ip1"')
+    with pytest.raises(ConfigError, match=r"layer 'ip1' is defined twice .*#1 and #3"):
+        tiny_net(text)
+    # Caffe's mnist_autoencoder.prototxt names two parameterless loss layers alike
+    tiny_net(TINY.replace('name: "relu1"', 'name: "loss"'))
+
+
+def test_zero_batch_names_the_data_layer():
+    with pytest.raises(MinicaffeError, match=r"layer 'data' \(Input\): top 'data' has shape "
+                                             r"\(0, 3\): a zero dimension"):
+        tiny_net(TINY.replace("dim: 4 dim: 3", "dim: 0 dim: 3"))
+
+
+@pytest.mark.parametrize("layer", [
+    'type: "Convolution" convolution_param { num_output: 3 kernel_size: 3 pad: 1 }',
+    'type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
+    'type: "InnerProduct" inner_product_param { num_output: 3 }',
+])
+def test_layers_that_cannot_run_in_place_say_so(layer):
+    text = ('layer { name: "data" type: "Input" top: "data" '
+            'input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }\n'
+            f'layer {{ name: "x" bottom: "data" top: "data" {layer} }}')
+    with pytest.raises(MinicaffeError, match="layer 'x' .*cannot be computed in place"):
+        tiny_net(text)
+
+
+# -- HDF5 weights --------------------------------------------------------------------------------
+SLASHED = TINY.replace('"ip1"', '"block/ip1"').replace('"ip2"', '"block/ip2"')
+
+
+def test_hdf5_weights_keep_layers_named_with_a_slash(tmp_path):
+    pytest.importorskip("h5py")
+    net = tiny_net(SLASHED)
+    net.save_hdf5(str(tmp_path / "w.caffemodel.h5"))
+    other = tiny_net(SLASHED)
+    other.copy_from(str(tmp_path / "w.caffemodel.h5"))
+    for name in ("block/ip1", "block/ip2"):
+        for a, b in zip(net.params[name], other.params[name]):
+            np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_damaged_hdf5_weights_name_the_file(tmp_path):
+    pytest.importorskip("h5py")
+    net = tiny_net()
+    path = tmp_path / "w.caffemodel.h5"
+    net.save_hdf5(str(path))
+    raw = bytearray(path.read_bytes())
+    path.write_bytes(bytes(raw[: len(raw) // 2]))  # a truncated copy
+    with pytest.raises(MinicaffeError, match=r"w\.caffemodel\.h5: ") as e:
+        net.copy_from(str(path))
+    assert "\n" not in str(e.value)
+
+
+# -- a layer's failure is one line naming the layer, of its own type ---------------------------
+@pytest.mark.parametrize("edit,kind,match", [
+    (('num_output: 5', 'num_output: 5 axis: 7'), IndexError, r"layer 'ip1' \(InnerProduct\): "
+     r"IndexError: axis 7"),
+    (('num_output: 5', 'num_output: 2000000000'), MemoryError, r"layer 'ip1' \(InnerProduct\): "
+     r"MemoryError"),
+    (('top: "loss" }', 'top: "loss" softmax_param { axis: -3 } }'), IndexError,
+     r"layer 'loss' \(SoftmaxWithLoss\): IndexError"),
+])
+def test_layer_failures_name_the_layer_and_keep_their_type(edit, kind, match):
+    with pytest.raises(kind, match=match) as e:
+        tiny_net(TINY.replace(*edit))
+    assert isinstance(e.value, MinicaffeError) and "\n" not in str(e.value)
+    assert isinstance(e.value.__cause__, kind)
+
+
+def test_nan_label_is_reported_as_nan():
+    net = tiny_net(TINY + 'layer { name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" '
+                          'top: "acc" }')
+    net.blobs["label"].data[...] = [0, 1, np.nan, 0]
+    with pytest.raises(MinicaffeError, match=r"layer '(loss|acc)' .*label nan is out of range"):
+        net.forward()
+
+
+@pytest.mark.gpu
+def test_nan_label_is_reported_as_nan_on_the_gpu():
+    from minicaffe import context
+    context.set_mode_gpu()
+    net = tiny_net()
+    net.blobs["label"].data[...] = [0, 1, np.nan, 0]
+    with pytest.raises(MinicaffeError, match=r"layer 'loss' .*label nan is out of range"):
+        net.forward()

@@ -504,6 +504,60 @@ def test_bad_solver_parameters_are_one_line_errors(fields, text, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("max_iter", -5, "max_iter must be >= 0, got -5"),
+    ("snapshot", -1, "snapshot must be >= 0"),
+    ("display", -10, "display must be >= 0"),
+    ("base_lr", -0.01, "base_lr must be >= 0"),
+    ("weight_decay", -0.0005, "weight_decay must be >= 0"),
+    ("clip_gradients", -5, "clip_gradients must be >= 0 .or -1"),
+    ("stepvalue", [300, 200], "stepvalue must increase .got 300, 200."),
+    ("test_iter", [0], "test_iter must be positive"),
+])
+def test_nonsense_solver_values_name_file_and_field(tmp_path, field, value, match):
+    (tmp_path / "net.prototxt").write_text(linear_net())
+    p = solver_param(None, net=str(tmp_path / "net.prototxt"), base_lr=0.1, lr_policy="fixed",
+                     test_interval=5)
+    if field != "test_iter":
+        p.test_iter.append(1)
+    f = getattr(p, field)
+    if hasattr(f, "extend"):
+        del f[:]
+        f.extend(value)
+    else:
+        setattr(p, field, value)
+    path = tmp_path / "solver.prototxt"
+    from minicaffe.protoio import write_text
+    write_text(str(path), p)
+    with pytest.raises(ConfigError, match=match) as e:
+        get_solver(str(path))
+    assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("net,match", [
+    ("", "the train net has no layers"),
+    ('name: "x"\nlayer { name: "d" type: "DummyData" top: "d" dummy_data_param { shape { dim: 2 '
+     'dim: 3 } } }\nlayer { name: "ip" type: "InnerProduct" bottom: "d" top: "ip" '
+     'inner_product_param { num_output: 2 } }', "the train net has no loss"),
+])
+def test_train_net_that_cannot_learn_names_its_file(tmp_path, net, match):
+    (tmp_path / "net.prototxt").write_text(net)
+    p = solver_param(None, net=str(tmp_path / "net.prototxt"), base_lr=0.1, lr_policy="fixed")
+    with pytest.raises(ConfigError, match=match) as e:
+        get_solver(p)
+    assert str(e.value).startswith(str(tmp_path / "net.prototxt") + ": ")
+
+
+def test_unwritable_snapshot_folder_is_found_before_training(tmp_path):
+    """snapshot: 0 still writes the final snapshot (snapshot_after_train): check at start."""
+    p = solver_param(linear_net(), base_lr=0.1, lr_policy="fixed", max_iter=3,
+                     snapshot_prefix=str(tmp_path / "missing" / "run"))
+    with pytest.raises(MinicaffeError, match="cannot write to snapshot prefix"):
+        get_solver(p)
+    p.snapshot_after_train = False  # nothing will be written: nothing to check
+    get_solver(p)
+
+
 def test_solver_without_net_or_with_two_nets():
     p = solver_param(None, base_lr=0.1, lr_policy="fixed")
     with pytest.raises(ConfigError, match="defines no net"):

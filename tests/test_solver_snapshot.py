@@ -2,6 +2,7 @@
 training exactly (in a new process), plus BVLC's LeNet .solverstate."""
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 
@@ -148,8 +149,10 @@ def test_hdf5_state_layout_is_caffes(tmp_path, monkeypatch):
     s.step(3)
     s.snapshot()
     with h5py.File("snaps/run_iter_3.solverstate.h5", "r") as f:
-        assert sorted(f.keys()) == ["current_step", "history", "iter", "learned_net"]
-        assert f["iter"].shape == () and int(f["iter"][()]) == 3
+        assert sorted(f.keys()) == ["current_step", "history", "iter", "learned_net",
+                                    "minicaffe_resume"]  # the last, Caffe does not read
+        assert f["iter"].shape == (1,) and int(f["iter"][0]) == 3  # hdf5_save_int's rank 1
+        assert f["current_step"].shape == (1,)
         assert f["iter"].dtype == np.int32
         name = f["learned_net"]
         assert name.shape == () and name.id.get_type().get_strpad() == h5py.h5t.STR_NULLTERM
@@ -185,10 +188,67 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(MinicaffeError, match=r"^snaps/run_iter_1\.caffemodel: cannot write "
+                                             r"\(No space left on device\)$"):
         s.snapshot()
     monkeypatch.undo()
     assert os.listdir(tmp_path / "snaps") == []
+
+
+@pytest.mark.parametrize("fmt", ["BINARYPROTO", "HDF5"])
+def test_full_disk_names_the_snapshot_file(tmp_path, monkeypatch, fmt):
+    if fmt == "HDF5":
+        pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, "SGD", fmt)
+    s = _solver(tmp_path)
+    s.step(1)
+    real_replace = os.replace
+
+    def full_for_states(src, dst):  # the weights are written, the state finds the disk full
+        if ".solverstate" in dst:
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_for_states)
+    with pytest.raises(MinicaffeError, match=r"^snaps/run_iter_1\.solverstate(\.h5)?: cannot "
+                                             r"write \(No space left on device\)$"):
+        s.snapshot()
+    assert not [f for f in os.listdir("snaps") if ".solverstate" in f or ".tmp-" in f]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+@pytest.mark.parametrize("fmt", ["BINARYPROTO", "HDF5"])
+def test_snapshots_get_the_mode_of_a_plain_write(tmp_path, monkeypatch, umask, fmt):
+    if fmt == "HDF5":
+        pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, "SGD", fmt)
+    old = os.umask(umask)
+    try:
+        s = _solver(tmp_path)
+        s.step(1)
+        s.snapshot()
+    finally:
+        os.umask(old)
+    files = os.listdir("snaps")
+    assert len(files) == 2
+    for f in files:
+        assert stat.S_IMODE(os.stat(os.path.join("snaps", f)).st_mode) == 0o666 & ~umask, f
+
+
+def test_leftovers_of_a_killed_write_are_removed_at_the_next_snapshot(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, "SGD", "BINARYPROTO")
+    s = _solver(tmp_path)
+    s.step(1)
+    leftovers = [".tmp-run_iter_1.caffemodel-ab12cd", ".tmp-run_iter_1.solverstate-x9"]
+    for name in leftovers + [".tmp-other_iter_1.caffemodel-zz"]:
+        (tmp_path / "snaps" / name).write_bytes(b"half")
+    s.step(1)
+    s.snapshot()
+    assert sorted(os.listdir("snaps")) == [".tmp-other_iter_1.caffemodel-zz",
+                                           "run_iter_2.caffemodel", "run_iter_2.solverstate"]
 
 
 def test_restore_finds_weights_next_to_a_moved_state(tmp_path, monkeypatch):
@@ -279,7 +339,7 @@ def test_weights_finetune_into_train_and_test_nets(tmp_path, monkeypatch):
 
 
 def test_bvlc_lenet_solverstate_restores_and_training_continues(fixtures_dir, tmp_path,
-                                                                  monkeypatch):
+                                                                  monkeypatch, request):
     """Caffe's own lenet_iter_10000.solverstate (V1 era; history in 4-D legacy shapes)
     restores into minicaffe's LeNet; with MNIST at hand the net scores ~99% and keeps
     training from iteration 10000 with Caffe's momentum history."""
@@ -290,12 +350,16 @@ def test_bvlc_lenet_solverstate_restores_and_training_continues(fixtures_dir, tm
     p = solver_param(lenet_memory(64, 100), LENET_SOLVER.replace("test_iter: 100", "test_iter: 5"),
                      snapshot=0, snapshot_after_train=False, random_seed=1)
     s = get_solver(p)
-    mnist = REPO.parents[0] / "shared" / "data" / "mnist"
-    have_mnist = (mnist / "t10k-images-idx3-ubyte.gz").exists()
+    try:  # MNIST from the example's cache (fetched there), else random stand-ins
+        mnist = request.getfixturevalue("mnist_dir")
+    except pytest.skip.Exception:
+        mnist = None
+    have_mnist = mnist is not None
     if have_mnist:
-        from minicaffe.datasets import read_idx
-        images = read_idx(str(mnist / "t10k-images-idx3-ubyte.gz"))[:, None] * np.float32(1 / 256)
-        labels = read_idx(str(mnist / "t10k-labels-idx1-ubyte.gz")).astype(np.float32)
+        from minicaffe.datasets import find_mnist_files, read_idx
+        files = find_mnist_files(str(mnist))
+        images = read_idx(files["test_images"])[:, None] * np.float32(1 / 256)
+        labels = read_idx(files["test_labels"]).astype(np.float32)
     else:
         rng = np.random.RandomState(0)
         images = rng.rand(1000, 1, 28, 28).astype(np.float32)

@@ -25,6 +25,7 @@ import threading
 
 import numpy as np
 
+from .. import fileio
 from ..errors import MinicaffeError
 from ..proto import caffe_pb2
 
@@ -119,6 +120,7 @@ class _Database:
                 raise DBError(f"{path}: the parent directory {parent} does not exist")
             self.path = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".tmp-",
                                          dir=parent)
+            os.chmod(self.path, fileio.plain_mode(directory=True))  # mkdtemp's is 0700
         self._closed = False
 
     def __enter__(self):

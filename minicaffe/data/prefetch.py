@@ -28,12 +28,13 @@ import threading
 import time
 import traceback
 import weakref
+from concurrent.futures import Future
 
 import numpy as np
 
 from .. import backend, context, log
 from ..blob import Blob
-from ..errors import MinicaffeError
+from ..errors import MinicaffeError, WaitInterrupted
 from ..layer import Layer
 from ..proto import caffe_pb2
 from .transformer import DataTransformer, TransformError
@@ -47,6 +48,7 @@ class Batch:
         self.label = Blob(label_shape, dtype) if label_shape is not None else None
         self.ready = None      # event on the copy stream: the upload is done
         self.consumed = None   # event on the compute stream: the net is done with it
+        self.position = None   # where the loader and its generator were after this batch
 
     def blobs(self):
         return [self.data] + ([self.label] if self.label is not None else [])
@@ -59,15 +61,68 @@ class _Failure:
 
 
 _STOP = object()
+STOP_TIMEOUT = 2.0   # seconds ``stop`` waits for a thread (a stalled read may never end)
+
+
+class DaemonPool:
+    """``map(fn, *iterables)`` over ``n`` daemon threads: the decode pool of a loader.
+    (concurrent.futures joins its workers at interpreter exit, so one stuck in a hung
+    read would keep the process from exiting; daemon threads never do.)"""
+
+    def __init__(self, n, name="prefetch-decode"):
+        self._tasks = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self):
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            future, fn, args = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+    def map(self, fn, *iterables):
+        """[fn(*args) for args in zip(*iterables)], computed on the pool's threads."""
+        futures = []
+        for args in zip(*iterables):
+            futures.append(Future())
+            self._tasks.put((futures[-1], fn, args))
+        return [f.result() for f in futures]
+
+    def shutdown(self, timeout=STOP_TIMEOUT):
+        for _ in self._threads:
+            self._tasks.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
+
+def _position(loader, rng_state):
+    """Where ``loader`` is (its ``position()``, if it has one) and the thread's generator."""
+    position = getattr(loader, "position", None)
+    out = dict(position()) if position is not None else {}
+    out["rng"] = rng_state
+    return out
 
 
 class PrefetchThread:
     """Fills batches on a background thread with ``loader.load_batch(batch, rng)``.
 
     ``loader`` must not reference the layer (the layer's finalizer stops the thread);
-    it may define ``close()``, called on the thread when it ends."""
+    it may define ``close()``, called on the thread when it ends, and ``position()``, a
+    dict of where it is (see ``BasePrefetchingDataLayer.data_position``).  Each batch
+    records the position after it was loaded (``batch.position``), so the consumer knows
+    where the records it has used end, however far the thread has read ahead.  A thread
+    made with ``rng_state`` continues that generator instead of drawing a seed."""
 
-    def __init__(self, loader, batches, describe="data layer", name="prefetch"):
+    def __init__(self, loader, batches, describe="data layer", name="prefetch",
+                 rng_state=None):
         self.loader = loader
         self.describe = describe
         self.free = queue.Queue()
@@ -79,8 +134,14 @@ class PrefetchThread:
         self.gpu = st.mode == context.GPU
         self.device_id = st.device_id
         self.solver_rank = st.solver_rank
-        # Caffe's InternalThread: the parent's generator draws the child's seed.
-        self.seed = int(context.rng().randint(0, 2 ** 32, dtype=np.uint32))
+        if rng_state is None:  # Caffe's InternalThread: the parent's generator draws the seed
+            self.seed = int(context.rng().randint(0, 2 ** 32, dtype=np.uint32))
+            rng_state = np.random.RandomState(self.seed).get_state()
+        else:
+            self.seed = 0
+        self.rng_state = rng_state
+        self.start_position = _position(loader, rng_state)  # before the first batch
+        self.close_loader = True
         self._stop = threading.Event()
         self._failure = None
         self._waits = 0
@@ -105,6 +166,7 @@ class PrefetchThread:
                 context.set_mode_gpu()
                 stream = backend.new_stream(non_blocking=True)
             rng = context.rng()
+            rng.set_state(self.rng_state)
             while not self._stop.is_set():
                 batch = self.free.get()
                 if batch is _STOP or self._stop.is_set():
@@ -113,6 +175,7 @@ class PrefetchThread:
                     batch.consumed.synchronize()
                     batch.consumed = None
                 self.loader.load_batch(batch, rng)
+                batch.position = _position(self.loader, rng.get_state())
                 if stream is not None:
                     for b in batch.blobs():
                         b.data_mem.async_gpu_data(stream)
@@ -129,7 +192,7 @@ class PrefetchThread:
                     f"the prefetch thread failed: {type(e).__name__}: {e}"
             self.full.put(_Failure(msg, traceback.format_exc()))
         finally:
-            close = getattr(self.loader, "close", None)
+            close = getattr(self.loader, "close", None) if self.close_loader else None
             if close is not None:
                 try:
                     close()
@@ -156,6 +219,9 @@ class PrefetchThread:
                     if not self._thread.is_alive() and self.full.empty():
                         why = "was closed" if self._stop.is_set() else "is not running"
                         raise MinicaffeError(f"the prefetch thread {why}") from None
+                    if context.stop_requested():  # a stalled read never makes us deaf
+                        raise WaitInterrupted(f"{self.describe}: stopped while waiting "
+                                              "for data") from None
             self.host_wait_s += time.perf_counter() - t0
         if isinstance(item, _Failure):
             self._failure = item
@@ -169,8 +235,20 @@ class PrefetchThread:
             batch.consumed = backend.current_stream().record()
         self.free.put(batch)
 
-    def stop(self, timeout=10.0):
-        """Stop the thread and wait for it (not when called from the thread itself)."""
+    def batches_back(self):
+        """The batches in the queues, once the thread has stopped (to hand to a new one)."""
+        out = []
+        for q in (self.free, self.full):
+            while not q.empty():
+                item = q.get_nowait()
+                if isinstance(item, Batch):
+                    out.append(item)
+        return out
+
+    def stop(self, timeout=STOP_TIMEOUT, close_loader=True):
+        """Stop the thread and wait for it (not when called from the thread itself); the
+        loader is closed unless ``close_loader`` is False (a new thread will use it)."""
+        self.close_loader = close_loader
         self._stop.set()
         self.free.put(_STOP)
         t = self._thread
@@ -241,14 +319,50 @@ class BasePrefetchingDataLayer(BaseDataLayer):
                 blob.mutable_cpu_data()  # pinned in GPU mode; head at the CPU
         self._current = None
         self._wait_events = []
-        self._prefetch = PrefetchThread(loader, batches, f"layer '{self.name}' ({self.type})",
-                                        name=f"prefetch:{self.name}")
+        self._loader = loader
+        self._start(batches)
+
+    def _start(self, batches, rng_state=None):
+        self._prefetch = PrefetchThread(self._loader, batches, f"layer '{self.name}' "
+                                        f"({self.type})", name=f"prefetch:{self.name}",
+                                        rng_state=rng_state)
+        self._position = self._prefetch.start_position
         # The finalizer holds the thread object only, so the layer can be collected.
         self._finalizer = weakref.finalize(self, self._prefetch.stop)
         self._prefetch.start()
 
     def data_layer_setup(self, bottom, top):
         raise NotImplementedError
+
+    # -- where the net is in the data (exact resume) ------------------------------------------
+    def data_position(self):
+        """Where the batches this layer has handed to the net end: the loader's position
+        (the next record, the shuffled order...) and the generator of its thread, after
+        the last batch consumed (the thread may have read further ahead)."""
+        return self._position
+
+    def set_data_position(self, position):
+        """Continue from ``position`` (from ``data_position``, maybe of another process):
+        the thread is stopped, the batches it read ahead are dropped, and a new thread
+        reads on from there with the saved generator."""
+        self._finalizer.detach()
+        self._prefetch.stop(close_loader=False)
+        if self._prefetch.is_alive():
+            raise self.error("cannot move to the saved data position: the prefetch thread "
+                             "does not stop (a stalled read?)")
+        batches = self._prefetch.batches_back()
+        if self._current is not None:
+            if self._prefetch.gpu:  # the net may still read it: the new thread waits
+                self._current.consumed = backend.current_stream().record()
+            batches.append(self._current)
+            self._current = None
+        set_position = getattr(self._loader, "set_position", None)
+        if set_position is not None:
+            try:
+                set_position(position)
+            except MinicaffeError as e:
+                raise self.error(str(e)) from None
+        self._start(batches, position["rng"])
 
     # -- forward --------------------------------------------------------------------------------
     def _next_batch(self):
@@ -260,6 +374,7 @@ class BasePrefetchingDataLayer(BaseDataLayer):
         except MinicaffeError as e:
             raise self.error(str(e)) from None
         self._current = batch
+        self._position = batch.position
         return batch
 
     def _hand_over(self, src, top, gpu):

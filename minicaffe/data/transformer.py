@@ -148,9 +148,9 @@ class DataTransformer:
 
     def transform(self, images, out, rng=None, where=None, pool=None):
         """Transform ``images`` (a list of (C, H, W) arrays of one shape, or an (N, C, H, W)
-        array; uint8 or float) into ``out`` (N, C, h, w) float array.  With ``pool`` (a
-        concurrent.futures executor) the per-image work is spread over its threads (numpy
-        releases the GIL); the random draws are made first, in Caffe's order."""
+        array; uint8 or float) into ``out`` (N, C, h, w) float array.  With ``pool`` (an
+        object with ``map``: prefetch.DaemonPool) the per-image work is spread over its
+        threads (numpy releases the GIL); the random draws are made first, in Caffe's order."""
         n = len(images)
         if n == 0:
             return out

@@ -194,6 +194,12 @@ class GpuStep:
             self._prepare()
             self._run(("update",))
 
+    def abandon(self):
+        """Forget the iteration begun last (a stop ended its data wait): no update ran,
+        the counter did not move, its ring slot is used again."""
+        if self.pending and self.pending[-1][0] is None:
+            self.pending.pop()
+
     def end(self, iteration):
         """Finish iteration ``iteration``: later default-stream work waits for it."""
         ev = self.stream.record()

@@ -37,7 +37,8 @@ def _scatter_add(xp, a, index, values):
 def _indices(layer, xp, data, high, what):
     """Integer indices from a float blob's data; one clear error when any is not an
     integer in [0, high)."""
-    idx = data.astype(np.int64)
+    with np.errstate(invalid="ignore"):  # NaN: reported below
+        idx = data.astype(np.int64)
     bad = (idx < 0) | (idx >= high) | (idx != data)
     if bool(bad.any()):
         first = float(data.reshape(-1)[int(xp.argmax(bad.reshape(-1)))])
@@ -51,6 +52,7 @@ class InnerProductLayer(Layer):
     y = x W^T + b  (W is (N, K), or (K, N) with ``transpose``).
     dW += dy^T x, db += sum_m dy, dx = dy W."""
     capturable = True
+    allow_in_place = False
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 

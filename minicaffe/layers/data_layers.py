@@ -20,7 +20,7 @@ from .. import context, log
 from ..blob import Blob
 from ..data.db import DBError, key_text, open_db, parse_datum
 from ..data.images import ImageError, read_image
-from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer
+from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer, DaemonPool
 from ..data.transformer import TransformError
 from ..errors import MinicaffeError
 from ..layer import Layer
@@ -79,15 +79,14 @@ def decode_pool(loader):
         n = decode_threads()
         if n <= 1:
             return None
-        from concurrent.futures import ThreadPoolExecutor
-        pool = loader._pool = ThreadPoolExecutor(n, thread_name_prefix="prefetch-decode")
+        pool = loader._pool = DaemonPool(n)
     return pool
 
 
 def close_decode_pool(loader):
     pool = getattr(loader, "_pool", None)
     if pool is not None:
-        pool.shutdown(wait=True)
+        pool.shutdown()
         loader._pool = None
 
 
@@ -117,6 +116,17 @@ class DBLoader:
 
     def where(self):
         return f"{self.source}: key {key_text(self.key)}" if self.key is not None else self.source
+
+    def position(self):
+        """The next record to read (its index in key order)."""
+        return {"record": self.pos if self.cursor is not None else self.skip}
+
+    def set_position(self, position):
+        """Read on from ``position`` (the next read reopens the cursor there)."""
+        if self.cursor is not None:
+            self.cursor.close()
+            self.cursor = None
+        self.skip = int(position.get("record", 0))
 
     def _open(self):
         self.cursor = self.db.new_cursor()
@@ -269,6 +279,25 @@ class ImageListLoader:
         name, _, n = self.current
         return f"{self.list_file}:{n} ({name})"
 
+    def position(self):
+        """The next entry and, when shuffling, the order and its generator (``order`` is
+        replaced, never changed in place, so it needs no copy here)."""
+        out = {"record": self.pos}
+        if self.shuffle:
+            out.update(order=self.order, shuffle_rng=self.rng.get_state())
+        return out
+
+    def set_position(self, position):
+        if "order" in position:
+            if len(position["order"]) != len(self.lines):
+                raise MinicaffeError(f"{self.list_file}: the saved position is for a list of "
+                                     f"{len(position['order'])} images; it now has "
+                                     f"{len(self.lines)}")
+            self.order = np.asarray(position["order"])
+        if "shuffle_rng" in position:
+            self.rng.set_state(position["shuffle_rng"])
+        self.pos = int(position.get("record", 0)) % len(self.lines)
+
     def _read(self, entry):
         self.current = entry
         return read_image(self.root + entry[0], self.new_h, self.new_w, self.is_color,
@@ -284,6 +313,7 @@ class ImageListLoader:
                     log.info("Restarting data prefetching from start.")
                 self.pos = 0
                 if self.shuffle:
+                    self.order = self.order.copy()  # position() handed out the old one
                     self.rng.shuffle(self.order)
         wheres = [f"{self.list_file}:{n} ({name})" for name, _, n in entries]
         _decode_check_transform(
@@ -466,6 +496,26 @@ class HDF5DataLayer(BaseDataLayer):
             self.current_row = 0
             if self.shuffle:
                 self.rng.shuffle(self.rows)
+
+    def data_position(self):
+        """The file being read, the next row, both shuffled orders and their generator."""
+        return {"file": self.current_file, "record": self.current_row,
+                "order": self.rows.copy(), "file_order": self.file_order.copy(),
+                "shuffle_rng": self.rng.get_state()}
+
+    def set_data_position(self, position):
+        file_order = np.asarray(position["file_order"])
+        if len(file_order) != len(self.files):
+            raise self.error(f"{self.source}: the saved position is for a list of "
+                             f"{len(file_order)} HDF5 files; it now has {len(self.files)}")
+        self.file_order, self.current_file = file_order, int(position["file"])
+        self._load(self.file_order[self.current_file])
+        if len(position["order"]) != len(self.rows):
+            raise self.error(f"{self.files[self.file_order[self.current_file]]}: the saved "
+                             f"position is for {len(position['order'])} rows; it now has "
+                             f"{len(self.rows)}")
+        self.rows, self.current_row = np.asarray(position["order"]), int(position["record"])
+        self.rng.set_state(position["shuffle_rng"])
 
     def forward_cpu(self, bottom, top):
         outs = [t.mutable_cpu_data() for t in top]

@@ -58,11 +58,12 @@ def _checked_labels(layer, xp, raw, num_classes, has_ignore=False, ignore_label=
     """Integer labels (Caffe's static_cast<int>), the mask of counted labels, and the
     labels with ignored entries replaced by 0 (safe to index with).  A label outside
     [0, num_classes) that is not the ignore_label raises a one-line LayerError."""
-    lab = raw.astype(np.int64)
+    with np.errstate(invalid="ignore"):  # a NaN label is reported below, as "nan"
+        lab = raw.astype(np.int64)
     valid = (lab != ignore_label) if has_ignore else xp.ones(lab.shape, dtype=bool)
     bad = valid & ((lab < 0) | (lab >= num_classes))
     if bool(bad.any()):
-        value = int(lab[bad].ravel()[0])
+        value = "%g" % float(raw[bad].ravel()[0])
         extra = f" and is not the ignore_label ({ignore_label})" if has_ignore else ""
         raise layer.error(f"label {value} is out of range [0, {num_classes}){extra}")
     return xp.where(valid, lab, 0), valid

@@ -17,26 +17,34 @@ and the module defines it as pycaffe users do::
         def backward(self, top, propagate_down, bottom): bottom[0].diff[...] = ...
 
 The module is imported when the layer is created (its directory must be on
-``sys.path``/``PYTHONPATH``, as with Caffe).  The blobs a Python layer sees are
-the net's blobs themselves (:class:`PyBlob`): ``data``/``diff`` are numpy
-arrays that write through, ``reshape(*shape)``, ``shape``, ``num``/``channels``/
-``height``/``width`` and ``count`` as a number.  ``self.blobs`` holds the layer's
-parameters (``self.blobs.add_blob(*shape)`` adds one); they are the net's learnable
-parameters, saved to and loaded from ``.caffemodel`` files like any layer's.
+``sys.path``/``PYTHONPATH``, as with Caffe).  A module that says ``import caffe`` (as
+BVLC's do) gets minicaffe when no real caffe is installed (one info line says so).
+The blobs a Python layer sees are the net's blobs themselves (:class:`PyBlob`):
+``data``/``diff`` are numpy arrays that write through, ``reshape(*shape)``, ``shape``,
+``num``/``channels``/``height``/``width`` and ``count`` as a number.  ``self.blobs``
+holds the layer's parameters (``self.blobs.add_blob(*shape)`` adds one); they are the
+net's learnable parameters, saved to and loaded from ``.caffemodel`` files like any
+layer's.
 
 Python layers run on the CPU; in GPU mode the data moves to the host and back, as in
-Caffe.  An exception raised by the layer's code becomes a one-line LayerError naming
-the layer, the method and the file:line where it was raised (the original exception
-is its ``__cause__``).  ``share_in_parallel`` is deprecated and ignored: every solver
-thread builds its own net, so each gets its own Python layer object.
+Caffe.  An exception raised by the layer's code reaches the caller as its own type (a
+RuntimeError is still a RuntimeError, as pycaffe's tests expect) that is also a
+one-line LayerError naming the layer, the method and the file:line where it was
+raised (the original exception is its ``__cause__``).  ``share_in_parallel`` is
+deprecated and ignored: every solver thread builds its own net, so each gets its own
+Python layer object.
 """
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import traceback
 
 import numpy as np
 
+from .. import log
 from ..blob import Blob
-from ..errors import MinicaffeError
+from ..errors import MinicaffeError, layer_failure
 from ..layer import Layer
 from ..proto import caffe_pb2
 from ..registry import register_layer
@@ -131,6 +139,7 @@ class PythonLayer(Layer):
         if not pp.module or not pp.layer:
             raise self.error("python_param needs both 'module' and 'layer' "
                              f"(got module '{pp.module}', layer '{pp.layer}')")
+        serve_caffe_import()
         try:
             module = importlib.import_module(pp.module)
         except Exception as e:
@@ -178,9 +187,9 @@ class PythonLayer(Layer):
             return getattr(self.py_layer, method)(*args)
         except MinicaffeError:
             raise
-        except Exception as e:
-            raise self.error(f"{method}() raised {type(e).__name__}: {_one_line(e)}"
-                             f"{_where(e)}") from e
+        except Exception as e:  # its own type still, with the layer named (pycaffe)
+            raise layer_failure(self.name, self.type, e, f"{method}() raised "
+                                f"{type(e).__name__}: {_one_line(e)}{_where(e)}") from e
 
     def layer_setup(self, bottom, top):
         obj = self.py_layer
@@ -204,6 +213,44 @@ class PythonLayer(Layer):
     def __repr__(self):
         pp = self.layer_param.python_param
         return f"<PythonLayer '{self.name}' {pp.module}.{pp.layer}>"
+
+
+class _MinicaffeAsCaffe(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers ``import caffe`` and ``import caffe.X`` with minicaffe's own module objects
+    (installed only where no real caffe is importable; first on sys.meta_path, so that
+    ``caffe.proto`` is minicaffe's module, not a second copy of it)."""
+
+    said = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "caffe" and not name.startswith("caffe."):
+            return None
+        try:
+            importlib.util.find_spec("mini" + name)
+        except ImportError:
+            return None
+        if not self.said:
+            log.info("No caffe module is installed: 'import caffe' gets minicaffe")
+            self.said = True
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module("mini" + spec.name)
+        self._spec = module.__spec__   # the import system sets the alias's spec on it
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self._spec
+
+
+def serve_caffe_import():
+    """BVLC's Python layer modules (``examples/pycaffe/pyloss.py``) say ``import caffe``:
+    when no real caffe is importable, that import gets minicaffe (said in one info line)."""
+    if any(isinstance(f, _MinicaffeAsCaffe) for f in sys.meta_path):
+        return
+    if "caffe" in sys.modules or importlib.util.find_spec("caffe") is not None:
+        return
+    sys.meta_path.insert(0, _MinicaffeAsCaffe())
 
 
 def _one_line(e):

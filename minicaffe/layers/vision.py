@@ -438,6 +438,7 @@ def _budget(xp):
 class _ConvGeometry(Layer):
     """Reads ConvolutionParameter's geometry (kernel, stride, pad, dilation,
     axis) as Caffe's BaseConvolutionLayer does."""
+    allow_in_place = False
 
     def read_geometry(self, bottom):
         p = self.layer_param.convolution_param
@@ -713,6 +714,8 @@ class PoolingLayer(Layer):
     input); optional second top: the MAX argmax mask (flat h*W+w, as float).
     Backward routes dy to the argmax (MAX), the sampled element (STOCHASTIC)
     or spreads dy/pool_size over the window (AVE)."""
+    allow_in_place = False
+
     @property
     def capturable(self):
         """STOCHASTIC pooling in TRAIN draws from CuPy's generator (cuRAND): not capturable."""
@@ -778,13 +781,14 @@ class PoolingLayer(Layer):
         N, C, H, W = bottom[0].shape
         if self.global_pooling:
             self.kernel = [H, W]
-        if self.kernel[0] > H + 2 * self.pad[0] or self.kernel[1] > W + 2 * self.pad[1]:
-            raise self.error(f"kernel_size {self.kernel} is larger than the padded input "
-                             f"{H}x{W} + 2*pad {self.pad} (bottom shape {bottom[0].shape})")
-        # the kernels compute Caffe's CEIL geometry; FLOOR keeps its leading windows
+        # the kernels compute Caffe's CEIL geometry; FLOOR keeps its leading windows.  A
+        # kernel larger than the padded input gives Caffe's one clipped window (CEIL).
         self.ceil_shape = K.pool_output_shape(H, W, self.kernel, self.stride, self.pad)
         self.out_shape = tuple(pooled_size(s, k, st, p, self.round_mode) for s, k, st, p
                                in zip((H, W), self.kernel, self.stride, self.pad))
+        if min(self.out_shape) <= 0:
+            raise self.error(f"kernel_size {self.kernel} leaves no output on the padded input "
+                             f"{H}x{W} + 2*pad {self.pad} (bottom shape {bottom[0].shape})")
         for t in top:
             t.reshape((N, C) + self.out_shape)
 
@@ -926,6 +930,7 @@ class SPPLayer(Layer):
     kernel, pad (kernel*2^l - H + 1)/2, Caffe's Pooling rules), flatten each
     level and concatenate: top (N, C * sum_l bins_l).  pyramid_height 1 gives
     the single pooling's 4-D top (N, C, 1, 1), as in Caffe."""
+    allow_in_place = False
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 

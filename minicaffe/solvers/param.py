@@ -52,6 +52,36 @@ def upgrade_snapshot_prefix(param, param_file):
         log.info("snapshot_prefix was a directory and is replaced to %s", param.snapshot_prefix)
 
 
+# field: (the test a value must pass, what it must be); only fields given are checked
+_RANGES = {
+    "max_iter": (lambda v: v >= 0, ">= 0"),
+    "display": (lambda v: v >= 0, ">= 0 (0: no display)"),
+    "snapshot": (lambda v: v >= 0, ">= 0 (0: no periodic snapshots)"),
+    "test_interval": (lambda v: v >= 0, ">= 0"),
+    "base_lr": (lambda v: v >= 0, ">= 0 (a negative rate climbs the loss)"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "momentum": (lambda v: v >= 0, ">= 0"),
+    "momentum2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "delta": (lambda v: v >= 0, ">= 0"),
+    "power": (lambda v: v >= 0, ">= 0"),
+    "clip_gradients": (lambda v: v >= 0 or v == -1, ">= 0 (or -1, the default: no clipping)"),
+}
+
+
+def check_solver_param(param, source="solver"):
+    """One line naming the file and the field for a value no training can use (Caffe
+    trains with them and fails later, or silently does nothing)."""
+    for field, (ok, what) in _RANGES.items():
+        if param.HasField(field) and not ok(getattr(param, field)):
+            raise ConfigError(f"{source}: {field} must be {what}, got {getattr(param, field):g}")
+    for i, n in enumerate(param.test_iter):
+        if n <= 0:
+            raise ConfigError(f"{source}: test_iter must be positive, got {n} (test net #{i})")
+    steps = list(param.stepvalue)
+    if any(b <= a for a, b in zip(steps, steps[1:])) or (steps and steps[0] < 0):
+        raise ConfigError(f"{source}: stepvalue must increase (got {', '.join(map(str, steps))})")
+
+
 def read_solver_param(source):
     """A SolverParameter from a path (.prototxt/.yaml/.yml), prototxt text or a message.
     Returns (param, path or None)."""

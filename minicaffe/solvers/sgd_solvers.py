@@ -211,7 +211,8 @@ class SGDSolver(Solver):
     # -- solver state ---------------------------------------------------------------------
     def _state(self, model_filename):
         return snap.SolverStateData(self.iter, model_filename, self.current_step,
-                                    [(h.shape, h.cpu_data()) for h in self.history])
+                                    [(h.shape, h.cpu_data()) for h in self.history],
+                                    self.resume_state())
 
     def snapshot_solver_state(self, model_filename):
         state = self._state(model_filename)
@@ -240,6 +241,7 @@ class SGDSolver(Solver):
         log.info("%s: restoring history", type(self).__name__)
         for h, (shape, arr) in zip(self.history, state.history):
             h.mutable_cpu_data()[...] = np.asarray(arr, dtype=h.dtype).reshape(h.shape)
+        self.restore_resume_state(state.resume, state_file)
 
     def _check_history(self, state, state_file):
         params = self.net.learnable_params

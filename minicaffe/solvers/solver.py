@@ -20,12 +20,12 @@ import time
 
 import numpy as np
 
-from .. import context, log
-from ..errors import ConfigError, MinicaffeError
+from .. import context, fileio, log
+from ..errors import ConfigError, MinicaffeError, WaitInterrupted
 from ..net import Net, read_net_param
 from ..proto import caffe_pb2
-from . import lr_policy
-from .param import read_solver_param
+from . import lr_policy, snapshot as snap
+from .param import check_solver_param, read_solver_param
 
 TRAIN = caffe_pb2.TRAIN
 TEST = caffe_pb2.TEST
@@ -77,6 +77,7 @@ class Solver:
         self.losses = []
         self.smoothed_loss = _f(0)
         self.iterations_last = 0
+        self.last_snapshot = None  # (iter, solver state file) of the last snapshot
         self.net = None
         self.test_nets = []
         self._init()
@@ -107,6 +108,7 @@ class Solver:
             options.set_tf32(prec == "TF32")
             if self.root:
                 log.info("GPU math: %s", options.describe())
+        check_solver_param(p, self.source)
         if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             try:
                 import h5py  # noqa: F401
@@ -159,23 +161,32 @@ class Solver:
             if self.root:
                 log.info("Creating training net specified in train_net_param.")
             net_param = read_net_param(p.train_net_param)
+            where = f"{self.source} (train_net_param)"
         elif p.HasField("train_net"):
             if self.root:
                 log.info("Creating training net from train_net file: %s", p.train_net)
             net_param = self._read_net(p.train_net)
+            where = self._net_path(p.train_net)
         elif p.HasField("net_param"):
             if self.root:
                 log.info("Creating training net specified in net_param.")
             net_param = read_net_param(p.net_param)
+            where = f"{self.source} (net_param)"
         else:
             if self.root:
                 log.info("Creating training net from net file: %s", p.net)
             net_param = self._read_net(p.net)
+            where = self._net_path(p.net)
         state = caffe_pb2.NetState(phase=TRAIN)
         state.MergeFrom(net_param.state)
         state.MergeFrom(p.train_state)
         net_param.state.CopyFrom(state)
         self.net = Net(net_param)
+        if not self.net.layers:
+            raise ConfigError(f"{where}: the train net has no layers (in phase TRAIN)")
+        if not any(self.net.blob_loss_weights.values()):
+            raise ConfigError(f"{where}: the train net has no loss (no layer has a loss weight "
+                              "in phase TRAIN): training would change nothing")
 
     def init_test_nets(self):
         p = self.param
@@ -222,6 +233,9 @@ class Solver:
             np_.state.CopyFrom(state)
             log.info("Creating test net (#%d) specified by %s", i, sources[i])
             net = Net(np_)
+            if not net.layers:
+                raise ConfigError(f"{self.source}: test net #{i} ({sources[i]}) has no layers "
+                                  "(in phase TEST)")
             net.debug_info = p.debug_info
             self.test_nets.append(net)
         self.mean_scores = [[] for _ in self.test_nets]
@@ -276,8 +290,12 @@ class Solver:
             display = bool(p.display) and self.iter % p.display == 0
             net.debug_info = display and (p.debug_info or net.net_param.debug_info)
             loss = 0.0
-            for _ in range(p.iter_size):
-                loss += net.forward_backward()
+            try:
+                for _ in range(p.iter_size):
+                    loss += net.forward_backward()
+            except WaitInterrupted as e:  # a stop signal during a stalled read
+                self._stop_on(e)
+                break
             loss /= p.iter_size
             if not math.isfinite(loss):
                 self._report_nonfinite(loss)
@@ -362,8 +380,13 @@ class Solver:
                 self._gpu_flush(st, start_iter)
             rate = self.get_learning_rate()
             st.begin(rate, self.fused_extra())
-            for k in range(p.iter_size):
-                st.forward_backward(first=k == 0, with_update=fused)
+            try:
+                for k in range(p.iter_size):
+                    st.forward_backward(first=k == 0, with_update=fused)
+            except WaitInterrupted as e:  # a stop signal during a stalled read
+                st.abandon()
+                self._stop_on(e)
+                break
             if display:
                 self._gpu_flush(st, start_iter, current=self.iter)
                 if self.root:
@@ -394,6 +417,14 @@ class Solver:
                 self.requested_early_exit = True
                 break
         self._gpu_flush(st, start_iter)
+
+    def _stop_on(self, interrupted):
+        """Stop as the pending request asks, after a wait for data that a stop signal
+        ended: the iteration did not happen, the snapshot is of the one before."""
+        log.info("%s", interrupted)
+        while self.get_requested_action() != SolverAction.NONE:
+            pass
+        self.requested_early_exit = True
 
     def _log_outputs(self, net, kind):
         index = 0
@@ -479,7 +510,11 @@ class Solver:
                 request = self.get_requested_action()
             if self.requested_early_exit:
                 break
-            iter_loss = test_net.forward_prefilled()
+            try:
+                iter_loss = test_net.forward_prefilled()
+            except WaitInterrupted as e:
+                self._stop_on(e)
+                break
             if p.test_compute_loss:
                 loss += iter_loss
             k = 0
@@ -521,10 +556,13 @@ class Solver:
 
     # -- snapshots ----------------------------------------------------------------------
     def check_snapshot_write_permissions(self):
+        """Caffe's check, made whenever a snapshot will be written (periodic ones, or the
+        final one of snapshot_after_train), so a final snapshot is never lost to a folder
+        found unwritable only after training."""
         p = self.param
-        if not (self.root and p.snapshot):
+        if not self.root or not (p.snapshot or p.snapshot_after_train):
             return
-        if not p.HasField("snapshot_prefix"):
+        if p.snapshot and not p.HasField("snapshot_prefix"):
             raise ConfigError(f"{self.source}: snapshot is specified but snapshot_prefix is not")
         probe = self.snapshot_filename(".tempfile")
         try:
@@ -544,6 +582,7 @@ class Solver:
         if not self.root:
             raise MinicaffeError("only the root solver snapshots")
         p = self.param
+        fileio.remove_leftovers(f"{p.snapshot_prefix}_iter_")  # of snapshots killed mid-write
         if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             model_filename = self.snapshot_filename(".caffemodel.h5")
             log.info("Snapshotting to HDF5 file %s", model_filename)
@@ -552,12 +591,43 @@ class Solver:
             model_filename = self.snapshot_filename(".caffemodel")
             log.info("Snapshotting to binary proto file %s", model_filename)
             self.net.save(model_filename, write_diff=p.snapshot_diff)
-        self.snapshot_solver_state(model_filename)
+        self.last_snapshot = (self.iter, self.snapshot_solver_state(model_filename))
         return model_filename
 
     def restore(self, state_file):
         """Continue from a .solverstate or .solverstate.h5 (Caffe's Solver::Restore)."""
         self.restore_solver_state(os.fspath(state_file))
+
+    def resume_state(self):
+        """minicaffe's addition to a solver state (SolverState.resume): this thread's
+        generator and every data layer's position, as of this iteration."""
+        r = caffe_pb2.ResumeState()
+        snap.rng_to_proto(context.rng().get_state(), r.rng)
+        for net_id, net in enumerate([self.net] + self.test_nets):
+            for name, layer in zip(net.layer_names, net.layers):
+                position = getattr(layer, "data_position", None)
+                if position is not None:
+                    snap.position_to_proto(position(), r.data.add(net=net_id, layer=name))
+        return r
+
+    def restore_resume_state(self, resume, state_file):
+        """Put the data layers and the generator where ``resume`` says (None: a state
+        written by Caffe, which has no positions: the data starts at its first record)."""
+        if resume is None:
+            log.info("%s holds no data positions (written by Caffe?): the data layers start "
+                     "from their first record", state_file)
+            return
+        nets = [self.net] + self.test_nets
+        for d in resume.data:
+            net = nets[d.net] if d.net < len(nets) else None
+            layer = net.layer_dict.get(d.layer) if net is not None else None
+            if layer is None or not hasattr(layer, "set_data_position"):
+                log.warning("%s: data layer '%s' of net #%d is not in this solver's nets: its "
+                            "position is not restored", state_file, d.layer, d.net)
+                continue
+            layer.set_data_position(snap.position_from_proto(d))
+        if resume.HasField("rng"):
+            context.rng().set_state(snap.rng_from_proto(resume.rng))
 
     def snapshot_solver_state(self, model_filename):
         raise NotImplementedError

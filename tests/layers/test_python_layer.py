@@ -258,6 +258,15 @@ def test_exception_in_forward_names_layer_method_and_line(pymod):
     assert isinstance(e.value.__cause__, ValueError)
 
 
+def test_exception_in_forward_keeps_its_type(pymod):
+    x = blob(np.zeros((2, 2)))
+    layer = make_layer(py_text(pymod, "Broken"))
+    top = [Blob(dtype=np.float64)]
+    layer.setup([x], top)
+    with pytest.raises(ValueError, match=r"layer '.*' \(Python\): forward\(\) raised ValueError"):
+        layer.forward([x], top)
+
+
 def test_layer_without_forward(pymod):
     x = blob(np.zeros((2, 2)))
     layer = make_layer(py_text(pymod, "NoForward"))
@@ -322,3 +331,77 @@ def test_user_attributes_reachable_through_the_net_layer(tmp_path, monkeypatch):
     assert layer.greeting == "hi there"
     with pytest.raises(AttributeError):
         layer.no_such_attribute
+
+
+# -- pycaffe's own Python-layer files ---------------------------------------------------------
+CAFFE_MODULE = '''
+import caffe                       # as BVLC's examples/pycaffe/layers/pyloss.py says
+from caffe.proto import caffe_pb2
+
+
+class ExceptionLayer(caffe.Layer):
+    """BVLC's python/caffe/test/test_python_layer.py: setup raises RuntimeError."""
+
+    def setup(self, bottom, top):
+        raise RuntimeError
+
+
+class Twice(caffe.Layer):
+    def setup(self, bottom, top):
+        assert caffe_pb2.TEST == caffe.TEST
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = 2 * bottom[0].data
+'''
+
+CAFFE_NET = """name: 'pythonnet' force_backward: true
+input: 'data' input_shape { dim: 2 dim: 3 }
+layer { type: 'Python' name: 'one' bottom: 'data' top: 'one'
+  python_param { module: 'MOD' layer: 'LAYER' } }
+"""
+
+
+@pytest.fixture
+def caffe_module(tmp_path, monkeypatch):
+    """A module that imports caffe; sys.meta_path and sys.modules are restored after."""
+    import sys
+    name = f"mc_caffe_layers_{tmp_path.name}".replace("-", "_")
+    (tmp_path / f"{name}.py").write_text(CAFFE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path  # minicaffe's caffe alias
+                                           if type(f).__module__ != "minicaffe.layers.python_layer"])
+    saved = {m: sys.modules.pop(m) for m in list(sys.modules)
+             if m == "caffe" or m.startswith("caffe.")}
+    yield name
+    for m in list(sys.modules):
+        if m == "caffe" or m.startswith("caffe.") or m == name:
+            del sys.modules[m]
+    sys.modules.update(saved)
+
+
+def _net_file(tmp_path, module, layer):
+    path = tmp_path / f"{layer}.prototxt"
+    path.write_text(CAFFE_NET.replace("MOD", module).replace("LAYER", layer))
+    return str(path)
+
+
+def test_module_that_imports_caffe_gets_minicaffe(caffe_module, tmp_path):
+    import minicaffe
+    from test_solver_nets import captured_log
+    with captured_log() as lines:
+        net = minicaffe.Net(_net_file(tmp_path, caffe_module, "Twice"), minicaffe.TEST)
+    net.blobs["data"].data[...] = 1.5
+    np.testing.assert_array_equal(net.forward()["one"], 3.0)
+    assert sum("'import caffe' gets minicaffe" in l for l in lines) == 1
+
+
+def test_python_layer_exception_keeps_its_type(caffe_module, tmp_path):
+    """BVLC's test_python_layer.test_exception: assertRaises(RuntimeError, caffe.Net, ...)."""
+    import minicaffe
+    with pytest.raises(RuntimeError, match=r"layer 'one' \(Python\): setup\(\) raised "
+                                           r"RuntimeError") as e:
+        minicaffe.Net(_net_file(tmp_path, caffe_module, "ExceptionLayer"), minicaffe.TEST)
+    assert isinstance(e.value, LayerError) and "\n" not in str(e.value)

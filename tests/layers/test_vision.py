@@ -173,6 +173,24 @@ def test_pooling_output_size(H, k, s, p, ceil, floor):
         assert top.shape == (1, 2, expect, expect)
 
 
+@pytest.mark.parametrize("method", ["AVE", "MAX"])
+@pytest.mark.parametrize("k,s,p", [(5, 3, 0), (7, 3, 1)])
+def test_kernel_larger_than_the_padded_input_pools_the_clipped_window(method, k, s, p):
+    """A published GoogLeNet variant pools a 4x4 map with a 5x5 window, stride 3: Caffe's
+    CEIL geometry gives one output over the clipped window."""
+    x = rand_blob((2, 3, 4, 4))
+    layer = make_layer(f'type: "Pooling" pooling_param {{ pool: {method} kernel_size: {k} '
+                       f'stride: {s} pad: {p} }}')
+    top, = forward(layer, x)
+    assert top.shape == (2, 3, 1, 1)
+    np.testing.assert_allclose(top.data, naive_pool(x.data, (k, k), (s, s), (p, p), method,
+                                                    (1, 1)), rtol=1e-12)
+    floor = make_layer(f'type: "Pooling" pooling_param {{ pool: {method} kernel_size: {k} '
+                       f'stride: {s} pad: {p} round_mode: FLOOR }}')
+    with pytest.raises(LayerError, match="leaves no output"):
+        setup(floor, x)
+
+
 def test_global_pooling_shape():
     top, = setup(make_layer('type: "Pooling" pooling_param { pool: AVE global_pooling: true }'),
                  rand_blob((2, 3, 5, 7)))
@@ -874,6 +892,10 @@ def test_cpu_gpu_parity(text):
      ()),
     ('type: "Crop" crop_param { axis: 1 offset: 1 offset: 2 offset: 0 }', (3, 5, 7, 6),
      ((3, 2, 4, 6),)),
+    # a kernel larger than the padded input: one clipped window (a GoogLeNet variant)
+    ('type: "Pooling" pooling_param { pool: AVE kernel_size: 5 stride: 3 }', (2, 3, 4, 4), ()),
+    ('type: "Pooling" pooling_param { pool: MAX kernel_size: 7 stride: 3 pad: 1 }',
+     (2, 3, 4, 4), ()),
 ])
 def test_cpu_gpu_parity_nd_and_crop(text, shape, extra):
     x = np.random.RandomState(0).uniform(-1, 1, shape).astype(np.float32)

@@ -1,0 +1,121 @@
+"""A full CPU training step (forward, backward, SGD-momentum update), minicaffe against
+PyTorch, side by side in one process (prints figures, not a test).
+
+    python benchmarks/cpu_vs_torch.py [--threads 2] [--rounds 15] [--steps 10]
+
+LeNet (batch 64) and CIFAR-10 quick (batch 100) from models/, with Input layers in place
+of the data layers (random inputs, set once), and the same nets written in PyTorch.  Each
+round times ``--steps`` steps of minicaffe, then of PyTorch, so both see the same outside
+load; printed: the median and the minimum over the rounds of ms per step, and the ratio
+of the medians.  ``--threads`` sets the BLAS/OpenMP threads of both (numpy's OpenBLAS
+reads OPENBLAS_NUM_THREADS at import, so the script sets it before importing numpy;
+PyTorch takes ``torch.set_num_threads``).  On a shared machine two threads swing with the
+outside load; ``--threads 1`` (or ``taskset -c 0``) gives steadier figures.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NETS = {"LeNet": ("models/lenet/train_val.prototxt", 64, (1, 28, 28)),
+        "CIFAR-10 quick": ("models/cifar10_quick/train_val.prototxt", 100, (3, 32, 32))}
+DATA = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData")
+
+
+def minicaffe_step(path, batch, shape):
+    """A function running one solver step of ``path``'s TRAIN net on random inputs."""
+    import numpy as np
+    from minicaffe import context
+    from minicaffe.net import read_net_param
+    from minicaffe.proto import caffe_pb2
+    from minicaffe.solvers import get_solver
+    p = read_net_param(os.path.join(ROOT, path))
+    s = caffe_pb2.SolverParameter(base_lr=0.001, momentum=0.9, weight_decay=0.0005,
+                                  lr_policy="fixed", display=0, random_seed=1,
+                                  snapshot_after_train=False,
+                                  solver_mode=caffe_pb2.SolverParameter.CPU)
+    for l in p.layer:
+        if any(r.phase == caffe_pb2.TEST for r in l.include) or l.type == "Accuracy":
+            continue
+        n = s.net_param.layer.add()
+        if l.type in DATA:
+            n.name, n.type = l.name, "Input"
+            n.top.extend(l.top)
+            n.input_param.shape.add().dim.extend((batch,) + shape)
+            n.input_param.shape.add().dim.extend([batch])
+        else:
+            n.CopyFrom(l)
+    context.set_mode_cpu()
+    solver = get_solver(s)
+    rs = np.random.RandomState(0)
+    solver.net.blobs["data"].data[...] = rs.randn(batch, *shape)
+    solver.net.blobs["label"].data[...] = rs.randint(0, 10, batch)
+    return lambda: solver.step(1)
+
+
+def torch_step(name, batch, shape):
+    import torch
+    from torch import nn
+    if name == "LeNet":
+        model = nn.Sequential(nn.Conv2d(1, 20, 5), nn.MaxPool2d(2, 2), nn.Conv2d(20, 50, 5),
+                              nn.MaxPool2d(2, 2), nn.Flatten(), nn.Linear(800, 500), nn.ReLU(),
+                              nn.Linear(500, 10))
+    else:  # Caffe's pooling rounds up: ceil_mode
+        model = nn.Sequential(nn.Conv2d(3, 32, 5, padding=2), nn.MaxPool2d(3, 2, ceil_mode=True),
+                              nn.ReLU(), nn.Conv2d(32, 32, 5, padding=2), nn.ReLU(),
+                              nn.AvgPool2d(3, 2, ceil_mode=True), nn.Conv2d(32, 64, 5, padding=2),
+                              nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True), nn.Flatten(),
+                              nn.Linear(64 * 4 * 4, 64), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9, weight_decay=0.0005)
+    loss_fn = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((batch,) + shape, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+
+    def step():
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def timed(fn, steps):
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args(argv)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(a.threads)
+    sys.path.insert(0, ROOT)
+    import numpy  # noqa: F401  (after the thread variables)
+    import torch
+    torch.set_num_threads(a.threads)
+    import minicaffe
+    print(f"{a.threads} thread(s) each; minicaffe {minicaffe.__version__}, numpy "
+          f"{numpy.__version__}, PyTorch {torch.__version__}; {os.cpu_count()} CPUs; "
+          f"load average {os.getloadavg()[0]:.2f} at start")
+    for name, (path, batch, shape) in NETS.items():
+        ours, theirs = minicaffe_step(path, batch, shape), torch_step(name, batch, shape)
+        ours(), theirs()  # warm up
+        mc, pt = [], []
+        for _ in range(a.rounds):
+            mc.append(timed(ours, a.steps))
+            pt.append(timed(theirs, a.steps))
+        m, p = statistics.median(mc), statistics.median(pt)
+        print(f"{name} b{batch}: minicaffe {m:.1f} ms/step (min {min(mc):.1f}), PyTorch "
+              f"{p:.1f} ms/step (min {min(pt):.1f}); minicaffe/PyTorch {m / p:.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
