@@ -3,7 +3,6 @@ products; forward, backward data, backward filter = 3 x forward), for bounds:
 
     python benchmarks/flops.py models/vgg16/train_val.prototxt 64
 """
-import math
 import sys
 
 sys.path.insert(0, ".")

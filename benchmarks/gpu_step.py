@@ -12,7 +12,6 @@ import sys
 import time
 
 import numpy as np
-from google.protobuf import text_format
 
 sys.path.insert(0, ".")
 from minicaffe import backend, context  # noqa: E402
@@ -104,7 +103,6 @@ def main():
     if not a.no_eager:    # (its peak then includes the graph solver's memory)
         rows.append(("eager", make(net, False)))
     if a.legacy:
-        from minicaffe.solvers.solver import Solver
         s = make(net, False)
         s._gpu_step_wanted = lambda: False
         rows.append(("legacy", s))

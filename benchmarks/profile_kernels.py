@@ -12,7 +12,6 @@ import sys
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gpu_step import make, synthetic  # noqa: E402

@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .. import context, log
+from .. import context
 from .. import kernels as K
 from ..blas import gemm_batched
 from ..blob import Blob
