@@ -362,8 +362,8 @@ def test_bvlc_lenet_solverstate_restores_and_training_continues(fixtures_dir, tm
         labels = read_idx(files["test_labels"]).astype(np.float32)
     else:
         rng = np.random.RandomState(0)
-        images = rng.rand(1000, 1, 28, 28).astype(np.float32)
-        labels = rng.randint(0, 10, 1000).astype(np.float32)
+        images = rng.rand(4064, 1, 28, 28).astype(np.float32)   # [4000:4064] below
+        labels = rng.randint(0, 10, 4064).astype(np.float32)
     feed_memory(s.net, images[4000:4064], labels[4000:4064])
     feed_memory(s.test_nets[0], images[:500], labels[:500])
     with captured_log() as lines:
