@@ -15,7 +15,6 @@ otherwise random images of the same shape are used.
 """
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -25,21 +24,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from minicaffe import context  # noqa: E402
+from minicaffe.bench import cpu_model as cpu_name  # noqa: E402
 from minicaffe.blob import Blob  # noqa: E402
 from minicaffe.data.convert import convert_imageset, convert_mnist, write_datums  # noqa: E402
 from minicaffe.data.prefetch import Batch  # noqa: E402
 from minicaffe.testing import make_layer  # noqa: E402
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def mnist_db(tmp, mnist_dir):

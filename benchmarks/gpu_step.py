@@ -11,40 +11,24 @@ import statistics
 import sys
 import time
 
-import numpy as np
 
 sys.path.insert(0, ".")
 from minicaffe import backend, context  # noqa: E402
 from minicaffe.net import read_net_param  # noqa: E402
 from minicaffe.proto import caffe_pb2  # noqa: E402
 from minicaffe.solvers import get_solver  # noqa: E402
-
-DATA = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData")
-
+from minicaffe.synthetic import fill_synthetic_inputs, synthetic_net_param  # noqa: E402
 
 def synthetic(path, batch, shape):
+    """The TRAIN net of ``path`` with Input layers for its data layers (minicaffe.synthetic)."""
     p = read_net_param(path)
-    out = caffe_pb2.NetParameter()
-    out.CopyFrom(p)
-    del out.layer[:]
-    for l in p.layer:
-        if any(r.phase == caffe_pb2.TEST for r in l.include):
-            continue
-        if l.type in DATA:
-            n = out.layer.add()
-            n.name, n.type = l.name, "Input"
-            n.top.extend(l.top)
-            n.input_param.shape.add().dim.extend([batch] + shape)
-            if len(l.top) > 1:
-                n.input_param.shape.add().dim.extend([batch])
-            continue
-        if l.type == "Accuracy":
-            continue
-        out.layer.add().CopyFrom(l)
-    return out
+    p.state.phase = caffe_pb2.TRAIN
+    return synthetic_net_param(p, path, batch, input_shape=tuple(shape))[0]
 
 
 def make(net, graphs):
+    """An SGD solver (lr 0.001 fixed, momentum 0.9, weight decay 0.0005) on ``net``, inputs
+    filled once (labels in the loss's class range)."""
     s = caffe_pb2.SolverParameter()
     s.net_param.CopyFrom(net)
     s.base_lr, s.momentum, s.weight_decay = 0.001, 0.9, 0.0005
@@ -54,13 +38,7 @@ def make(net, graphs):
     s.cuda_graph = graphs
     context.set_random_seed(1)
     solver = get_solver(s)
-    rs = np.random.RandomState(0)
-    for name in solver.net.inputs:
-        b = solver.net.blobs[name]
-        if b.num_axes == 1:
-            b.data[...] = rs.randint(0, 10, b.shape)
-        else:
-            b.data[...] = rs.randn(*b.shape)
+    fill_synthetic_inputs(solver.net)
     return solver
 
 

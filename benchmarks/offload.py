@@ -5,7 +5,7 @@ offload policy, with PyTorch's ``save_on_cpu(pin_memory=True)`` as the peer, in 
                                  [--budgets 0.5,0.75] [--json OUT.json]
 
 Each configuration runs in a child process of its own (a clean device: its peak is its
-own), synthetic inputs on the GPU (benchmarks/gpu_step.py's ``synthetic``), SGD with
+own), synthetic inputs on the GPU (minicaffe.synthetic, through benchmarks/gpu_step.py), SGD with
 momentum, strict fp32 on both sides, the minicaffe step replayed as CUDA graphs.
 Printed per net: peak device memory (measured: the allocator's high-water mark plus
 the graphs' private pools; and planned), ms per iteration (median of repeats), the

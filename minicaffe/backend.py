@@ -60,6 +60,15 @@ def check_device(device_id):
         raise MinicaffeError(f"GPU {device_id} requested but only {n} device(s) exist")
 
 
+def gpu_name(device_id):
+    """The device's name, or '?' when the driver will not say."""
+    try:
+        name = cp.cuda.runtime.getDeviceProperties(device_id)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # pragma: no cover - depends on the driver
+        return "?"
+
+
 def get_array_module(*arrays):
     """numpy or cupy, whichever holds the arrays (chainer's idiom)."""
     if cp is not None:

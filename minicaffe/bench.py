@@ -319,14 +319,6 @@ def blas_threads():
     return os.cpu_count() or 1
 
 
-def gpu_name(device_id):
-    try:
-        name = backend.cp.cuda.runtime.getDeviceProperties(device_id)["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # pragma: no cover - depends on the driver
-        return "?"
-
-
 def minicaffe_tf32():
     """Whether minicaffe's cuDNN and cuBLAS calls may use TF32 (gpu/options.py; GPU mode
     only)."""
@@ -341,7 +333,7 @@ def machine_info(gpu, torch_mod=None):
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "blas_threads": blas_threads(), "gpu": None, "device": "cpu"}
     if gpu is not None:
-        info["gpu"] = gpu_name(gpu)
+        info["gpu"] = backend.gpu_name(gpu)
         info["device"] = f"gpu:{gpu}"
     versions = {"python": platform.python_version(), "minicaffe": __version__,
                 "numpy": np.__version__, "cupy": None, "torch": None}

@@ -8,24 +8,27 @@ gradients need.
 import numpy as np
 
 
+def _blend(r, out, alpha, beta):
+    """out = alpha r + beta out (numpy)."""
+    if alpha != 1:
+        r *= out.dtype.type(alpha)
+    if beta == 0:
+        out[...] = r
+    else:
+        if beta != 1:
+            out *= out.dtype.type(beta)
+        out += r
+    return out
+
+
 def gemm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     """out = alpha op(a) op(b) + beta out for 2-D arrays (op: transpose if asked)."""
     if xp is np:
         aa = a.T if trans_a else a
         bb = b.T if trans_b else b
         if beta == 0 and alpha == 1:
-            np.matmul(aa, bb, out=out)
-        else:
-            r = aa @ bb
-            if alpha != 1:
-                r *= out.dtype.type(alpha)
-            if beta == 0:
-                out[...] = r
-            else:
-                if beta != 1:
-                    out *= out.dtype.type(beta)
-                out += r
-        return out
+            return np.matmul(aa, bb, out=out)
+        return _blend(aa @ bb, out, alpha, beta)
     from .gpu import cublas
     return cublas.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out,
                          trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)
@@ -36,16 +39,7 @@ def gemm_batched(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.
     if xp is np:
         aa = a.swapaxes(-1, -2) if trans_a else a
         bb = b.swapaxes(-1, -2) if trans_b else b
-        r = np.matmul(aa, bb)
-        if alpha != 1:
-            r *= out.dtype.type(alpha)
-        if beta == 0:
-            out[...] = r
-        else:
-            if beta != 1:
-                out *= out.dtype.type(beta)
-            out += r
-        return out
+        return _blend(np.matmul(aa, bb), out, alpha, beta)
     from .gpu import cublas
     return cublas.matmul_batched(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out,
                                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta)

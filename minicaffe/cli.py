@@ -225,14 +225,6 @@ def _check_gpus(gpus):
             raise MinicaffeError(f"GPU {g} requested but only {n} device(s) exist")
 
 
-def _gpu_name(device_id):
-    try:
-        name = backend.cp.cuda.runtime.getDeviceProperties(device_id)["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # pragma: no cover - depends on the driver
-        return "?"
-
-
 def _single_gpu(gpus):
     while len(gpus) > 1:
         log.info("Not using GPU #%d for single-GPU function", gpus[-1])
@@ -347,7 +339,7 @@ def train(flags, stream=None):
     else:
         log.info("Using GPUs %s", ", ".join(map(str, gpus)))
         for g in gpus:
-            log.info("GPU %d: %s", g, _gpu_name(g))
+            log.info("GPU %d: %s", g, backend.gpu_name(g))
         param.device_id = gpus[0]
         context.set_device(gpus[0])
         context.set_mode_gpu()
@@ -370,9 +362,7 @@ def train(flags, stream=None):
             if bar is not None:
                 stream.bar = None
                 bar.close()
-            for net in [solver.net] + list(solver.test_nets):  # stop the prefetch threads
-                if net is not None:
-                    net.close()
+            solver.close()  # stop the prefetch threads
     if handler.stopped_by:
         last_iter, state_file = solver.last_snapshot or (None, None)
         if last_iter == solver.iter:
@@ -395,7 +385,7 @@ def _train_parallel(flags, param, path, gpus, stream):
     def describe(ids):
         log.info("Using GPUs %s", ", ".join(map(str, ids)))
         for g in ids:
-            log.info("GPU %d: %s", g, _gpu_name(g))
+            log.info("GPU %d: %s", g, backend.gpu_name(g))
     bars = []
 
     def progress(solver):
@@ -620,7 +610,7 @@ def memory(flags):
     print()
     for line in offload.memory_lines(net, hist):   # per offload policy (offload.py)
         print(line)
-    solver.net.close()
+    solver.close()
     return 0
 
 

@@ -228,17 +228,10 @@ class NcclComm(Comm):
                 pass
 
     def close(self):
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = True
-            try:
-                # ncclCommAbort, not ncclCommDestroy: destroy waits for the peers, and a
-                # thread-mode peer may need this thread's GIL to get there (seen hanging at
-                # the end of a run on 2 H200s); abort frees this rank's resources alone
-                self._comm.abort()
-            except Exception:  # pragma: no cover
-                pass
+        """At the end of a run: ncclCommAbort too, not ncclCommDestroy, which waits for
+        the peers (a thread-mode peer may need this thread's GIL to get there: seen
+        hanging at the end of a run on 2 H200s)."""
+        self.abort()
 
 
 # -- sharing the uid between processes ---------------------------------------------------------

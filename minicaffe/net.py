@@ -319,12 +319,11 @@ class Net:
                 for blob_id in self.top_id_vecs[-1]:
                     self._blob_need_backward[blob_id] = True
         self._analyse_backward(param)
-        for lid, layer in enumerate(self.layers):
-            tops = set(self.top_id_vecs[lid])
-            layer.top_rewritten = any(
-                b in tops and b in self.bottom_id_vecs[j]
-                for j in range(lid + 1, len(self.layers)) for b in self.top_id_vecs[j])
-        self._fuse_relus()
+        rewritten = set()  # blobs a later layer rewrites in place
+        for lid in range(len(self.layers) - 1, -1, -1):
+            self.layers[lid].top_rewritten = any(b in rewritten for b in self.top_id_vecs[lid])
+            rewritten.update(b for b in self.top_id_vecs[lid] if b in self.bottom_id_vecs[lid])
+        self._find_fused_pairs()
         self.output_blob_indices = [name_to_idx[n] for n in sorted(available)]
         for i in self.output_blob_indices:
             log.info("This network produces output %s", self.blob_names[i])
@@ -416,7 +415,7 @@ class Net:
             self.has_params_decay[lid] = True
             self.params_weight_decay[lid] = spec.decay_mult
 
-    def _fuse_relus(self):
+    def _find_fused_pairs(self):
         """Pairs a GPU engine layer may compute as one: a cuDNN convolution and the plain
         ReLU after it in place on its only top (``fuse_relu``); a cuDNN BatchNorm and the
         learned Scale after it in place (``fuse_scale``)."""

@@ -301,9 +301,7 @@ class P2PSync:
             m.fail(self.rank, e)
         finally:
             if not self.adopted and self.solver is not None:
-                for net in [self.solver.net] + list(self.solver.test_nets):
-                    if net is not None:
-                        net.close()
+                self.solver.close()
 
     def _set_context(self):
         parent = self.manager.parent_state if self.adopted else None
@@ -745,6 +743,4 @@ def train_threads(solver_param, devices, source=None, snapshot=None, weights=Non
         context.set_solver_count(saved)
         context.set_shard_test(False)
         if solver is not None:
-            for net in [solver.net] + list(solver.test_nets):
-                if net is not None:
-                    net.close()
+            solver.close()

@@ -148,9 +148,7 @@ def train_rank(param, source, rank, world_size, device, share_uid, channel, snap
             context.set_shard_test(False)
             context.set_multiprocess(False)
             if solver is not None:
-                for net in [solver.net] + list(solver.test_nets):
-                    if net is not None:
-                        net.close()
+                solver.close()
 
 
 def file_uid(init_file, rank):

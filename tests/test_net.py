@@ -462,3 +462,20 @@ def test_nan_label_is_reported_as_nan_on_the_gpu():
     net.blobs["label"].data[...] = [0, 1, np.nan, 0]
     with pytest.raises(MinicaffeError, match=r"layer 'loss' .*label nan is out of range"):
         net.forward()
+
+
+def test_top_rewritten_marks_layers_whose_top_a_later_layer_rewrites_in_place():
+    from minicaffe import Net
+    net = Net("""
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 4 dim: 4 } } }
+    layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+            convolution_param { num_output: 2 kernel_size: 1 } }
+    layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+    layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+            pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+    layer { name: "drop" type: "Dropout" bottom: "pool" top: "pool" }
+    layer { name: "out" type: "Sigmoid" bottom: "pool" top: "out" }
+    """, phase=caffe_pb2.TRAIN)
+    flags = {n: net.layer_by_name(n).top_rewritten for n in net.layer_names}
+    assert flags == {"data": False, "conv": True, "relu": False, "pool": True, "drop": False,
+                     "out": False}

@@ -219,10 +219,6 @@ def zero(dtype):
     return ctypes.byref(_ZERO[np.dtype(dtype)])
 
 
-def scalar(dtype, v):
-    return ctypes.byref(ctypes.c_float(v) if np.dtype(dtype) == np.float32 else ctypes.c_double(v))
-
-
 def _ints(vals):
     vals = [int(v) for v in vals]
     return (ctypes.c_int * len(vals))(*vals)
@@ -390,7 +386,3 @@ def find_algorithm(kind, key, args, workspace, limit):
                          f"workspace{' (deterministic)' if options.deterministic else ''}")
     _algo_cache[ck] = best
     return best
-
-
-def clear_algorithm_cache():
-    _algo_cache.clear()

@@ -226,9 +226,6 @@ class GpuStep:
             layer.check_deferred()
         return out
 
-    def synchronize(self):
-        self.stream.synchronize()
-
     # -- the device's side ---------------------------------------------------------------
     def _prepare(self):
         """Bring what the body reads to the device (a user may have written inputs or

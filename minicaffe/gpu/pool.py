@@ -9,10 +9,10 @@ another stream needs an event wait and a reference held until that stream is don
 (the data layer's prefetch does both).
 
 ``peak_bytes()`` is the high-water mark of bytes in use since ``reset_peak()``:
-``cudaMemPoolAttrUsedMemHigh`` for the async pool; for the default pool, the largest
-``used_bytes()`` seen at the points where ``sample()`` was called plus what the pool holds
-can only bound it, so we report the pool's ``total_bytes()`` (what it took from the
-driver, after ``reset_peak`` freed its cached blocks), as the issue's baseline table did.
+``cudaMemPoolAttrUsedMemHigh`` for the async pool; the default pool keeps no high-water
+mark, so for it we report its ``total_bytes()`` (what it took from the driver since
+``reset_peak`` freed its cached blocks: freed blocks it keeps count too), as the issue's
+baseline table did.
 """
 from .. import backend, log
 
@@ -31,7 +31,6 @@ def ensure():
         return
     _prepared.add((kind, dev))
     if kind == "async":
-        _current["pool"] = None if _current["name"] != "async" else _current["pool"]
         use("async")
         rt, mp = _mempool()   # each device has its own pool: keep its memory reserved
         rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrReleaseThreshold"), (1 << 63) - 1)

@@ -301,13 +301,7 @@ class Solver:
                 self._report_nonfinite(loss)
             self.update_smoothed_loss(loss, start_iter, average_loss)
             if display and self.root:
-                lapse = time.perf_counter() - timer_start
-                per_s = (self.iter - self.iterations_last) / (lapse if lapse else 1.0)
-                log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
-                         _fmt(_f(per_s)), _fmt(_f(lapse)), p.display, _fmt(self.smoothed_loss))
-                timer_start = time.perf_counter()
-                self.iterations_last = self.iter
-                self._log_outputs(net, "Train")
+                timer_start = self._log_display(timer_start)
             for cb in self.callbacks:
                 cb.on_gradients_ready()
             self.apply_update()
@@ -363,7 +357,6 @@ class Solver:
         self.smoothed_loss = _f(0)
         self.iterations_last = self.iter
         timer_start = time.perf_counter()
-        net = self.net
         fused = p.iter_size == 1 and not any(
             getattr(cb, "on_gradients_ready", None) for cb in self.callbacks)
         while self.iter < stop_iter:
@@ -390,14 +383,7 @@ class Solver:
             if display:
                 self._gpu_flush(st, start_iter, current=self.iter)
                 if self.root:
-                    lapse = time.perf_counter() - timer_start
-                    per_s = (self.iter - self.iterations_last) / (lapse if lapse else 1.0)
-                    log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
-                             _fmt(_f(per_s)), _fmt(_f(lapse)), p.display,
-                             _fmt(self.smoothed_loss))
-                    timer_start = time.perf_counter()
-                    self.iterations_last = self.iter
-                    self._log_outputs(net, "Train")
+                    timer_start = self._log_display(timer_start)
             for cb in self.callbacks:
                 cb.on_gradients_ready()
             if not fused:
@@ -425,6 +411,17 @@ class Solver:
         while self.get_requested_action() != SolverAction.NONE:
             pass
         self.requested_early_exit = True
+
+    def _log_display(self, timer_start):
+        """Caffe's display lines (speed, smoothed loss, the train net's outputs); returns
+        the new start of the display timer."""
+        lapse = time.perf_counter() - timer_start
+        per_s = (self.iter - self.iterations_last) / (lapse if lapse else 1.0)
+        log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
+                 _fmt(_f(per_s)), _fmt(_f(lapse)), self.param.display, _fmt(self.smoothed_loss))
+        self.iterations_last = self.iter
+        self._log_outputs(self.net, "Train")
+        return time.perf_counter()
 
     def _log_outputs(self, net, kind):
         index = 0
@@ -639,6 +636,12 @@ class Solver:
         raise NotImplementedError
 
     # -- pycaffe aliases ------------------------------------------------------------------
+    def close(self):
+        """Stop the nets' background work (data prefetch threads) now."""
+        for net in [self.net] + list(self.test_nets):
+            if net is not None:
+                net.close()
+
     def share_weights(self, net):
         """Make ``net`` use this solver's trained weights (pycaffe's share_weights)."""
         net.share_trained_layers_with(self.net)
