@@ -726,3 +726,31 @@ def test_ctrl_c_during_a_stalled_read_ends_minicaffe_test(tmp_path):
         p.stderr.close()
     assert p.returncode == 130
     assert "minicaffe: interrupted" in rest and "Traceback" not in rest
+
+
+def test_cuda_graph_and_tf32_flags_reach_the_solver_parameter(cli, tmp_path, monkeypatch):
+    """--nocuda_graph / --tf32 override the solver's cuda_graph / minicaffe_precision (what
+    the GPU step and the GPU math read); without them the solver file decides."""
+    import minicaffe.solvers as solvers
+    from minicaffe.gpu import options
+    seen = []
+    real = solvers.solver_class
+
+    def recording(name, source="solver"):
+        cls = real(name, source)
+
+        class Recorder(cls):
+            def __init__(self, param, **kw):
+                seen.append((param.cuda_graph, param.minicaffe_precision))
+                super().__init__(param, **kw)
+        return Recorder
+
+    monkeypatch.setattr(solvers, "solver_class", recording)
+    _setup(tmp_path)
+    old = options.tf32
+    try:
+        assert cli("train", "--solver", "solver.prototxt")[0] == 0
+        assert cli("train", "--solver", "solver.prototxt", "--nocuda_graph", "--tf32")[0] == 0
+    finally:
+        options.set_tf32(old)
+    assert seen == [(True, "FLOAT"), (False, "TF32")]
