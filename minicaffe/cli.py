@@ -594,6 +594,7 @@ def memory(flags):
                                     level=flags.level, stages=_stages(flags))
     offload.set_override(*override)
     net = solver.net
+    net._share_workspace()    # the workspace an offloading net would take (--offload)
     hist = len(getattr(solver, "history_flat", [])) or 1
     plan = MemoryPlan(net, train=True, history_sets=hist)
     shared = MemoryPlan(net, train=True, history_sets=hist, share_data=True)

@@ -170,3 +170,18 @@ def set_stop_check(fn):
 def stop_requested():
     fn = get().stop_check
     return bool(fn is not None and fn())
+
+
+_kept_streams = {}
+
+
+def kept_stream(name):
+    """A non-blocking stream of this thread and GPU, made once and kept for the process:
+    arrays allocated while it is current (a layer's buffers grown in a GPU step) are
+    freed on it by the stream-ordered pool, later, by whoever holds them then -- a
+    stream destroyed under them would make that free fail."""
+    key = (name, threading.get_ident(), device_id())
+    s = _kept_streams.get(key)
+    if s is None:
+        s = _kept_streams[key] = backend.cp.cuda.Stream(non_blocking=True)
+    return s

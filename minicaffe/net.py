@@ -331,7 +331,22 @@ class Net:
         self._check_unique_names()
         self.layer_names_index = {n: i for i, n in enumerate(self.layer_names)}
         self.share_weights()
+        self._share_workspace()
         log.info("Network initialization done.")
+
+    def _share_workspace(self):
+        """One cuDNN workspace size for this net's convolutions (they share a buffer):
+        ``layers/cudnn_layers.share_workspace``."""
+        if any(getattr(l, "candidates", None) for l in self.layers):
+            from . import offload
+            from .layers import cudnn_layers
+            policy, budget = offload.settings(self.net_param)
+            price = (cudnn_layers.OFFLOAD_PRICE_PER_GIB if policy != "NONE" or budget else
+                     cudnn_layers.PRICE_PER_GIB)
+            cap = cudnn_layers.share_workspace(self.layers, price)
+            if cap != getattr(self, "_workspace_cap", None):
+                log.info("cuDNN workspace for %s: %.1f MiB", self.name, cap / 2 ** 20)
+            self._workspace_cap = cap
 
     def _check_unique_names(self):
         """Weights are matched to layers by name, so two layers of one name where either has
@@ -579,6 +594,7 @@ class Net:
     def reshape(self):
         for i, layer in enumerate(self.layers):
             layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
+        self._share_workspace()
 
     def close(self):
         """Stop the layers' background work (data prefetch threads) now, rather than when

@@ -43,7 +43,7 @@ import collections
 
 import numpy as np
 
-from . import backend, log
+from . import backend, context, log
 from .errors import ConfigError
 from .proto import caffe_pb2
 
@@ -689,15 +689,14 @@ class Offloader:
         return cls(step, op, policy, budget)
 
     def __init__(self, step, oplan, policy, budget):
-        cp = backend.cp
         self.step, self.net = step, step.net
         self.policy, self.budget = policy, budget
         self.pending_profile = policy == "DYNAMIC"
         self.active = False
         self.profiling = False
         self.bodies = 0
-        self.d2h = cp.cuda.Stream(non_blocking=True)
-        self.h2d = cp.cuda.Stream(non_blocking=True)
+        self.d2h = context.kept_stream("offload_d2h")
+        self.h2d = context.kept_stream("offload_h2d")
         self._use(oplan)
         net = self.net
         if not getattr(net, "_offload_hooks", False):     # the Net's hooks, once per net

@@ -356,22 +356,24 @@ def search_workspace(kind, descs, limit):
     return int(max(need, default=0))
 
 
-def find_algorithm(kind, key, args, workspace, limit):
-    """The fastest algorithm of ``kind`` (fwd, bwd_data, bwd_filter) for the geometry
+def find_algorithms(kind, key, args, workspace, limit):
+    """The usable algorithms of ``kind`` (fwd, bwd_data, bwd_filter) for the geometry
     ``key``, timed by cuDNN's Find on the buffers in ``args`` (7 pointers/descriptors in
-    the Find call's order), within ``limit`` bytes of workspace; deterministic only when
-    ``options.deterministic``.  Cached per (device, kind, key, options).  Returns
-    (algo, workspace bytes, time ms)."""
-    ck = (context.device_id(), kind, key, options.deterministic, options.tf32, limit)
+    the Find call's order), within ``limit`` bytes of workspace; deterministic ones only
+    when ``options.deterministic``, FMA math only unless TF32 is on.  Cached per (device,
+    kind, key, options).  Returns [(algo, workspace bytes, time ms)], fastest first."""
+    ck = (context.device_id(), kind, key, options.deterministic, options.tf32)
     hit = _algo_cache.get(ck)
-    if hit is not None:
-        return hit
+    if hit is not None and limit <= hit[0]:     # timed with at least this much room
+        fit = [a for a in hit[1] if a[1] <= limit]
+        if fit:
+            return fit
     perf = (AlgoPerf * 16)()
     n = ctypes.c_int(0)
     call(_FIND[kind], handle(), *args, 16, ctypes.byref(n), perf,
          workspace.data.ptr if workspace is not None else None,
          0 if workspace is None else workspace.nbytes)
-    best = None
+    found = []
     for p in perf[:n.value]:
         if p.status != SUCCESS or p.memory > limit:
             continue
@@ -379,10 +381,30 @@ def find_algorithm(kind, key, args, workspace, limit):
             continue
         if not options.tf32 and p.mathType not in (DEFAULT_MATH, FMA_MATH):
             continue
-        best = (int(p.algo), int(p.memory), float(p.time))
-        break
-    if best is None:
+        found.append((int(p.algo), int(p.memory), float(p.time)))
+    if not found:
         raise CudnnError(f"no usable cuDNN {kind} algorithm for {key} within {limit} bytes of "
                          f"workspace{' (deterministic)' if options.deterministic else ''}")
-    _algo_cache[ck] = best
-    return best
+    found.sort(key=lambda a: a[2])
+    _algo_cache[ck] = (limit, found)
+    return found
+
+
+def pick(found, cap):
+    """The fastest of ``found`` (find_algorithms' list) needing at most ``cap`` bytes."""
+    fit = [a for a in found if a[1] <= cap]
+    return min(fit, key=lambda a: a[2]) if fit else min(found, key=lambda a: a[1])
+
+
+def choose_workspace(candidates, price_per_gib):
+    """One workspace for a set of convolution calls (each a find_algorithms list; the
+    workspace is one buffer shared by every layer of a thread): the size W minimising
+    T(W) * (1 + price_per_gib * W / GiB), T(W) being the calls' summed Find time with
+    the fastest algorithm each within W -- a GiB of workspace must buy at least
+    ``price_per_gib`` of the convolutions' time.  Returns W in bytes."""
+    if not candidates:
+        return 0
+    sizes = sorted({a[1] for c in candidates for a in c})
+    def cost(cap):
+        return sum(pick(c, cap)[2] for c in candidates) * (1.0 + price_per_gib * cap / 2 ** 30)
+    return min(sizes, key=lambda cap: (cost(cap), cap))

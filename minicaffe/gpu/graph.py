@@ -93,7 +93,7 @@ class GpuStep:
         self.scalars = cp.zeros(N_SCALARS, dtype=np.float32)
         self.sumsq = cp.zeros(1, dtype=np.float32)
         self.partial = cp.zeros(step_kernels.SUMSQ_BLOCKS, dtype=np.float64)
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.stream = context.kept_stream("step")
         self.launched = 0
         self.pending = collections.deque()
         n = 0

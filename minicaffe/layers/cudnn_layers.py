@@ -8,11 +8,13 @@ Caffe's ceil-mode shape, a leaky ReLU, an even LRN window...) keeps Caffe's GPU 
 decided at reshape time, without a message: the numbers are Caffe's either way.
 
 Convolution: descriptors per input shape, algorithms chosen by cuDNN's Find (timed on
-the real shapes, once per geometry and process: ``gpu/cudnn.find_algorithm``), within
-``WORKSPACE_LIMIT`` bytes of workspace, strict fp32 (CUDNN_FMA_MATH) unless TF32 is
+the real shapes, once per geometry and process: ``gpu/cudnn.find_algorithms``), with one
+workspace size for the whole net (``share_workspace``), strict fp32 (CUDNN_FMA_MATH) unless TF32 is
 switched on (``gpu/options``).  The workspace is one per thread and device, grown at the
 first (eager) run of each shape and never while a CUDA graph is being captured.
 """
+import os
+
 import numpy as np
 
 from .. import backend, context
@@ -25,7 +27,39 @@ from .neuron import ReLULayer, SigmoidLayer, TanHLayer
 from .normalization import BatchNormLayer
 from .vision import ConvolutionLayer, LRNLayer, PoolingLayer
 
-WORKSPACE_LIMIT = 1 << 30   # per convolution call
+# The workspace is one buffer shared by every convolution of a thread, so its size is
+# chosen for a whole net (share_workspace): the size that minimises the convolutions'
+# summed time (cuDNN's Find, on the real shapes) priced at PRICE_PER_GIB of that time
+# per GiB -- more workspace is taken only where each GiB buys at least 1% (VGG-16's
+# first layers' Winograd kernels want gigabytes that grow with the batch).  Find tries
+# up to find_limit() bytes: MINICAFFE_CUDNN_WORKSPACE_LIMIT (bytes) when set, else half
+# the device's free memory.
+PRICE_PER_GIB = 0.01
+# A net that offloads feature maps (offload_param, --offload) trades time for memory
+# already: its workspace must buy 10% of the convolutions' time per GiB.
+OFFLOAD_PRICE_PER_GIB = 0.10
+
+
+def find_limit():
+    env = os.environ.get("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "").strip()
+    if env:
+        try:
+            return max(0, int(float(env)))
+        except ValueError:
+            raise ValueError(f"MINICAFFE_CUDNN_WORKSPACE_LIMIT={env!r}: not a number of "
+                             f"bytes") from None
+    return int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
+
+
+def share_workspace(layers, price=PRICE_PER_GIB):
+    """One workspace size for the cuDNN convolutions among ``layers`` (a net's, which
+    share this thread's buffer): see PRICE_PER_GIB.  Returns the bytes chosen."""
+    convs = [l for l in layers if getattr(l, "_cudnn_key", None) is not None and
+             getattr(l, "candidates", None)]
+    cap = cudnn.choose_workspace([c for l in convs for c in l.candidates.values()], price)
+    for l in convs:
+        l.use_workspace(cap)
+    return cap
 
 
 def workspace(nbytes):
@@ -93,7 +127,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         x = rs.standard_normal(xshape, dtype=dt)
         w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
         y = rs.standard_normal(yshape, dtype=dt)
-        lim = WORKSPACE_LIMIT
+        lim = find_limit()
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
         need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
                    cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
@@ -101,18 +135,27 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
                    cudnn.search_workspace("bwd_filter", (d[0].ptr, d[3].ptr, d[2].ptr,
                                                          d[1].ptr), lim))
         ws = cp.empty(need, dtype=np.uint8) if need else None
-        self.fwd = cudnn.find_algorithm(
-            "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)), ws, lim)
-        self.bwd_data = cudnn.find_algorithm(
-            "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr, _ptr(x)),
-            ws, lim)
         dw = cp.empty_like(w)
-        self.bwd_filter = cudnn.find_algorithm(
-            "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
-                                _ptr(dw)), ws, lim)
+        self.candidates = {
+            "fwd": cudnn.find_algorithms(
+                "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
+                ws, lim),
+            "bwd_data": cudnn.find_algorithms(
+                "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr,
+                                  _ptr(x)), ws, lim),
+            "bwd_filter": cudnn.find_algorithms(
+                "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
+                                    _ptr(dw)), ws, lim)}
         del x, w, y, dw, ws
-        self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
+        self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
         self._desc_key = key
+
+    def use_workspace(self, cap):
+        """Take, for each of the three calls, the fastest algorithm within ``cap`` bytes of
+        workspace (``share_workspace`` sets one cap for a whole net)."""
+        self.fwd, self.bwd_data, self.bwd_filter = (
+            cudnn.pick(self.candidates[k], cap) for k in ("fwd", "bwd_data", "bwd_filter"))
+        self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
 
     # An in-place ReLU right after this convolution (set by the Net) is folded into the
     # forward call: y = max(W * x + b, 0) by cudnnConvolutionBiasActivationForward, and
@@ -206,7 +249,10 @@ class CuDNNPoolingLayer(PoolingLayer):
             self.pool_desc = cudnn.PoolDesc(mode, self.kernel, self.pad, self.stride)
             self.x_desc = cudnn.TensorDesc(bottom[0].shape, dt)
             self.y_desc = cudnn.TensorDesc(top[0].shape, dt)
-            self._ok = self.pool_desc.output_dims(self.x_desc) == tuple(top[0].shape)
+            try:    # cuDNN refuses a window larger than the padded input (BAD_PARAM)
+                self._ok = self.pool_desc.output_dims(self.x_desc) == tuple(top[0].shape)
+            except cudnn.CudnnError:
+                self._ok = False
             self._desc_key = key
         self._use = self._ok
 

@@ -96,10 +96,12 @@ extern "C" __global__ void softmax_loss_fwd(const T* x, const T* label, T* prob,
       s += e;
     }
     for (int c = 0; c < C; ++c) pr[(long long)c * inner] /= s;
-    int lab = (int)label[idx];
-    bool ok = !(has_ignore && lab == ignore_label);
-    if (ok && (lab < 0 || lab >= C)) {
-      if (atomicCAS(bad, 0, 1) == 0) bad[1] = lab;   // the first bad label seen, kept
+    T raw = label[idx];
+    int lab = (int)raw;        // (int)NaN is 0 on the device: NaN is flagged on its own
+    bool ok = !(has_ignore && lab == ignore_label) || raw != raw;
+    if (ok && (raw != raw || lab < 0 || lab >= C)) {
+      // the first bad label seen, kept (flag 2: NaN)
+      if (atomicCAS(bad, 0, raw != raw ? 2 : 1) == 0) bad[1] = lab;
       ok = false;
     }
     T p = ok ? pr[(long long)lab * inner] : (T)1;
@@ -253,6 +255,7 @@ class SoftmaxWithLossLayer(LossLayer):
         if flag:
             bad.fill(0)
             extra = f" and is not the ignore_label ({self.ignore_label})" if self.has_ignore else ""
+            value = "nan" if flag == 2 else value
             raise self.error(f"label {value} is out of range [0, "
                              f"{self.prob.shape[self.axis]}){extra}")
 

@@ -1,0 +1,77 @@
+"""The cuDNN convolution algorithm and workspace choice (gpu/cudnn.pick and
+choose_workspace: pure functions of Find's results, so they run on the CPU), and on the
+GPU the workspace limit's effect."""
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from minicaffe.gpu import cudnn
+
+GiB = 2 ** 30
+
+
+def test_pick_takes_the_fastest_that_fits_else_the_smallest():
+    found = [(7, 4 * GiB, 1.0), (5, GiB, 1.5), (1, 0, 3.0)]
+    assert cudnn.pick(found, 8 * GiB) == (7, 4 * GiB, 1.0)
+    assert cudnn.pick(found, 2 * GiB) == (5, GiB, 1.5)
+    assert cudnn.pick(found, 0) == (1, 0, 3.0)
+    assert cudnn.pick([(7, 4 * GiB, 1.0)], GiB) == (7, 4 * GiB, 1.0)
+
+
+def test_workspace_is_taken_only_where_each_gib_buys_its_price():
+    # a call that is 40% faster with 2 GiB: worth it at 1% per GiB
+    fast = [(5, 2 * GiB, 6.0), (1, 0, 10.0)]
+    assert cudnn.choose_workspace([fast], 0.01) == 2 * GiB
+    # 3% faster with 8 GiB: not worth 8%
+    marginal = [(7, 8 * GiB, 9.7), (1, 0, 10.0)]
+    assert cudnn.choose_workspace([marginal], 0.01) == 0
+    assert cudnn.choose_workspace([marginal], 0.0) == 8 * GiB
+    # the calls share one size: once one call needs 2 GiB, the others use it for free
+    other = [(4, GiB, 2.0), (0, 0, 2.5)]
+    assert cudnn.choose_workspace([fast, other], 0.01) == 2 * GiB
+    assert cudnn.choose_workspace([], 0.01) == 0
+
+
+@pytest.mark.gpu
+def test_workspace_limit_caps_every_convolution(monkeypatch):
+    from minicaffe import Net, context
+    spec = """
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 32 dim: 64 dim: 56 dim: 56 } } }
+    layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+            convolution_param { num_output: 64 kernel_size: 3 pad: 1
+                                weight_filler { type: "gaussian" std: 0.01 } } }
+    """
+    with tempfile.NamedTemporaryFile("w", suffix=".prototxt", delete=False) as f:
+        f.write(spec)
+    context.set_mode_gpu()
+    try:
+        cudnn._algo_cache.clear()
+        free = Net(f.name, phase=0)
+        conv = free.layers[1]
+        assert conv._cudnn_key is not None
+        for k in ("fwd", "bwd_data", "bwd_filter"):
+            assert getattr(conv, k) in conv.candidates[k]
+        monkeypatch.setenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "0")
+        cudnn._algo_cache.clear()
+        capped_net = Net(f.name, phase=0)
+        capped = capped_net.layers[1]
+        assert capped.workspace_bytes == 0
+        assert all(a[1] == 0 for k in capped.candidates for a in capped.candidates[k])
+        # and the capped net computes the same convolution
+        x = np.random.RandomState(0).standard_normal((32, 64, 56, 56)).astype(np.float32)
+        capped.blobs[0].data[...] = conv.blobs[0].data
+        capped.blobs[1].data[...] = conv.blobs[1].data
+        for n in (free, capped_net):
+            n.blobs["data"].data[...] = x
+            n.forward()
+        np.testing.assert_allclose(capped_net.blobs["conv"].data, free.blobs["conv"].data,
+                                   rtol=1e-4, atol=1e-4)
+        monkeypatch.setenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "nonsense")
+        cudnn._algo_cache.clear()
+        with pytest.raises(Exception, match="MINICAFFE_CUDNN_WORKSPACE_LIMIT"):
+            Net(f.name, phase=0)
+    finally:
+        context.set_mode_cpu()
+        os.unlink(f.name)
