@@ -25,6 +25,7 @@ handed to every rank) and the constructor ``Kind(size, uid, rank)``:
 Sharing a uid between processes: :func:`share_uid_by_file` (``--init_file``) and
 :func:`share_uid_by_mpi` (mpirun, with the optional mpi4py).
 """
+import ctypes
 import json
 import os
 import threading
@@ -217,21 +218,64 @@ class NcclComm(Comm):
         return out
 
     def abort(self):
-        """ncclCommAbort: pending kernels of this communicator end; safe from any thread."""
+        """ncclCommAbort: pending kernels of this communicator end; safe from any thread.
+        NCCL's abort then waits until every CUDA graph that captured this communicator's
+        collectives is destroyed (its owner's thread does that: ``GpuStep.release_graphs``),
+        so the call runs without the GIL in a thread of its own, not waited for here (the
+        abort flag is set at once; ``close`` waits)."""
         with self._lock:
             if self._aborted:
                 return
             self._aborted = True
+        comm = self._comm
+        _kept_comms.append(comm)    # CuPy's object must never destroy it after the abort
+        lib = _nccl_library()
+        if lib is None:            # pragma: no cover - NCCL loaded through CuPy only
             try:
-                self._comm.abort()
-            except Exception:  # pragma: no cover - depends on NCCL's state
+                comm.abort()
+            except Exception:
                 pass
+            return
+        t = threading.Thread(target=lib.ncclCommAbort, args=(ctypes.c_void_p(comm.comm),),
+                             name=f"nccl-abort-{self.rank}", daemon=True)
+        self._abort_thread = t
+        t.start()
 
     def close(self):
-        """At the end of a run: ncclCommAbort too, not ncclCommDestroy, which waits for
-        the peers (a thread-mode peer may need this thread's GIL to get there: seen
-        hanging at the end of a run on 2 H200s)."""
+        """At the end of a run: ncclCommAbort too, not ncclCommDestroy, which waits for the
+        peers; waited for up to ABORT_WAIT_S seconds.  Destroy the captured graphs first
+        (``GpuStep.release_graphs``)."""
         self.abort()
+        t = getattr(self, "_abort_thread", None)
+        if t is not None:
+            t.join(ABORT_WAIT_S)
+
+
+ABORT_WAIT_S = 10.0
+_kept_comms = []
+
+
+def _nccl_library():
+    """The libnccl this process loaded (through CuPy), called by ctypes (no GIL held)."""
+    global _nccl_lib
+    if _nccl_lib is False:
+        _nccl_lib = None
+        try:
+            with open("/proc/self/maps") as f:
+                paths = {line.split()[-1] for line in f if "libnccl" in line and "/" in line}
+            for path in sorted(paths):
+                lib = ctypes.CDLL(path)
+                if hasattr(lib, "ncclCommAbort"):
+                    lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+                    lib.ncclCommAbort.restype = ctypes.c_int
+                    _nccl_lib = lib
+                    break
+        except OSError:
+            _nccl_lib = None
+    return _nccl_lib
+
+
+_nccl_lib = False
 
 
 # -- sharing the uid between processes ---------------------------------------------------------

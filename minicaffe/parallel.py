@@ -276,6 +276,17 @@ class P2PSync:
     def gpu(self):
         return self.device is not None
 
+    def _release_graphs(self):
+        """Destroy this rank's captured graphs: NCCL's abort waits for every graph that
+        holds the communicator's collectives to be gone."""
+        st = getattr(self.solver, "_gpu_step_obj", None) if self.solver is not None else None
+        if st is None:
+            return
+        try:
+            st.release_graphs()
+        except Exception as e:  # noqa: BLE001 - after a failure the device may be failing too
+            log.warning("rank %d: releasing the CUDA graphs: %s", self.rank, e)
+
     # -- the thread ---------------------------------------------------------------------------
     def run(self):
         m = self.manager
@@ -296,9 +307,11 @@ class P2PSync:
             self._sync_start_state()
             self._train()
             self._report()
+            self._release_graphs()
             self.comm.close()
         except BaseException as e:  # noqa: B902 - handed to the manager, never lost
             m.fail(self.rank, e)
+            self._release_graphs()
         finally:
             if not self.adopted and self.solver is not None:
                 self.solver.close()

@@ -194,6 +194,15 @@ class GpuStep:
             self._prepare()
             self._run(("update",))
 
+    def release_graphs(self):
+        """Destroy the captured graphs (the next iteration captures again).  NCCL's abort
+        and destroy wait until every graph holding a communicator's collectives is gone,
+        so a multi-GPU rank calls this before closing its communicator."""
+        self.stream.synchronize()
+        self.graphs, self.warm = {}, set()
+        self.shapes = None
+        backend.synchronize()
+
     def abandon(self):
         """Forget the iteration begun last (a stop ended its data wait): no update ran,
         the counter did not move, its ring slot is used again."""
