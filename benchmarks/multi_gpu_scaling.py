@@ -93,14 +93,20 @@ def run(name, n, mode, args):
         cmd += ["--parallel", mode]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        stderr, code = r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:     # a row says so; the table goes on
+        stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        code = f"timed out after {args.timeout} s"
     wall = time.time() - t0
     with open(log_file + ".stderr", "w") as f:
-        f.write(r.stderr)
-    if r.returncode:
-        tail = r.stderr.strip().splitlines()[-1:] or ["?"]
-        return {"error": tail[0], "wall": wall}
-    text = open(log_file).read() + r.stderr
+        f.write(stderr)
+    if code:
+        tail = stderr.strip().splitlines()[-1:] or ["?"]
+        return {"error": f"{code}: {tail[0]}" if isinstance(code, str) else tail[0],
+                "wall": wall}
+    text = open(log_file).read() + stderr
     rates = [float(v) for it, v in RATE.findall(text) if int(it) > args.warmup]
     exposed = EXPOSED.findall(text)
     if not rates:
