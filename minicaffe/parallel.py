@@ -469,7 +469,9 @@ class P2PSync:
         req = self.manager.take_request(self)
         slot, prev = self._n_ctrl % 2, (self._n_ctrl + 1) % 2
         self._n_ctrl += 1
-        vals = [float(req == SNAPSHOT), float(req == STOP)]
+        # a snapshot is the root's to ask for: one Ctrl-C reaches every process (the
+        # launcher forwards it), and their requests would land in different iterations
+        vals = [float(req == SNAPSHOT and self.rank == 0), float(req == STOP)]
         result = None
         if self.gpu:
             if self._ctrl_ready[prev] is not None:
