@@ -166,7 +166,8 @@ def test_lenet_on_all_gpus_learns(tmp_path, mnist_dir):
     """Caffe's LeNet recipe for 1,000 iterations with --gpu all (the global batch of 64
     divided among the GPUs): the test accuracy gets past 0.97 (1 GPU: about 0.98)."""
     gpus_or_skip(2)
-    env = dict(os.environ, PYTHONPATH=ROOT, MINICAFFE_MNIST_DIR=str(mnist_dir))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MINICAFFE_MNIST_DIR=str(mnist_dir))
     log_file = tmp_path / "lenet.log"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "mnist", "train_lenet.py"),
                         "--max_iter", "1000", "--gpu", "all", "--log", str(log_file)],
