@@ -48,10 +48,12 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
     backend.synchronize()
     pool.reset_peak()
     t0 = time.perf_counter()
-    solver = make(net, True)
-    # the same workspace rule for every row, NONE included (an offloading net's: a GiB
-    # of cuDNN workspace must buy 10% of the convolutions' time)
+    # the same workspace rule for every row, NONE included (an offloading net's: Find
+    # tries at most OFFLOAD_FIND_LIMIT; a GiB of workspace must buy 10% of the
+    # convolutions' time)
     from minicaffe.layers import cudnn_layers
+    with cudnn_layers.offloading(True):
+        solver = make(net, True)
     cudnn_layers.share_workspace(solver.net.layers, cudnn_layers.OFFLOAD_PRICE_PER_GIB)
     try:
         solver.step(4)             # warm-up, capture (DYNAMIC: warm-up, timed, capture)

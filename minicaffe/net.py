@@ -205,7 +205,12 @@ class Net:
             param.state.stage.extend(stages or [])
         elif stages:
             param.state.stage.extend(stages)
-        self._init(param)
+        from . import offload
+        from .layers import cudnn_layers
+        policy, budget = offload.settings(param)
+        # an offloading net's cuDNN Find may not take more scratch than its plan allows
+        with cudnn_layers.offloading(policy != "NONE" or bool(budget)):
+            self._init(param)
         if weights:
             self.copy_from(weights)
 

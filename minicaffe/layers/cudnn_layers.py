@@ -13,7 +13,9 @@ workspace size for the whole net (``share_workspace``), strict fp32 (CUDNN_FMA_M
 switched on (``gpu/options``).  The workspace is one per thread and device, grown at the
 first (eager) run of each shape and never while a CUDA graph is being captured.
 """
+import contextlib
 import os
+import threading
 
 import numpy as np
 
@@ -33,11 +35,30 @@ from .vision import ConvolutionLayer, LRNLayer, PoolingLayer
 # per GiB -- more workspace is taken only where each GiB buys at least 1% (VGG-16's
 # first layers' Winograd kernels want gigabytes that grow with the batch).  Find tries
 # up to find_limit() bytes: MINICAFFE_CUDNN_WORKSPACE_LIMIT (bytes) when set, else half
-# the device's free memory.
+# the device's free memory (at most OFFLOAD_FIND_LIMIT for a net that offloads).
 PRICE_PER_GIB = 0.01
 # A net that offloads feature maps (offload_param, --offload) trades time for memory
 # already: its workspace must buy 10% of the convolutions' time per GiB.
 OFFLOAD_PRICE_PER_GIB = 0.10
+
+
+# Find allocates the most workspace any algorithm asks for, beside the layer's input and
+# output: for a net that offloads (offload_param, --offload) that scratch would raise the
+# peak above the plan's (VGG-16 b256 under ALL: 25.35 GiB measured at set-up against 15.89
+# planned with half the free memory), so its nets' Find takes at most OFFLOAD_FIND_LIMIT.
+OFFLOAD_FIND_LIMIT = 4 << 30
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def offloading(on):
+    """Layers set up inside take the offloading nets' Find limit when ``on``."""
+    before = getattr(_local, "offloading", False)
+    _local.offloading = bool(on)
+    try:
+        yield
+    finally:
+        _local.offloading = before
 
 
 def find_limit():
@@ -48,7 +69,8 @@ def find_limit():
         except ValueError:
             raise ValueError(f"MINICAFFE_CUDNN_WORKSPACE_LIMIT={env!r}: not a number of "
                              f"bytes") from None
-    return int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
+    free = int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
+    return min(free, OFFLOAD_FIND_LIMIT) if getattr(_local, "offloading", False) else free
 
 
 def share_workspace(layers, price=PRICE_PER_GIB):
