@@ -26,6 +26,7 @@ Sharing a uid between processes: :func:`share_uid_by_file` (``--init_file``) and
 :func:`share_uid_by_mpi` (mpirun, with the optional mpi4py).
 """
 import ctypes
+import functools
 import json
 import os
 import threading
@@ -255,27 +256,21 @@ ABORT_WAIT_S = 10.0
 _kept_comms = []
 
 
+@functools.lru_cache(maxsize=None)
 def _nccl_library():
     """The libnccl this process loaded (through CuPy), called by ctypes (no GIL held)."""
-    global _nccl_lib
-    if _nccl_lib is False:
-        _nccl_lib = None
-        try:
-            with open("/proc/self/maps") as f:
-                paths = {line.split()[-1] for line in f if "libnccl" in line and "/" in line}
-            for path in sorted(paths):
-                lib = ctypes.CDLL(path)
-                if hasattr(lib, "ncclCommAbort"):
-                    lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
-                    lib.ncclCommAbort.restype = ctypes.c_int
-                    _nccl_lib = lib
-                    break
-        except OSError:
-            _nccl_lib = None
-    return _nccl_lib
-
-
-_nccl_lib = False
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libnccl" in line and "/" in line}
+        for path in sorted(paths):
+            lib = ctypes.CDLL(path)
+            if hasattr(lib, "ncclCommAbort"):
+                lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+                lib.ncclCommAbort.restype = ctypes.c_int
+                return lib
+    except OSError:
+        pass
+    return None
 
 
 # -- sharing the uid between processes ---------------------------------------------------------

@@ -205,18 +205,17 @@ class Net:
             param.state.stage.extend(stages or [])
         elif stages:
             param.state.stage.extend(stages)
-        from . import offload
-        from .layers import cudnn_layers
-        policy, budget = offload.settings(param)
-        # an offloading net's cuDNN Find may not take more scratch than its plan allows
-        with cudnn_layers.offloading(policy != "NONE" or bool(budget)):
-            self._init(param)
+        self._init(param)
         if weights:
             self.copy_from(weights)
 
     # -- construction ------------------------------------------------------------
     def _init(self, in_param):
+        from . import offload
         self.phase = in_param.state.phase
+        policy, budget = offload.settings(in_param)
+        # an offloading net's cuDNN Find may not take more scratch than its plan allows
+        offloading = policy != "NONE" or bool(budget)
         filtered = filter_net(in_param)
         log.info("Initializing net from parameters: \n%s", _short_text(filtered))
         param = insert_splits(_batchnorm_out_of_place(filtered))
@@ -258,6 +257,7 @@ class Net:
                 raise ConfigError(f"layer '{lp.name}': propagate_down param must be specified "
                                   f"either 0 or bottom_size times ({len(lp.bottom)})")
             layer = create_layer(lp)
+            layer.offloading = offloading
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             log.info("Creating Layer %s", lp.name)

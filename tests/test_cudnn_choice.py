@@ -84,33 +84,21 @@ def test_find_limit_half_the_free_memory_less_for_offloading_nets(monkeypatch):
     monkeypatch.setattr(cudnn_layers, "backend", fake)
     monkeypatch.delenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", raising=False)
     assert cudnn_layers.find_limit() == 32 * GiB
-    with cudnn_layers.offloading(True):
-        assert cudnn_layers.find_limit() == cudnn_layers.OFFLOAD_FIND_LIMIT < 32 * GiB
-    assert cudnn_layers.find_limit() == 32 * GiB
+    assert cudnn_layers.find_limit(offloading=True) == cudnn_layers.OFFLOAD_FIND_LIMIT < 32 * GiB
     monkeypatch.setenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "1e9")
-    with cudnn_layers.offloading(True):
-        assert cudnn_layers.find_limit() == 10 ** 9
+    assert cudnn_layers.find_limit(offloading=True) == 10 ** 9
 
 
 @pytest.mark.parametrize("policy,expected", [("NONE", False), ("ALL", True)])
 def test_nets_that_offload_set_up_their_layers_under_the_offload_find_limit(
-        monkeypatch, policy, expected):
+        policy, expected):
     from minicaffe import Net
-    from minicaffe.layers import cudnn_layers
-    seen = []
-    orig = Net._init
-
-    def spy(self, param):
-        seen.append(getattr(cudnn_layers._local, "offloading", False))
-        return orig(self, param)
-    monkeypatch.setattr(Net, "_init", spy)
     with tempfile.NamedTemporaryFile("w", suffix=".prototxt", delete=False) as f:
         f.write('offload_param { policy: %s }\n'
                 'layer { name: "d" type: "Input" top: "d" '
                 'input_param { shape { dim: 1 dim: 2 } } }\n' % policy)
     try:
-        Net(f.name, phase=0)
+        net = Net(f.name, phase=0)
     finally:
         os.unlink(f.name)
-    assert seen == [expected]
-    assert not getattr(cudnn_layers._local, "offloading", False)
+    assert [layer.offloading for layer in net.layers] == [expected]

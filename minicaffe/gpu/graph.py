@@ -198,10 +198,10 @@ class GpuStep:
         """Destroy the captured graphs (the next iteration captures again).  NCCL's abort
         and destroy wait until every graph holding a communicator's collectives is gone,
         so a multi-GPU rank calls this before closing its communicator."""
-        self.stream.synchronize()
+        backend.synchronize()
         self.graphs, self.warm = {}, set()
         self.shapes = None
-        backend.synchronize()
+        backend.synchronize()   # CUDA runs the graphs' release callbacks
 
     def abandon(self):
         """Forget the iteration begun last (a stop ended its data wait): no update ran,

@@ -13,9 +13,7 @@ workspace size for the whole net (``share_workspace``), strict fp32 (CUDNN_FMA_M
 switched on (``gpu/options``).  The workspace is one per thread and device, grown at the
 first (eager) run of each shape and never while a CUDA graph is being captured.
 """
-import contextlib
 import os
-import threading
 
 import numpy as np
 
@@ -47,21 +45,11 @@ OFFLOAD_PRICE_PER_GIB = 0.10
 # peak above the plan's (VGG-16 b256 under ALL: 25.35 GiB measured at set-up against 15.89
 # planned with half the free memory), so its nets' Find takes at most OFFLOAD_FIND_LIMIT.
 OFFLOAD_FIND_LIMIT = 4 << 30
-_local = threading.local()
 
 
-@contextlib.contextmanager
-def offloading(on):
-    """Layers set up inside take the offloading nets' Find limit when ``on``."""
-    before = getattr(_local, "offloading", False)
-    _local.offloading = bool(on)
-    try:
-        yield
-    finally:
-        _local.offloading = before
-
-
-def find_limit():
+def find_limit(offloading=False):
+    """Bytes of workspace Find may try; ``offloading``: for a layer of a net that offloads
+    (``Layer.offloading``, set by the Net)."""
     env = os.environ.get("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "").strip()
     if env:
         try:
@@ -70,7 +58,7 @@ def find_limit():
             raise ValueError(f"MINICAFFE_CUDNN_WORKSPACE_LIMIT={env!r}: not a number of "
                              f"bytes") from None
     free = int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
-    return min(free, OFFLOAD_FIND_LIMIT) if getattr(_local, "offloading", False) else free
+    return min(free, OFFLOAD_FIND_LIMIT) if offloading else free
 
 
 def share_workspace(layers, price=PRICE_PER_GIB):
@@ -149,7 +137,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         x = rs.standard_normal(xshape, dtype=dt)
         w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
         y = rs.standard_normal(yshape, dtype=dt)
-        lim = find_limit()
+        lim = find_limit(self.offloading)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
         need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
                    cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
