@@ -150,7 +150,7 @@ def bench_minicaffe(run, net, iterations, repeats, warmup, gpu, iter_size=1, pea
     ms = time_iterations(run, iterations, repeats, warmup, sync)
     if gpu is not None:
         from .gpu import pool
-        st = getattr(getattr(run, "__self__", None), "_gpu_step_obj", None)
+        st = getattr(getattr(run, "__self__", None), "gpu_step", None)
         private = st.private_bytes() if st is not None else 0
         peak = backend.peak_gpu_bytes() + private
         what = (f"minicaffe GPU allocator high-water mark ({pool.name()} pool)"
@@ -588,7 +588,7 @@ def _bench_one(source, flags, gpu, train, iterations, input_shape, stages, torch
            "inputs": info["inputs"], "results": [mc.as_dict()], "ratios": {}, "notes": []}
     if sp is not None:
         row["solver"] = _solver_words(sp, flags.solver)
-    st = getattr(solver, "_gpu_step_obj", None) if solver is not None else None
+    st = solver.gpu_step if solver is not None else None
     if st is not None:
         row["gpu_step"] = {"cuda_graph": bool(st.graphs_on and st.graphs),
                            "planned_peak_bytes": st.plan.peak if st.plan else None}

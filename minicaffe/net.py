@@ -718,9 +718,20 @@ class Net:
     def bottom_names(self):
         return collections.OrderedDict((n, self.bottom_names_of(n)) for n in self.layer_names)
 
+    HOOK_KINDS = ("before_forward", "after_forward", "before_backward", "after_backward")
+
     def add_hook(self, kind, fn):
         """Callbacks ``fn(layer_index)``; kind is before/after_forward/backward."""
         getattr(self, "_" + kind).append(fn)
+
+    def run_hooks(self, kind, layer_index):
+        """Call the ``kind`` hooks for layer ``layer_index``, as the Net's own passes do
+        around each layer: what a driver that runs the layers itself (the GPU step's
+        data prologue, a test harness) calls so that hooks see every layer."""
+        if kind not in self.HOOK_KINDS:
+            raise ValueError(f"unknown hook kind {kind!r} (one of {', '.join(self.HOOK_KINDS)})")
+        for cb in getattr(self, "_" + kind):
+            cb(layer_index)
 
     # -- weights ------------------------------------------------------------------------
     def copy_from(self, source):

@@ -112,7 +112,7 @@ def check_solver(solver):
     from . import context
     if not context.is_gpu():
         why = "in CPU mode nothing is offloaded"
-    elif not solver._gpu_step_wanted():
+    elif not solver.uses_gpu_step:
         why = ("it needs the GPU training step of the SGD family without debug_info; "
                "this run trains without it")
     else:
@@ -730,6 +730,12 @@ class Offloader:
     def attach(self):
         """After ``plan.apply()``: every offloaded buffer starts parked in its slot."""
         self.park()
+
+    def detach(self):
+        """Stop acting on the Net's hooks (the net runs as if it had no offloader); a later
+        Offloader made for the same net attaches itself again."""
+        if getattr(self.net, "_offloader", None) is self:
+            self.net._offloader = None
 
     # -- one body ---------------------------------------------------------------------
     def profiling_due(self, key, warm):

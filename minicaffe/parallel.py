@@ -279,7 +279,7 @@ class P2PSync:
     def _release_graphs(self):
         """Destroy this rank's captured graphs: NCCL's abort waits for every graph that
         holds the communicator's collectives to be gone."""
-        st = getattr(self.solver, "_gpu_step_obj", None) if self.solver is not None else None
+        st = self.solver.gpu_step if self.solver is not None else None
         if st is None:
             return
         try:

@@ -150,13 +150,13 @@ def call(name, *args):
 
 def available():
     """(True, '') when the cuDNN engine can run here, else (False, why)."""
+    if not options.cudnn:    # checked first: switching cuDNN back on probes again
+        return False, "switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))"
     with _lock:
         if not _state["checked"]:
             _state["checked"] = True
             _state["error"] = None
             try:
-                if not options.cudnn:
-                    raise OSError("switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))")
                 if not backend.gpu_available():
                     raise OSError(backend.why_no_gpu())
                 v = version()
@@ -168,8 +168,6 @@ def available():
                 _state["probe"] = h
             except Exception as e:  # OSError, CudnnError, CUDA errors
                 _state["error"] = str(e)
-    if not options.cudnn:
-        return False, "switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))"
     return (_state["error"] is None), (_state["error"] or "")
 
 
@@ -342,6 +340,12 @@ _GET = {
     "bwd_filter": "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
 }
 _algo_cache = {}
+
+
+def clear_algorithm_cache():
+    """Forget every algorithm Find has timed: the next layer set up times its shapes again
+    (after a change of workspace limit, or to measure Find itself)."""
+    _algo_cache.clear()
 
 
 def search_workspace(kind, descs, limit):

@@ -181,11 +181,9 @@ class GpuStep:
             self._h2d = None
         with self.stream:
             for i in range(self.first_body):
-                for cb in net._before_forward:
-                    cb(i)
+                net.run_hooks("before_forward", i)
                 net.layers[i].forward_body(net.bottom_vecs[i], net.top_vecs[i])
-                for cb in net._after_forward:
-                    cb(i)
+                net.run_hooks("after_forward", i)
             self._prepare()
             self._run(("fb", bool(first), bool(with_update)))
 

@@ -107,6 +107,11 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
     """Convolution through cuDNN: y = W * x + b; dW += dy (x) x; db += sum dy;
     dx = W^T (x) dy.  N-D (2 or 3 spatial axes), groups, dilation; channel axis 1."""
 
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's engine runs this shape)."""
+        return getattr(self, "_cudnn_key", None) is not None
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._cudnn_key = None
@@ -242,6 +247,11 @@ class CuDNNPoolingLayer(PoolingLayer):
     Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
     otherwise.  Backward reads the top data, so a top rewritten in place by a later layer
     keeps Caffe's mask-based backward (``Layer.top_rewritten``, set by the Net)."""
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
+        return getattr(self, "_use", False)
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._use = False
@@ -301,6 +311,11 @@ class CuDNNLRNLayer(LRNLayer):
     formula, alpha divided by the window); Caffe's kernels otherwise.  Backward reads x
     and y: a top rewritten in place later keeps Caffe's body."""
 
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
+        return getattr(self, "_use", False)
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         p = self.layer_param.lrn_param
@@ -342,6 +357,11 @@ class _CuDNNActivation:
     """Shared body of the cuDNN ReLU, Sigmoid and TanH: y = f(x), dx = f'(.) dy, in place
     allowed (cuDNN reads y, dy and x; in place x is y, which these three allow)."""
     act_mode = None
+
+    @property
+    def uses_cudnn(self):
+        """True once a pass has run through cuDNN (False: Caffe's body ran, or none yet)."""
+        return getattr(self, "_desc_key", None) is not None
 
     def _act_ready(self, bottom):
         if (not context.is_gpu() or bottom[0].dtype not in cudnn.DATA or not self._act_ok()
@@ -411,6 +431,11 @@ class CuDNNSoftmaxLayer(SoftmaxLayer):
     """Softmax over ``axis`` through cuDNN (ACCURATE, per channel of an
     (outer, C, inner, 1) view); dx = y * (dy - sum(dy * y))."""
 
+    @property
+    def uses_cudnn(self):
+        """True once a pass has run through cuDNN (False: Caffe's body ran, or none yet)."""
+        return getattr(self, "_desc_key", None) is not None
+
     def _ready(self, bottom):
         if not context.is_gpu() or bottom[0].dtype not in cudnn.DATA:
             return False
@@ -475,6 +500,11 @@ class CuDNNBatchNormLayer(BatchNormLayer):
     folds into Caffe's three statistics blobs exactly as Caffe does; global statistics
     run cuDNN's inference mode on mean_sum/s and var_sum/s.  Backward needs the input x:
     in place, forward keeps a copy of it."""
+
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
+        return getattr(self, "_use", False)
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)

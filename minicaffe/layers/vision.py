@@ -119,7 +119,7 @@ class ConvEngine:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._fwd_cn(x, w, y, budget)
             return self._fwd_nhwc(x, w, y, budget)
-        return self._fwd_generic(xp, x, w, y, budget)
+        return self.forward_generic(xp, x, w, y, budget)
 
     def backward(self, xp, x, w, dy, budget, dw=None, dx=None):
         """``x`` may be None when only ``dx`` is wanted."""
@@ -131,7 +131,7 @@ class ConvEngine:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._bwd_cn(x, w, dy, dw, dx, budget)
             return self._bwd_nhwc(x, w, dy, dw, dx, budget)
-        return self._bwd_generic(xp, x, w, dy, dw, dx, budget)
+        return self.backward_generic(xp, x, w, dy, dw, dx, budget)
 
     # -- 1x1, stride 1, no pad: the input is the column matrix ----------------------
     def _fwd_1x1(self, x, w, y):
@@ -401,7 +401,10 @@ class ConvEngine:
         a = (self.kernel, self.pad, self.stride, self.dilation)
         return K.col2im(col, shape, *a) if self.ns == 2 else K.col2im_nd(col, shape, *a)
 
-    def _fwd_generic(self, xp, x, w, y, budget):
+    def forward_generic(self, xp, x, w, y, budget):
+        """The reference path every shape and array module can take: im2col from the
+        kernels package and one batched GEMM per chunk of images (``forward`` picks a
+        faster numpy path where one applies)."""
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         step = self.chunk(N, x.dtype.itemsize, budget)
@@ -411,7 +414,8 @@ class ConvEngine:
             out = gemm_batched(xp, w3, col, xp.empty((G, O // G, n * P), dtype=y.dtype))
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).swapaxes(0, 1)
 
-    def _bwd_generic(self, xp, x, w, dy, dw, dx, budget):
+    def backward_generic(self, xp, x, w, dy, dw, dx, budget):
+        """The reference backward (im2col/col2im and batched GEMMs), as ``forward_generic``."""
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         dw3 = None if dw is None else dw.reshape(G, O // G, -1)

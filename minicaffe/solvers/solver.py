@@ -267,7 +267,7 @@ class Solver:
     # -- training ---------------------------------------------------------------------
     def step(self, iters):
         """Run ``iters`` training iterations (Caffe's Solver::Step)."""
-        if self._gpu_step_wanted():
+        if self.uses_gpu_step:
             return self._step_gpu(iters)
         p = self.param
         start_iter = self.iter
@@ -323,6 +323,19 @@ class Solver:
         host after every layer and keeps the layer-by-layer path."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
                 and not self.net.net_param.debug_info)
+
+    @property
+    def uses_gpu_step(self):
+        """True when ``step`` runs through the GPU step (fused update, deferred loss reads,
+        CUDA graphs where they capture) rather than layer by layer."""
+        return self._gpu_step_wanted()
+
+    @property
+    def gpu_step(self):
+        """The GPU step that ran the last ``step`` (gpu.graph.GpuStep: its memory ``plan``,
+        ``graphs``, ``offload``, ``private_bytes()``), or None before the first GPU step
+        or in CPU mode.  Read-only: for inspection and reports."""
+        return getattr(self, "_gpu_step_obj", None)
 
     def _gpu_step(self):
         st = getattr(self, "_gpu_step_obj", None)
