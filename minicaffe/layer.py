@@ -34,7 +34,7 @@ class Layer:
     # take decisions from device data; persistent buffers are made on the first call)
     capturable = False
     # a data layer: its forward is host work plus a copy into its tops, run before the
-    # captured part of the iteration each time (gpu/graph.py)
+    # captured part of the iteration each time (engine/step.py)
     graph_prologue = False
     # set by the Net: a later layer rewrites one of this layer's tops in place, so a
     # backward that reads the top data would read the later value (cuDNN's pooling does)

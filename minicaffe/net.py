@@ -162,8 +162,8 @@ def _batchnorm_out_of_place(param):
     iteration go.  Every other blob keeps its name and, after a forward, its value."""
     if param.state.phase != TRAIN or not context.is_gpu():
         return param
-    from .gpu import cudnn
-    if not cudnn.available()[0]:
+    from .registry import cudnn_available
+    if not cudnn_available()[0]:
         return param
     out = None
     for i, lp in enumerate(param.layer):
@@ -541,7 +541,7 @@ class Net:
     def forward_device(self, start, end=None, ring_addr=0, counter=None, ring=1):
         """GPU: run layers [start, end] without reading anything back; each loss top adds
         sum(data * loss weight) into ``ring[counter % ring]`` (a float64 ring in mapped
-        host memory at ``ring_addr``) on the device (gpu/graph.py)."""
+        host memory at ``ring_addr``) on the device (engine/step.py)."""
         from .kernels.step import loss_accumulate
         if end is None:
             end = len(self.layers) - 1

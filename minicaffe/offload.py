@@ -45,6 +45,7 @@ import numpy as np
 
 from . import backend, context, log
 from .errors import ConfigError
+from .gpu.host import HostMemory
 from .proto import caffe_pb2
 
 _P = caffe_pb2.OffloadParameter
@@ -613,42 +614,12 @@ def memory_lines(net, history_sets=1):
 
 
 # -- the CUDA side ----------------------------------------------------------------------------
-class HostSlab:
-    """One page-locked host allocation (``cudaHostAlloc``) holding every offloaded
-    buffer's slot; numpy views of it by offset.  Each view keeps the slab alive (its
-    base holds it), so a SyncedMemory parked in a slot never outlives the memory."""
-
-    def __init__(self, nbytes):
-        rt = backend.cp.cuda.runtime
-        self.nbytes = max(1, int(nbytes))
-        self.ptr = rt.hostAlloc(self.nbytes, rt.hostAllocPortable)
-        self._free = rt.freeHost
-        self.array = np.asarray(_Pinned(self))
-
-    def view(self, offset, count, dtype):
-        dtype = np.dtype(dtype)
-        return self.array[offset:offset + count * dtype.itemsize].view(dtype)
-
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if ptr:
-            try:
-                self._free(ptr)
-            except Exception:
-                pass
-
-
-class _Pinned:
-    """The slab as a numpy buffer whose base references the slab."""
-
-    def __init__(self, slab):
-        self.slab = slab
-        self.__array_interface__ = {"data": (slab.ptr, False), "shape": (slab.nbytes,),
-                                    "typestr": "|u1", "version": 3}
+# one pinned allocation holding every offloaded buffer's slot (gpu/host.py)
+HostSlab = HostMemory
 
 
 class Offloader:
-    """Runs an OffloadPlan inside a GpuStep (gpu/graph.py): the step calls ``begin()``
+    """Runs an OffloadPlan inside a GpuStep (engine/step.py): the step calls ``begin()``
     before its body's forward, ``end()`` after its backward, ``park()`` after a graph
     replay; the copies are issued from the Net's layer hooks while a body runs."""
 

@@ -344,12 +344,11 @@ class P2PSync:
                 log.info("P2PSync: %s", line)
         if self.gpu:
             cp = backend.cp
-            import cupyx
             self.compute = cp.cuda.get_current_stream()
             self.comm_stream = _high_priority_stream()
             self._ctrl_dev = [cp.zeros(2, np.float32) for _ in range(2)]
-            self._ctrl_send = [cupyx.zeros_pinned(2, np.float32) for _ in range(2)]
-            self._ctrl_host = [cupyx.zeros_pinned(2, np.float32) for _ in range(2)]
+            self._ctrl_send = [backend.alloc_host(2, np.float32, pinned=True) for _ in range(2)]
+            self._ctrl_host = [backend.alloc_host(2, np.float32, pinned=True) for _ in range(2)]
         else:
             self._ctrl_host = [np.zeros(2, np.float32) for _ in range(2)]
         self._ctrl_ready = [None, None]

@@ -1,4 +1,4 @@
-"""Offload on the GPU (offload.py's Offloader inside gpu/graph.py's GpuStep): the weights
+"""Offload on the GPU (offload.py's Offloader inside engine/step.py's GpuStep): the weights
 after N iterations are bit-identical with and without offload, eager and replayed as CUDA
 graphs; pycaffe reads after a step see the offloaded values; DYNAMIC times an iteration
 and re-plans under its budget; the measured peak goes down; bad budgets stop before

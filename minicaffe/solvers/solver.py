@@ -316,9 +316,9 @@ class Solver:
                 self.requested_early_exit = True
                 break
 
-    # -- the GPU step (gpu/graph.py) -----------------------------------------------------
+    # -- the GPU step (engine/step.py) -----------------------------------------------------
     def _gpu_step_wanted(self):
-        """The SGD family on one GPU runs its iterations through gpu.graph.GpuStep (fused
+        """The SGD family on one GPU runs its iterations through engine.step.GpuStep (fused
         update, deferred loss reads, CUDA graphs where they capture); debug_info needs the
         host after every layer and keeps the layer-by-layer path."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
@@ -332,7 +332,7 @@ class Solver:
 
     @property
     def gpu_step(self):
-        """The GPU step that ran the last ``step`` (gpu.graph.GpuStep: its memory ``plan``,
+        """The GPU step that ran the last ``step`` (engine.step.GpuStep: its memory ``plan``,
         ``graphs``, ``offload``, ``private_bytes()``), or None before the first GPU step
         or in CPU mode.  Read-only: for inspection and reports."""
         return getattr(self, "_gpu_step_obj", None)
@@ -340,7 +340,7 @@ class Solver:
     def _gpu_step(self):
         st = getattr(self, "_gpu_step_obj", None)
         if st is None or not st.update.intact():
-            from ..gpu.graph import GpuStep
+            from ..engine.step import GpuStep
             st = self._gpu_step_obj = GpuStep(self, graphs=self.param.cuda_graph)
         return st
 
