@@ -123,9 +123,8 @@ _prepared = set()
 def ensure_allocator():
     """Install the process's GPU allocator on first use of a device: the stream-ordered
     pool unless ``MINICAFFE_GPU_ALLOCATOR=default`` asks for CuPy's caching pool."""
-    import os
-    kind = os.environ.get("MINICAFFE_GPU_ALLOCATOR", DEFAULT_ALLOCATOR).strip().lower() \
-        or DEFAULT_ALLOCATOR
+    from .config import env
+    kind = env("MINICAFFE_GPU_ALLOCATOR")
     dev = cp.cuda.runtime.getDevice()
     if (kind, dev) in _prepared:
         return

@@ -40,6 +40,20 @@ class Layer:
     # backward that reads the top data would read the later value (cuDNN's pooling does)
     top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
+    _config = None
+
+    @property
+    def config(self):
+        """The run's settings (``config.RunConfig``: TF32, workspace limit...), given by the
+        Net that builds the layer; a layer made alone takes the environment's defaults."""
+        if self._config is None:
+            from .config import RunConfig
+            self._config = RunConfig.from_environment()
+        return self._config
+
+    @config.setter
+    def config(self, value):
+        self._config = value
 
     def __init__(self, param):
         self.layer_param = param

@@ -73,9 +73,6 @@ class BudgetError(ConfigError):
 
 
 # -- settings ---------------------------------------------------------------------------
-_override = {"policy": None, "budget": None}
-
-
 def parse_policy(text):
     """'all' -> 'ALL'; a MinicaffeError for anything not a policy."""
     name = str(text).strip().upper()
@@ -84,30 +81,20 @@ def parse_policy(text):
     return name
 
 
-def set_override(policy=None, budget=None):
-    """Process-wide override of every net's ``offload_param`` (the command line's
-    ``--offload`` and ``--gpu_mem_limit``); None leaves a field to the net."""
-    if budget is not None and int(budget) < 0:
-        raise ConfigError(f"--gpu_mem_limit must be a number of bytes >= 0 (got {budget})")
-    _override["policy"] = parse_policy(policy) if policy is not None else None
-    _override["budget"] = int(budget) if budget is not None else None
-
-
-def get_override():
-    return _override["policy"], _override["budget"]
-
-
-def settings(net_param):
-    """(policy name, budget bytes) for a NetParameter, overrides applied."""
+def settings(net_param, config=None):
+    """(policy name, budget bytes) for a NetParameter; a run's ``config`` (RunConfig: the
+    command line's ``--offload`` and ``--gpu_mem_limit``) overrides each field it sets."""
     p = net_param.offload_param
-    policy = _override["policy"] or _P.Policy.Name(p.policy)
-    budget = _override["budget"] if _override["budget"] is not None else int(p.gpu_memory_budget)
+    over_policy = config.offload_policy if config is not None else None
+    over_budget = config.offload_budget if config is not None else None
+    policy = over_policy or _P.Policy.Name(p.policy)
+    budget = over_budget if over_budget is not None else int(p.gpu_memory_budget)
     return policy, budget
 
 
 def check_solver(solver):
     """A warning (training goes on) where a net asks for offload that will not happen."""
-    policy, _ = settings(solver.net.net_param)
+    policy, _ = settings(solver.net.net_param, solver.net.config)
     if policy == "NONE":
         return None
     from . import context
@@ -603,11 +590,11 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
     return out
 
 
-def memory_lines(net, history_sets=1):
+def memory_lines(net, history_sets=1, config=None):
     """``minicaffe memory``'s part: the net's policy and budget (``--offload``,
     ``--gpu_mem_limit`` applied) -- all four policies when it asks for none, else NONE
     and that one -- per layer and per policy, DYNAMIC from estimated layer times."""
-    policy, budget = settings(net.net_param)
+    policy, budget = settings(net.net_param, config or net.config)
     policies = POLICIES if policy == "NONE" else ("NONE", policy)
     rows, summary = memory_rows(net, policies, budget, history_sets)
     return format_memory_report(net, rows, summary, budget, estimated=True)
@@ -628,7 +615,7 @@ class Offloader:
         """None when the step's net asks for no offload; else the Offloader, its plan in
         ``step.plan`` (not applied yet).  Raises BudgetError before anything runs."""
         net = step.net
-        policy, budget = settings(net.net_param)
+        policy, budget = settings(net.net_param, net.config)
         if policy == "NONE" and not budget:
             return None
         hist = len(step.solver.history_flat)

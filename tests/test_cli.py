@@ -561,11 +561,12 @@ def test_minicaffe_precision_sets_the_gpu_math_and_rejects_nonsense(cli, tmp_pat
         (tmp_path / "solver.prototxt").write_text(text + 'minicaffe_precision: "TF32"\n')
         rc, out, err = cli("train", "--solver", "solver.prototxt")
         assert rc == 0, err
-        assert options.tf32 is True
         assert "GPU math: fp32 with TF32" in err
+        # the solver's nets only (RunConfig.tf32): the process default is left alone
+        assert options.tf32 is old
         (tmp_path / "solver.prototxt").write_text(text + 'minicaffe_precision: "FLOAT"\n')
         rc, out, err = cli("train", "--solver", "solver.prototxt")
-        assert rc == 0 and options.tf32 is False
+        assert rc == 0 and "GPU math: fp32 strict (TF32 off)" in err and options.tf32 is old
     finally:
         options.set_tf32(old)
 

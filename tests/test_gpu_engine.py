@@ -466,6 +466,21 @@ def test_bad_label_is_reported_after_the_step(gpu):
         s.step(4)
 
 
+def test_the_run_config_overrides_the_solvers_cuda_graph(gpu):
+    """RunConfig.cuda_graphs (None: the solver's cuda_graph field) decides the capture."""
+    from minicaffe.config import RunConfig
+    from minicaffe.solvers import get_solver
+    keep = _solver(graphs=True)
+    off = get_solver(keep.param, config=RunConfig.from_environment(cuda_graphs=False))
+    on = get_solver(_solver(graphs=False).param, config=RunConfig.from_environment(
+        cuda_graphs=True))
+    for s in (keep, off, on):
+        s.step(3)
+    assert keep.gpu_step.graphs_on and keep.gpu_step.graphs
+    assert not off.gpu_step.graphs_on and not off.gpu_step.graphs
+    assert on.gpu_step.graphs_on and on.gpu_step.graphs
+
+
 def test_a_layer_that_cannot_be_captured_turns_graphs_off(gpu, deterministic):
     """Accuracy reads its count back to the host: the iteration runs eagerly, with the
     same results as an eager run."""

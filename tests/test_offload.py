@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from minicaffe import Net, offload
+from minicaffe.config import RunConfig
 from minicaffe.errors import ConfigError
 from minicaffe.gpu.plan import MemoryPlan
 from minicaffe.proto import caffe_pb2
@@ -60,13 +61,6 @@ def resnet():
 @pytest.fixture(scope="module")
 def googlenet():
     return _synthetic("models/bvlc_googlenet/train_val.prototxt", 2, [3, 224, 224])
-
-
-@pytest.fixture(autouse=True)
-def _no_override():
-    offload.set_override()
-    yield
-    offload.set_override()
 
 
 def _fake_times(net, conv=1e-3, other=1e-6):
@@ -329,14 +323,13 @@ def test_settings_read_every_field_and_the_override():
     p.offload_param.policy = caffe_pb2.OffloadParameter.CONV
     p.offload_param.gpu_memory_budget = 5 << 30
     assert offload.settings(p) == ("CONV", 5 << 30)
-    offload.set_override("dynamic", None)
-    assert offload.settings(p) == ("DYNAMIC", 5 << 30)
-    offload.set_override(None, 123)
-    assert offload.settings(p) == ("CONV", 123)
+    assert offload.settings(p, RunConfig()) == ("CONV", 5 << 30)
+    assert offload.settings(p, RunConfig(offload_policy="dynamic")) == ("DYNAMIC", 5 << 30)
+    assert offload.settings(p, RunConfig(offload_budget=123)) == ("CONV", 123)
     with pytest.raises(ConfigError, match="unknown offload policy 'sometimes'"):
-        offload.set_override("sometimes")
+        RunConfig(offload_policy="sometimes")
     with pytest.raises(ConfigError, match="gpu_mem_limit"):
-        offload.set_override(None, -1)
+        RunConfig(offload_budget=-1)
 
 
 def test_offload_in_cpu_mode_warns_and_training_goes_on(monkeypatch):

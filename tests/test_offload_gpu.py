@@ -53,9 +53,7 @@ def gpu():
     old = options.deterministic
     options.set_deterministic(True)
     context.set_mode_gpu()
-    offload.set_override()
     yield backend.cp
-    offload.set_override()
     context.set_mode_cpu()
     options.set_deterministic(old)
 

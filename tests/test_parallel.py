@@ -503,10 +503,10 @@ def test_a_failure_while_building_a_rank_does_not_hang(tmp_path, monkeypatch):
     param = solver_param(tmp_path, max_iter=10)
     orig = parallel.P2PManager.build_solver
 
-    def build(self):
+    def build(self, rank):
         if context.solver_rank() == 1:
             raise MinicaffeError("no memory for rank 1")
-        return orig(self)
+        return orig(self, rank)
     monkeypatch.setattr(parallel.P2PManager, "build_solver", build)
     with pytest.raises(parallel.ParallelError, match="^rank 1 \\(CPU\\): no memory for rank 1$"):
         parallel.train_threads(param, [None] * 2)

@@ -91,7 +91,7 @@ class GpuStep:
                 produced.add(id(t))
         self.input_blobs = inputs
         reason = why_not_capturable(net, n)
-        if reason is None and self.iter_size > 1 and context.solver_count() > 1:
+        if reason is None and self.iter_size > 1 and solver.config.world_size > 1:
             # the all-reduce runs in the last of iter_size passes only: a pass's graph
             # would carry the choice made when it was captured
             graphs_reason = "several GPUs with iter_size > 1"
@@ -125,7 +125,7 @@ class GpuStep:
                      net.name, graphs_reason)
         if reason:
             from ..offload import settings
-            if settings(net.net_param)[0] != "NONE":
+            if settings(net.net_param, net.config)[0] != "NONE":
                 log.warning("offload_param: no offload for net %s (it needs the memory plan, "
                             "made only for nets whose iteration can be captured: %s)",
                             net.name, reason)

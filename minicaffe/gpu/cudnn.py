@@ -273,13 +273,14 @@ class FilterDesc(_Desc):
 class ConvDesc(_Desc):
     _create, _destroy = "cudnnCreateConvolutionDescriptor", "cudnnDestroyConvolutionDescriptor"
 
-    def __init__(self, pad, stride, dilation, groups, dtype):
+    def __init__(self, pad, stride, dilation, groups, dtype, tf32=None):
         super().__init__()
         call("cudnnSetConvolutionNdDescriptor", self.ptr, len(pad), _ints(pad), _ints(stride),
              _ints(dilation), CROSS_CORRELATION, DATA[np.dtype(dtype)])
         if groups > 1:
             call("cudnnSetConvolutionGroupCount", self.ptr, int(groups))
-        call("cudnnSetConvolutionMathType", self.ptr, DEFAULT_MATH if options.tf32 else FMA_MATH)
+        tf32 = options.tf32 if tf32 is None else tf32
+        call("cudnnSetConvolutionMathType", self.ptr, DEFAULT_MATH if tf32 else FMA_MATH)
 
     def output_dims(self, xdesc, wdesc):
         n = len(xdesc.shape)
@@ -360,13 +361,15 @@ def search_workspace(kind, descs, limit):
     return int(max(need, default=0))
 
 
-def find_algorithms(kind, key, args, workspace, limit):
+def find_algorithms(kind, key, args, workspace, limit, tf32=None):
     """The usable algorithms of ``kind`` (fwd, bwd_data, bwd_filter) for the geometry
     ``key``, timed by cuDNN's Find on the buffers in ``args`` (7 pointers/descriptors in
     the Find call's order), within ``limit`` bytes of workspace; deterministic ones only
-    when ``options.deterministic``, FMA math only unless TF32 is on.  Cached per (device,
+    when ``options.deterministic``, FMA math only unless ``tf32`` (None: ``options.tf32``)
+    is on.  Cached per (device,
     kind, key, options).  Returns [(algo, workspace bytes, time ms)], fastest first."""
-    ck = (context.device_id(), kind, key, options.deterministic, options.tf32)
+    tf32 = options.tf32 if tf32 is None else bool(tf32)
+    ck = (context.device_id(), kind, key, options.deterministic, tf32)
     hit = _algo_cache.get(ck)
     if hit is not None and limit <= hit[0]:     # timed with at least this much room
         fit = [a for a in hit[1] if a[1] <= limit]
@@ -383,7 +386,7 @@ def find_algorithms(kind, key, args, workspace, limit):
             continue
         if options.deterministic and p.determinism != DETERMINISTIC:
             continue
-        if not options.tf32 and p.mathType not in (DEFAULT_MATH, FMA_MATH):
+        if not tf32 and p.mathType not in (DEFAULT_MATH, FMA_MATH):
             continue
         found.append((int(p.algo), int(p.memory), float(p.time)))
     if not found:

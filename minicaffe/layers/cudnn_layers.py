@@ -13,7 +13,6 @@ workspace size for the whole net (``share_workspace``), strict fp32 (CUDNN_FMA_M
 switched on (``gpu/options``).  The workspace is one per thread and device, grown at the
 first (eager) run of each shape and never while a CUDA graph is being captured.
 """
-import os
 
 import numpy as np
 
@@ -47,16 +46,12 @@ OFFLOAD_PRICE_PER_GIB = 0.10
 OFFLOAD_FIND_LIMIT = 4 << 30
 
 
-def find_limit(offloading=False):
-    """Bytes of workspace Find may try; ``offloading``: for a layer of a net that offloads
-    (``Layer.offloading``, set by the Net)."""
-    env = os.environ.get("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "").strip()
-    if env:
-        try:
-            return max(0, int(float(env)))
-        except ValueError:
-            raise ValueError(f"MINICAFFE_CUDNN_WORKSPACE_LIMIT={env!r}: not a number of "
-                             f"bytes") from None
+def find_limit(offloading=False, limit=None):
+    """Bytes of workspace Find may try: ``limit`` (a run's ``RunConfig.workspace_limit``,
+    MINICAFFE_CUDNN_WORKSPACE_LIMIT by default) when set; ``offloading``: for a layer of a
+    net that offloads (``Layer.offloading``, set by the Net)."""
+    if limit is not None:
+        return max(0, int(limit))
     free = int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
     return min(free, OFFLOAD_FIND_LIMIT) if offloading else free
 
@@ -121,7 +116,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         if dt not in cudnn.DATA:
             return
         key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
-               tuple(self.dilation), self.group, self.num_output, str(dt), options.tf32,
+               tuple(self.dilation), self.group, self.num_output, str(dt), self.config.tf32,
                options.deterministic)
         if getattr(self, "_desc_key", None) != key:
             self._setup_descriptors(bottom[0].shape, top[0].shape, dt, key)
@@ -132,7 +127,8 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         self.x_desc = cudnn.TensorDesc(xshape, dt)
         self.y_desc = cudnn.TensorDesc(yshape, dt)
         self.w_desc = cudnn.FilterDesc(self.blobs[0].shape, dt)
-        self.conv_desc = cudnn.ConvDesc(self.pad, self.stride, self.dilation, self.group, dt)
+        self.conv_desc = cudnn.ConvDesc(self.pad, self.stride, self.dilation, self.group, dt,
+                                        self.config.tf32)
         self.b_desc = cudnn.TensorDesc((1, self.num_output) + (1,) * self.num_spatial, dt)
         if self.conv_desc.output_dims(self.x_desc, self.w_desc) != tuple(yshape) + (1,) * (
                 len(self.x_desc.shape) - len(yshape)):
@@ -142,7 +138,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         x = rs.standard_normal(xshape, dtype=dt)
         w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
         y = rs.standard_normal(yshape, dtype=dt)
-        lim = find_limit(self.offloading)
+        lim = find_limit(self.offloading, self.config.workspace_limit)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
         need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
                    cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
@@ -154,13 +150,13 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         self.candidates = {
             "fwd": cudnn.find_algorithms(
                 "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
-                ws, lim),
+                ws, lim, self.config.tf32),
             "bwd_data": cudnn.find_algorithms(
                 "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr,
-                                  _ptr(x)), ws, lim),
+                                  _ptr(x)), ws, lim, self.config.tf32),
             "bwd_filter": cudnn.find_algorithms(
                 "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
-                                    _ptr(dw)), ws, lim)}
+                                    _ptr(dw)), ws, lim, self.config.tf32)}
         del x, w, y, dw, ws
         self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
         self._desc_key = key
