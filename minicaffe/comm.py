@@ -15,9 +15,10 @@ pure_nccl_communicator is the model):
 A communicator kind is a class with ``new_uid(size)`` (made once, by one rank, and
 handed to every rank) and the constructor ``Kind(size, uid, rank)``:
 
-- :class:`NcclComm`: NCCL through ``gpu/nccl.py`` (CuPy's ``cupy.cuda.nccl``).  The uid is NCCL's unique id (``bytes``);
-  collectives take raw pointers and run on the given CUDA stream.  The NCCL variables
-  that keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``) are set unless the user set them.
+- :class:`NcclComm`: NCCL through ``gpu/nccl.py`` (CuPy's ``cupy.cuda.nccl``).  The uid
+  is NCCL's unique id (``bytes``); collectives take raw pointers and run on the given CUDA
+  stream.  The NCCL variables that keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``) are
+  set unless the user set them.
 - :class:`FakeComm`: ranks are threads of one process in CPU mode exchanging numpy
   arrays through shared memory and a barrier; the uid is the shared :class:`FakeWorld`.
   It makes the whole multi-GPU machinery run, and be tested, on a CPU.

@@ -300,13 +300,15 @@ def test_datum_of_another_shape_names_the_key(tmp_path, images, finishes):
 
 def test_corrupt_record_names_the_key(tmp_path, images, finishes):
     src = make_db(tmp_path / "db", images, values={3: b"\xff\xfe\x00garbage"})
-    _expect_forward_error(finishes, data_layer(src, batch=2), 1, "db: key 00000003: not a valid Datum")
+    _expect_forward_error(finishes, data_layer(src, batch=2), 1,
+                          "db: key 00000003: not a valid Datum")
 
 
 def test_undecodable_image_names_the_key(tmp_path, images, finishes):
     bad = caffe_pb2.Datum(data=b"\x89PNG but not really", encoded=True).SerializeToString()
     src = make_db(tmp_path / "db", images, encoded="png", values={4: bad})
-    _expect_forward_error(finishes, data_layer(src, batch=2), 2, "db: key 00000004: cannot decode image")
+    _expect_forward_error(finishes, data_layer(src, batch=2), 2,
+                          "db: key 00000004: cannot decode image")
 
 
 def test_setup_errors_mean_shape_and_crop(tmp_path, images):

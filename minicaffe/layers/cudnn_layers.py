@@ -16,7 +16,7 @@ first (eager) run of each shape and never while a CUDA graph is being captured.
 
 import numpy as np
 
-from .. import backend, context
+from .. import backend, config, context
 from ..gpu import cudnn, options
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
@@ -47,9 +47,11 @@ OFFLOAD_FIND_LIMIT = 4 << 30
 
 
 def find_limit(offloading=False, limit=None):
-    """Bytes of workspace Find may try: ``limit`` (a run's ``RunConfig.workspace_limit``,
-    MINICAFFE_CUDNN_WORKSPACE_LIMIT by default) when set; ``offloading``: for a layer of a
-    net that offloads (``Layer.offloading``, set by the Net)."""
+    """Bytes of workspace Find may try: ``limit`` (a run's ``RunConfig.workspace_limit``;
+    None: MINICAFFE_CUDNN_WORKSPACE_LIMIT) when set; ``offloading``: for a layer of a net
+    that offloads (``Layer.offloading``, set by the Net)."""
+    if limit is None:
+        limit = config.env("MINICAFFE_CUDNN_WORKSPACE_LIMIT")
     if limit is not None:
         return max(0, int(limit))
     free = int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
