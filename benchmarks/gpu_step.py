@@ -86,7 +86,7 @@ def main():
         rows.append(("legacy", s))
     for name, s in rows:
         ms = timeit(s, a.iters, a.repeats)
-        st = getattr(s, "_gpu_step_obj", None)
+        st = s.gpu_step
         planned = f" planned {st.plan.peak / 2**30:.2f} GiB" if st is not None and st.plan else ""
         private = st.private_bytes() if st is not None else 0
         print(f"{a.model} b{a.batch} {name:7s} {ms:8.3f} ms/iter  {a.batch / ms * 1e3:10.0f} img/s"

@@ -67,7 +67,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
         solver.step(iters)
         backend.synchronize()
         times.append((time.perf_counter() - t) / iters * 1e3)
-    st = solver._gpu_step_obj
+    st = solver.gpu_step
     off = st.offload
     out = {"ms": statistics.median(times), "all_ms": times, "setup_s": setup,
            "peak": pool.peak_bytes() + st.private_bytes(), "planned": st.plan.peak,

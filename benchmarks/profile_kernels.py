@@ -44,7 +44,7 @@ def main():
     context.set_mode_gpu()
     s = make(synthetic(a.model, a.batch, shape), True)
     s.step(5)
-    st = s._gpu_step_obj
+    st = s.gpu_step
     g = next(iter(st.graphs.values()))
     backend.synchronize()
     from torch.profiler import profile, ProfilerActivity

@@ -100,14 +100,98 @@ def alloc_gpu(size, dtype):
     return cp.zeros(size, dtype=dtype)
 
 
-# -- peak memory of the allocator ---------------------------------------------------------
+# -- the GPU allocator (named API: gpu/pool.py) -------------------------------------------
+# ``use_allocator("async")`` installs CuPy's ``MemoryAsyncPool`` (the seed's cudaMallocAsync)
+# on the current device, with the pool's release threshold raised to "never", so memory
+# freed at the end of an iteration stays reserved for the next one instead of going back to
+# the driver at every synchronisation.  ``use_allocator("default")`` keeps CuPy's caching
+# MemoryPool.  Memory from the async pool is freed on the stream that allocated it; a buffer
+# handed to another stream needs an event wait and a reference held until that stream is
+# done (the data layer's prefetch does both).
+#
+# ``peak_gpu_bytes()`` is the high-water mark of bytes in use since ``reset_peak_gpu_bytes()``:
+# ``cudaMemPoolAttrUsedMemHigh`` for the async pool; the default pool keeps no high-water
+# mark, so for it we report its ``total_bytes()`` (what it took from the driver since the
+# reset freed its cached blocks: freed blocks it keeps count too).
+# It lives here, in the core, because ``context.set_mode_gpu`` installs it on first use of
+# a device and the core imports nothing of gpu/.
+DEFAULT_ALLOCATOR = "async"
+_allocator = {"name": "default", "pool": None}
+_prepared = set()
+
+
+def ensure_allocator():
+    """Install the process's GPU allocator on first use of a device: the stream-ordered
+    pool unless ``MINICAFFE_GPU_ALLOCATOR=default`` asks for CuPy's caching pool."""
+    from .config import env
+    kind = env("MINICAFFE_GPU_ALLOCATOR")
+    dev = cp.cuda.runtime.getDevice()
+    if (kind, dev) in _prepared:
+        return
+    _prepared.add((kind, dev))
+    if kind == "async":
+        use_allocator("async")
+        rt, mp = _mempool()   # each device has its own pool: keep its memory reserved
+        rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrReleaseThreshold"), (1 << 63) - 1)
+    else:
+        use_allocator(kind)
+
+
+def _mempool():
+    rt = cp.cuda.runtime
+    return rt, rt.deviceGetDefaultMemPool(rt.getDevice())
+
+
+def _attr(name):
+    return getattr(cp.cuda.runtime, name)
+
+
+def allocator_name():
+    return _allocator["name"]
+
+
+def use_allocator(kind):
+    """Install allocator ``kind`` ('async' or 'default') for CuPy on this process."""
+    from . import log
+    if kind not in ("async", "default"):
+        raise ValueError(f"unknown GPU allocator '{kind}' (async or default)")
+    if cp is None:
+        raise RuntimeError("no CuPy: there is no GPU allocator to choose")
+    if kind == _allocator["name"] and _allocator["pool"] is not None:
+        return
+    if kind == "async":
+        pool = cp.cuda.MemoryAsyncPool("default")
+        rt, mp = _mempool()
+        rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrReleaseThreshold"), (1 << 63) - 1)
+        cp.cuda.set_allocator(pool.malloc)
+    else:
+        pool = cp.get_default_memory_pool()
+        cp.cuda.set_allocator(pool.malloc)
+    _allocator.update(name=kind, pool=pool)
+    log.info("GPU allocator: %s", describe_allocator())
+
+
+def describe_allocator():
+    return ("stream-ordered pool (cudaMallocAsync, release threshold: never)"
+            if _allocator["name"] == "async" else "CuPy's caching memory pool")
+
+
+def _default_pool():
+    if _allocator["pool"] is None:
+        _allocator["pool"] = cp.get_default_memory_pool()
+    return _allocator["pool"]
+
+
 def reset_peak_gpu_bytes():
-    """Start a new high-water mark of minicaffe's GPU allocator (gpu/pool.py); no-op
-    without a GPU."""
+    """Start a new high-water mark of minicaffe's GPU allocator; no-op without a GPU."""
     if cp is None or not gpu_available():
         return
-    from .gpu import pool
-    pool.reset_peak()
+    if _allocator["name"] == "async":
+        rt, mp = _mempool()
+        rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrUsedMemHigh"), 0)
+        rt.memPoolSetAttribute(mp, _attr("cudaMemPoolAttrReservedMemHigh"), 0)
+    else:
+        _default_pool().free_all_blocks()
 
 
 def peak_gpu_bytes():
@@ -117,8 +201,19 @@ def peak_gpu_bytes():
     ``GpuStep.private_bytes()``."""
     if cp is None or not gpu_available():
         return 0
-    from .gpu import pool
-    return pool.peak_bytes()
+    if _allocator["name"] == "async":
+        rt, mp = _mempool()
+        return int(rt.memPoolGetAttribute(mp, _attr("cudaMemPoolAttrUsedMemHigh")))
+    return _default_pool().total_bytes()
+
+
+def used_gpu_bytes():
+    if cp is None or not gpu_available():
+        return 0
+    if _allocator["name"] == "async":
+        rt, mp = _mempool()
+        return int(rt.memPoolGetAttribute(mp, _attr("cudaMemPoolAttrUsedMemCurrent")))
+    return _default_pool().used_bytes()
 
 
 def copy_to_gpu(dst, src, stream=None):

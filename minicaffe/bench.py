@@ -150,7 +150,7 @@ def bench_minicaffe(run, net, iterations, repeats, warmup, gpu, iter_size=1, pea
     ms = time_iterations(run, iterations, repeats, warmup, sync)
     if gpu is not None:
         from .gpu import pool
-        st = getattr(getattr(run, "__self__", None), "_gpu_step_obj", None)
+        st = getattr(getattr(run, "__self__", None), "gpu_step", None)
         private = st.private_bytes() if st is not None else 0
         peak = backend.peak_gpu_bytes() + private
         what = (f"minicaffe GPU allocator high-water mark ({pool.name()} pool)"
@@ -319,11 +319,11 @@ def blas_threads():
     return os.cpu_count() or 1
 
 
-def minicaffe_tf32():
-    """Whether minicaffe's cuDNN and cuBLAS calls may use TF32 (gpu/options.py; GPU mode
-    only)."""
+def minicaffe_tf32(config=None):
+    """Whether minicaffe's cuDNN and cuBLAS calls may use TF32 (the run's ``config``, else
+    the process default gpu/options.py; GPU mode only)."""
     from .gpu import options
-    return context.is_gpu() and options.tf32
+    return context.is_gpu() and (options.tf32 if config is None else config.tf32)
 
 
 def machine_info(gpu, torch_mod=None):
@@ -467,6 +467,14 @@ def _import_torch():
     return torch
 
 
+def bench_config(flags, gpu):
+    """The run's RunConfig (the CLI's ``--offload``/``--gpu_mem_limit``) with ``--tf32``
+    applied on a GPU."""
+    from .config import RunConfig
+    config = getattr(flags, "run_config", None) or RunConfig.from_environment()
+    return config.replace(tf32=bool(flags.tf32)) if gpu is not None else config
+
+
 def run(flags, gpu=None, out=None):
     """``minicaffe bench``: benchmark each model (or the solver's net) on ``gpu`` (None:
     the CPU), print the header and the table to ``out`` and write ``--json``.  Returns
@@ -479,13 +487,11 @@ def run(flags, gpu=None, out=None):
     stages = [s for s in flags.stage.split(",") if s] if flags.stage else []
     if torch_mod is not None:
         set_torch_precision(torch_mod, flags.tf32, gpu)
-    if gpu is not None:
-        from .gpu import options
-        options.set_tf32(bool(flags.tf32))
+    config = bench_config(flags, gpu)
     machine, versions = machine_info(gpu, torch_mod)
     report = {"command": " ".join(["minicaffe"] + list(getattr(flags, "argv", ["bench"]))),
               "machine": machine, "versions": versions, "dtype": "float32",
-              "tf32": {"minicaffe": minicaffe_tf32(),
+              "tf32": {"minicaffe": minicaffe_tf32(config),
                        "torch": bool(flags.tf32) if torch_mod is not None else None},
               "cudnn_benchmark": True if torch_mod is not None and gpu is not None else None,
               "phase": "TRAIN" if train else "TEST",
@@ -560,7 +566,8 @@ def _bench_one(source, flags, gpu, train, iterations, input_shape, stages, torch
         backend.reset_peak_gpu_bytes()
     cpu_peak = _CpuPeak().start()
     common = dict(batch=flags.batch or None, input_shape=input_shape,
-                  num_classes=flags.num_classes or None, level=flags.level, stages=stages)
+                  num_classes=flags.num_classes or None, level=flags.level, stages=stages,
+                  config=bench_config(flags, gpu))
     if train:
         kw = dict(solver=source) if flags.solver else dict(model=source)
         solver, info = synthetic_solver(**kw, **common)
@@ -588,7 +595,7 @@ def _bench_one(source, flags, gpu, train, iterations, input_shape, stages, torch
            "inputs": info["inputs"], "results": [mc.as_dict()], "ratios": {}, "notes": []}
     if sp is not None:
         row["solver"] = _solver_words(sp, flags.solver)
-    st = getattr(solver, "_gpu_step_obj", None) if solver is not None else None
+    st = solver.gpu_step if solver is not None else None
     if st is not None:
         row["gpu_step"] = {"cuda_graph": bool(st.graphs_on and st.graphs),
                            "planned_peak_bytes": st.plan.peak if st.plan else None}

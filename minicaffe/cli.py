@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from . import backend, context, log
+from . import backend, config, context, log
 from .errors import MinicaffeError
 
 USAGE = """minicaffe: command line brew
@@ -344,7 +344,8 @@ def train(flags, stream=None):
         context.set_device(gpus[0])
         context.set_mode_gpu()
         context.set_solver_count(len(gpus))
-    solver = solver_class(param.type, path or flags.solver)(param, source=path)
+    solver = solver_class(param.type, path or flags.solver)(param, source=path,
+                                                            config=flags.run_config)
     with SignalHandler(flags.sigint_effect, flags.sighup_effect) as handler:
         solver.set_action_function(handler.get_action)
         if flags.snapshot:
@@ -416,7 +417,8 @@ def test(flags):
     gpus = _single_gpu(get_gpus(flags.gpu))
     _check_gpus(gpus)
     _set_mode(gpus)
-    net = Net(flags.model, TEST, level=flags.level, stages=_stages(flags))
+    net = Net(flags.model, TEST, level=flags.level, stages=_stages(flags),
+              config=flags.run_config)
     net.copy_from(flags.weights)
     log.info("Running for %d iterations.", flags.iterations)
     f32 = np.float32
@@ -460,7 +462,8 @@ def time(flags):
     gpus = _single_gpu(get_gpus(flags.gpu))
     _check_gpus(gpus)
     _set_mode(gpus)
-    net = Net(flags.model, phase, level=flags.level, stages=_stages(flags))
+    net = Net(flags.model, phase, level=flags.level, stages=_stages(flags),
+              config=flags.run_config)
     gpu = context.is_gpu()
     sync = backend.synchronize if gpu else (lambda: None)
     clock = _time.perf_counter
@@ -586,15 +589,16 @@ def memory(flags):
     from .bench import parse_input_shape
     from . import offload
     kw = dict(solver=flags.solver) if flags.solver else dict(model=flags.model)
-    override = offload.get_override()
-    offload.set_override()    # (building the solver must not warn that nothing trains)
+    config = flags.run_config
+    # (building the solver must not warn that nothing trains: no offload while it is built)
     solver, info = synthetic_solver(**kw, batch=flags.batch or None,
                                     input_shape=parse_input_shape(flags.input_shape),
                                     num_classes=flags.num_classes or None,
-                                    level=flags.level, stages=_stages(flags))
-    offload.set_override(*override)
+                                    level=flags.level, stages=_stages(flags),
+                                    config=config.replace(offload_policy=None,
+                                                          offload_budget=None))
     net = solver.net
-    net._share_workspace()    # the workspace an offloading net would take (--offload)
+    net._share_workspace(config)    # the workspace an offloading net would take (--offload)
     hist = len(getattr(solver, "history_flat", [])) or 1
     plan = MemoryPlan(net, train=True, history_sets=hist)
     shared = MemoryPlan(net, train=True, history_sets=hist, share_data=True)
@@ -609,7 +613,7 @@ def memory(flags):
     print(f"with the data that backward does not read sharing memory too: arena "
           f"{shared.arena_bytes / mib:.1f} MiB, peak {shared.peak / mib:.1f} MiB")
     print()
-    for line in offload.memory_lines(net, hist):   # per offload policy (offload.py)
+    for line in offload.memory_lines(net, hist, config):   # per offload policy (offload.py)
         print(line)
     solver.close()
     return 0
@@ -636,7 +640,7 @@ def main(argv=None):
     try:
         return _main(argv)
     except (MinicaffeError, OSError, ValueError) as e:
-        if os.environ.get("MINICAFFE_TRACEBACK"):
+        if _traceback_wanted():
             raise
         msg = str(e).replace("\n", " ").strip() or type(e).__name__
         if isinstance(e, OSError) and not isinstance(e, MinicaffeError):
@@ -652,8 +656,6 @@ def main(argv=None):
         return 130
     finally:
         warnings.showwarning = showwarning
-        from .offload import set_override
-        set_override()          # --offload/--gpu_mem_limit hold for this command only
 
 
 def _warning_to_log(message, category, filename, lineno, file=None, line=None):
@@ -669,7 +671,15 @@ def _flush_log():
             pass
 
 
+def _traceback_wanted():
+    try:
+        return config.env("MINICAFFE_TRACEBACK")
+    except MinicaffeError:
+        return False
+
+
 def _main(argv):
+    config.check_environment()     # a bad MINICAFFE_* value: one line, before anything runs
     if argv and argv[0] == "draw":  # pycaffe's draw_net.py, as a subcommand
         from .draw import main as draw_main
         return draw_main(list(argv[1:]))
@@ -694,9 +704,11 @@ def _main(argv):
         open(flags.log, "w").close()  # a new log per run, as glog starts a new file
     log.init_log(log_file=flags.log or None, stream=stream)
     warnings.showwarning = _warning_to_log
-    from . import offload
-    offload.set_override(flags.offload or None,
-                         flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
+    from .config import RunConfig
+    # the run's settings, handed to every solver and net this command builds (config.py)
+    flags.run_config = RunConfig.from_environment(
+        offload_policy=flags.offload or None,
+        offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
     if command == "train":
         rc = train(flags, stream)
     else:

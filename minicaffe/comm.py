@@ -15,9 +15,10 @@ pure_nccl_communicator is the model):
 A communicator kind is a class with ``new_uid(size)`` (made once, by one rank, and
 handed to every rank) and the constructor ``Kind(size, uid, rank)``:
 
-- :class:`NcclComm`: ``cupy.cuda.nccl``.  The uid is NCCL's unique id (``bytes``);
-  collectives take raw pointers and run on the given CUDA stream.  The NCCL variables
-  that keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``) are set unless the user set them.
+- :class:`NcclComm`: NCCL through ``gpu/nccl.py`` (CuPy's ``cupy.cuda.nccl``).  The uid
+  is NCCL's unique id (``bytes``); collectives take raw pointers and run on the given CUDA
+  stream.  The NCCL variables that keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``) are
+  set unless the user set them.
 - :class:`FakeComm`: ranks are threads of one process in CPU mode exchanging numpy
   arrays through shared memory and a barrier; the uid is the shared :class:`FakeWorld`.
   It makes the whole multi-GPU machinery run, and be tested, on a CPU.
@@ -25,8 +26,6 @@ handed to every rank) and the constructor ``Kind(size, uid, rank)``:
 Sharing a uid between processes: :func:`share_uid_by_file` (``--init_file``) and
 :func:`share_uid_by_mpi` (mpirun, with the optional mpi4py).
 """
-import ctypes
-import functools
 import json
 import os
 import threading
@@ -36,6 +35,7 @@ import numpy as np
 
 from . import backend
 from .errors import MinicaffeError
+from .gpu import nccl as _nccl
 
 
 class CommAborted(MinicaffeError):
@@ -134,83 +134,57 @@ class FakeComm(Comm):
         self.world.barrier.abort()
 
 
-# -- NCCL ----------------------------------------------------------------------------------------
+# -- NCCL (the bindings: gpu/nccl.py) -------------------------------------------------------------
 def nccl_module():
     """``cupy.cuda.nccl``, or None when CuPy or its NCCL is missing."""
-    if backend.cp is None:
-        return None
-    try:
-        from cupy.cuda import nccl
-    except Exception:
-        return None
-    if not getattr(nccl, "available", True):
-        return None
-    return nccl
+    return _nccl.module()
 
 
 def why_no_nccl():
-    if backend.cp is None:
-        return backend.why_no_gpu()
-    return "this CuPy has no NCCL (cupy.cuda.nccl did not import; pip install nvidia-nccl-cu12 " \
-           "or nvidia-nccl-cu13 to match CuPy)"
+    return _nccl.why_missing()
 
 
-def keep_multicast_off():
-    """NVLink SHARP/multicast (NVLS) stays off: set NCCL_NVLS_ENABLE=0 unless the user
-    chose a value.  Must run before the first communicator is made."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-
-
-def _nccl_dtype(nccl, dtype):
-    table = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
-             np.dtype(np.float16): nccl.NCCL_FLOAT16}
-    return table[np.dtype(dtype)]
+keep_multicast_off = _nccl.keep_multicast_off
 
 
 class NcclComm(Comm):
-    """One NCCL communicator for this thread's device (``cupy.cuda.nccl``)."""
+    """One NCCL communicator for this thread's device (``gpu/nccl.py``)."""
 
     def __init__(self, size, uid, rank):
-        nccl = nccl_module()
-        if nccl is None:
+        if nccl_module() is None:
             raise MinicaffeError(f"multi-GPU training needs NCCL: {why_no_nccl()}")
         keep_multicast_off()
-        self._nccl = nccl
         self.size = int(size)
         self.rank = int(rank)
         self._lock = threading.Lock()
         self._aborted = False
-        self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self._comm = _nccl.Communicator(self.size, uid, self.rank)
 
     @staticmethod
     def new_uid(size=None):
-        nccl = nccl_module()
-        if nccl is None:
+        if nccl_module() is None:
             raise MinicaffeError(f"multi-GPU training needs NCCL: {why_no_nccl()}")
         keep_multicast_off()
-        return nccl.get_unique_id()
+        return _nccl.unique_id()
 
     def _check(self):
         if self._aborted:
             raise CommAborted(f"rank {self.rank}: the NCCL communicator was aborted")
 
     def _stream(self, stream):
-        return stream if stream is not None else backend.cp.cuda.get_current_stream()
+        return stream if stream is not None else backend.current_stream()
 
     def allreduce(self, array, stream=None):
         self._check()
-        self._comm.allReduce(array.data.ptr, array.data.ptr, array.size,
-                             _nccl_dtype(self._nccl, array.dtype), self._nccl.NCCL_SUM,
-                             self._stream(stream).ptr)
+        self._comm.all_reduce(array, self._stream(stream))
 
     def bcast(self, array, root=0, stream=None):
         self._check()
-        self._comm.bcast(array.data.ptr, array.size, _nccl_dtype(self._nccl, array.dtype), root,
-                         self._stream(stream).ptr)
+        self._comm.bcast(array, root, self._stream(stream))
 
     def allreduce_host(self, values):
         cp = backend.cp
-        stream = cp.cuda.get_current_stream()
+        stream = backend.current_stream()
         a = cp.asarray(np.array(values, dtype=np.float64).reshape(-1))
         self.allreduce(a, stream)
         out = cp.asnumpy(a, stream=stream)
@@ -228,19 +202,14 @@ class NcclComm(Comm):
             if self._aborted:
                 return
             self._aborted = True
-        comm = self._comm
-        _kept_comms.append(comm)    # CuPy's object must never destroy it after the abort
-        lib = _nccl_library()
-        if lib is None:            # pragma: no cover - NCCL loaded through CuPy only
-            try:
-                comm.abort()
-            except Exception:
-                pass
-            return
-        t = threading.Thread(target=lib.ncclCommAbort, args=(ctypes.c_void_p(comm.comm),),
-                             name=f"nccl-abort-{self.rank}", daemon=True)
-        self._abort_thread = t
-        t.start()
+
+        def start(fn, args):
+            t = threading.Thread(target=fn, args=args, name=f"nccl-abort-{self.rank}",
+                                 daemon=True)
+            self._abort_thread = t
+            t.start()
+            return t
+        self._comm.abort_in_thread(start)
 
     def close(self):
         """At the end of a run: ncclCommAbort too, not ncclCommDestroy, which waits for the
@@ -253,24 +222,6 @@ class NcclComm(Comm):
 
 
 ABORT_WAIT_S = 10.0
-_kept_comms = []
-
-
-@functools.lru_cache(maxsize=None)
-def _nccl_library():
-    """The libnccl this process loaded (through CuPy), called by ctypes (no GIL held)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libnccl" in line and "/" in line}
-        for path in sorted(paths):
-            lib = ctypes.CDLL(path)
-            if hasattr(lib, "ncclCommAbort"):
-                lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
-                lib.ncclCommAbort.restype = ctypes.c_int
-                return lib
-    except OSError:
-        pass
-    return None
 
 
 # -- sharing the uid between processes ---------------------------------------------------------

@@ -77,8 +77,7 @@ def set_mode_gpu():
     st = get()
     backend.check_device(st.device_id)
     backend.cp.cuda.Device(st.device_id).use()
-    from .gpu import pool
-    pool.ensure()
+    backend.ensure_allocator()
     st.mode = GPU
 
 

@@ -34,12 +34,26 @@ class Layer:
     # take decisions from device data; persistent buffers are made on the first call)
     capturable = False
     # a data layer: its forward is host work plus a copy into its tops, run before the
-    # captured part of the iteration each time (gpu/graph.py)
+    # captured part of the iteration each time (engine/step.py)
     graph_prologue = False
     # set by the Net: a later layer rewrites one of this layer's tops in place, so a
     # backward that reads the top data would read the later value (cuDNN's pooling does)
     top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
+    _config = None
+
+    @property
+    def config(self):
+        """The run's settings (``config.RunConfig``: TF32, workspace limit...), given by the
+        Net that builds the layer; a layer made alone takes the environment's defaults."""
+        if self._config is None:
+            from .config import RunConfig
+            self._config = RunConfig.from_environment()
+        return self._config
+
+    @config.setter
+    def config(self, value):
+        self._config = value
 
     def __init__(self, param):
         self.layer_param = param

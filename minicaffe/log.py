@@ -114,6 +114,26 @@ def init_log(level=None, log_file=None, stream=None):
     _logger.setLevel(level)
 
 
+def save_config():
+    """The logger's handlers and level, for ``restore_config``: an application (or a test)
+    that runs ``cli.main`` in its own process gets its logging back afterwards."""
+    return list(_logger.handlers), _logger.level, _default_handler
+
+
+def restore_config(saved):
+    """Put back what ``save_config`` returned; log files opened since are closed."""
+    global _default_handler
+    handlers, level, default = saved
+    for h in list(_logger.handlers):
+        _logger.removeHandler(h)
+        if isinstance(h, logging.FileHandler) and h not in handlers:
+            h.close()
+    for h in handlers:
+        _logger.addHandler(h)
+    _logger.setLevel(level)
+    _default_handler = default
+
+
 def info(msg, *args):
     _ensure_handler()
     _logger.info(msg, *args, stacklevel=2)

@@ -162,8 +162,8 @@ def _batchnorm_out_of_place(param):
     iteration go.  Every other blob keeps its name and, after a forward, its value."""
     if param.state.phase != TRAIN or not context.is_gpu():
         return param
-    from .gpu import cudnn
-    if not cudnn.available()[0]:
+    from .registry import cudnn_available
+    if not cudnn_available()[0]:
         return param
     out = None
     for i, lp in enumerate(param.layer):
@@ -188,14 +188,20 @@ def _batchnorm_out_of_place(param):
 class Net:
     """A network of layers.  ``Net(network_file, phase, level=0, stages=None, weights=None)``
     or the legacy ``Net(network_file, weights, phase)``; ``network_file`` may also be a
-    NetParameter or prototxt text."""
+    NetParameter or prototxt text.  ``config``: the run's ``config.RunConfig`` (a solver
+    passes its own; by default the environment's), handed to every layer."""
 
-    def __init__(self, network, phase=None, weights=None, level=0, stages=None, *legacy):
+    def __init__(self, network, phase=None, weights=None, level=0, stages=None, *legacy,
+                 config=None):
         if isinstance(phase, (str, os.PathLike)) and not isinstance(weights, (str, os.PathLike)):
             # legacy pycaffe signature Net(file, weights, phase)
             phase, weights = weights, phase
         if legacy:
             raise TypeError("Net() takes (network, phase, weights=None, level=0, stages=None)")
+        if config is None:
+            from .config import RunConfig
+            config = RunConfig.from_environment()
+        self.config = config
         param = read_net_param(network)
         self._source = str(network) if isinstance(network, (str, os.PathLike)) else "<net>"
         if phase is not None:
@@ -213,7 +219,7 @@ class Net:
     def _init(self, in_param):
         from . import offload
         self.phase = in_param.state.phase
-        policy, budget = offload.settings(in_param)
+        policy, budget = offload.settings(in_param, self.config)
         # an offloading net's cuDNN Find may not take more scratch than its plan allows
         offloading = policy != "NONE" or bool(budget)
         filtered = filter_net(in_param)
@@ -258,6 +264,7 @@ class Net:
                                   f"either 0 or bottom_size times ({len(lp.bottom)})")
             layer = create_layer(lp)
             layer.offloading = offloading
+            layer.config = self.config
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             log.info("Creating Layer %s", lp.name)
@@ -339,13 +346,14 @@ class Net:
         self._share_workspace()
         log.info("Network initialization done.")
 
-    def _share_workspace(self):
+    def _share_workspace(self, config=None):
         """One cuDNN workspace size for this net's convolutions (they share a buffer):
-        ``layers/cudnn_layers.share_workspace``."""
+        ``layers/cudnn_layers.share_workspace``; ``config``: a RunConfig to price it by
+        (``minicaffe memory --offload``), else the net's own."""
         if any(getattr(l, "candidates", None) for l in self.layers):
             from . import offload
             from .layers import cudnn_layers
-            policy, budget = offload.settings(self.net_param)
+            policy, budget = offload.settings(self.net_param, config or self.config)
             price = (cudnn_layers.OFFLOAD_PRICE_PER_GIB if policy != "NONE" or budget else
                      cudnn_layers.PRICE_PER_GIB)
             cap = cudnn_layers.share_workspace(self.layers, price)
@@ -541,7 +549,7 @@ class Net:
     def forward_device(self, start, end=None, ring_addr=0, counter=None, ring=1):
         """GPU: run layers [start, end] without reading anything back; each loss top adds
         sum(data * loss weight) into ``ring[counter % ring]`` (a float64 ring in mapped
-        host memory at ``ring_addr``) on the device (gpu/graph.py)."""
+        host memory at ``ring_addr``) on the device (engine/step.py)."""
         from .kernels.step import loss_accumulate
         if end is None:
             end = len(self.layers) - 1
@@ -718,9 +726,20 @@ class Net:
     def bottom_names(self):
         return collections.OrderedDict((n, self.bottom_names_of(n)) for n in self.layer_names)
 
+    HOOK_KINDS = ("before_forward", "after_forward", "before_backward", "after_backward")
+
     def add_hook(self, kind, fn):
         """Callbacks ``fn(layer_index)``; kind is before/after_forward/backward."""
         getattr(self, "_" + kind).append(fn)
+
+    def run_hooks(self, kind, layer_index):
+        """Call the ``kind`` hooks for layer ``layer_index``, as the Net's own passes do
+        around each layer: what a driver that runs the layers itself (the GPU step's
+        data prologue, a test harness) calls so that hooks see every layer."""
+        if kind not in self.HOOK_KINDS:
+            raise ValueError(f"unknown hook kind {kind!r} (one of {', '.join(self.HOOK_KINDS)})")
+        for cb in getattr(self, "_" + kind):
+            cb(layer_index)
 
     # -- weights ------------------------------------------------------------------------
     def copy_from(self, source):

@@ -40,11 +40,12 @@ def param_name_dict():
 
 
 def to_proto(*tops):
-    """A NetParameter with every layer needed to compute ``tops`` (auto-named)."""
+    """A NetParameter with every layer needed to compute ``tops`` (auto-named); a layer
+    of no top (``L.Silence(x, ntop=0)``, a Function) may be given in place of a top."""
     layers = collections.OrderedDict()
     autonames = collections.Counter()
     for top in tops:
-        top.fn._to_proto(layers, {}, autonames)
+        getattr(top, "fn", top)._to_proto(layers, {}, autonames)
     net = caffe_pb2.NetParameter()
     net.layer.extend(layers.values())
     return net

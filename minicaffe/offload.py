@@ -45,6 +45,7 @@ import numpy as np
 
 from . import backend, context, log
 from .errors import ConfigError
+from .gpu.host import HostMemory
 from .proto import caffe_pb2
 
 _P = caffe_pb2.OffloadParameter
@@ -72,9 +73,6 @@ class BudgetError(ConfigError):
 
 
 # -- settings ---------------------------------------------------------------------------
-_override = {"policy": None, "budget": None}
-
-
 def parse_policy(text):
     """'all' -> 'ALL'; a MinicaffeError for anything not a policy."""
     name = str(text).strip().upper()
@@ -83,36 +81,26 @@ def parse_policy(text):
     return name
 
 
-def set_override(policy=None, budget=None):
-    """Process-wide override of every net's ``offload_param`` (the command line's
-    ``--offload`` and ``--gpu_mem_limit``); None leaves a field to the net."""
-    if budget is not None and int(budget) < 0:
-        raise ConfigError(f"--gpu_mem_limit must be a number of bytes >= 0 (got {budget})")
-    _override["policy"] = parse_policy(policy) if policy is not None else None
-    _override["budget"] = int(budget) if budget is not None else None
-
-
-def get_override():
-    return _override["policy"], _override["budget"]
-
-
-def settings(net_param):
-    """(policy name, budget bytes) for a NetParameter, overrides applied."""
+def settings(net_param, config=None):
+    """(policy name, budget bytes) for a NetParameter; a run's ``config`` (RunConfig: the
+    command line's ``--offload`` and ``--gpu_mem_limit``) overrides each field it sets."""
     p = net_param.offload_param
-    policy = _override["policy"] or _P.Policy.Name(p.policy)
-    budget = _override["budget"] if _override["budget"] is not None else int(p.gpu_memory_budget)
+    over_policy = config.offload_policy if config is not None else None
+    over_budget = config.offload_budget if config is not None else None
+    policy = over_policy or _P.Policy.Name(p.policy)
+    budget = over_budget if over_budget is not None else int(p.gpu_memory_budget)
     return policy, budget
 
 
 def check_solver(solver):
     """A warning (training goes on) where a net asks for offload that will not happen."""
-    policy, _ = settings(solver.net.net_param)
+    policy, _ = settings(solver.net.net_param, solver.net.config)
     if policy == "NONE":
         return None
     from . import context
     if not context.is_gpu():
         why = "in CPU mode nothing is offloaded"
-    elif not solver._gpu_step_wanted():
+    elif not solver.uses_gpu_step:
         why = ("it needs the GPU training step of the SGD family without debug_info; "
                "this run trains without it")
     else:
@@ -602,53 +590,23 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
     return out
 
 
-def memory_lines(net, history_sets=1):
+def memory_lines(net, history_sets=1, config=None):
     """``minicaffe memory``'s part: the net's policy and budget (``--offload``,
     ``--gpu_mem_limit`` applied) -- all four policies when it asks for none, else NONE
     and that one -- per layer and per policy, DYNAMIC from estimated layer times."""
-    policy, budget = settings(net.net_param)
+    policy, budget = settings(net.net_param, config or net.config)
     policies = POLICIES if policy == "NONE" else ("NONE", policy)
     rows, summary = memory_rows(net, policies, budget, history_sets)
     return format_memory_report(net, rows, summary, budget, estimated=True)
 
 
 # -- the CUDA side ----------------------------------------------------------------------------
-class HostSlab:
-    """One page-locked host allocation (``cudaHostAlloc``) holding every offloaded
-    buffer's slot; numpy views of it by offset.  Each view keeps the slab alive (its
-    base holds it), so a SyncedMemory parked in a slot never outlives the memory."""
-
-    def __init__(self, nbytes):
-        rt = backend.cp.cuda.runtime
-        self.nbytes = max(1, int(nbytes))
-        self.ptr = rt.hostAlloc(self.nbytes, rt.hostAllocPortable)
-        self._free = rt.freeHost
-        self.array = np.asarray(_Pinned(self))
-
-    def view(self, offset, count, dtype):
-        dtype = np.dtype(dtype)
-        return self.array[offset:offset + count * dtype.itemsize].view(dtype)
-
-    def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if ptr:
-            try:
-                self._free(ptr)
-            except Exception:
-                pass
-
-
-class _Pinned:
-    """The slab as a numpy buffer whose base references the slab."""
-
-    def __init__(self, slab):
-        self.slab = slab
-        self.__array_interface__ = {"data": (slab.ptr, False), "shape": (slab.nbytes,),
-                                    "typestr": "|u1", "version": 3}
+# one pinned allocation holding every offloaded buffer's slot (gpu/host.py)
+HostSlab = HostMemory
 
 
 class Offloader:
-    """Runs an OffloadPlan inside a GpuStep (gpu/graph.py): the step calls ``begin()``
+    """Runs an OffloadPlan inside a GpuStep (engine/step.py): the step calls ``begin()``
     before its body's forward, ``end()`` after its backward, ``park()`` after a graph
     replay; the copies are issued from the Net's layer hooks while a body runs."""
 
@@ -657,7 +615,7 @@ class Offloader:
         """None when the step's net asks for no offload; else the Offloader, its plan in
         ``step.plan`` (not applied yet).  Raises BudgetError before anything runs."""
         net = step.net
-        policy, budget = settings(net.net_param)
+        policy, budget = settings(net.net_param, net.config)
         if policy == "NONE" and not budget:
             return None
         hist = len(step.solver.history_flat)
@@ -730,6 +688,12 @@ class Offloader:
     def attach(self):
         """After ``plan.apply()``: every offloaded buffer starts parked in its slot."""
         self.park()
+
+    def detach(self):
+        """Stop acting on the Net's hooks (the net runs as if it had no offloader); a later
+        Offloader made for the same net attaches itself again."""
+        if getattr(self.net, "_offloader", None) is self:
+            self.net._offloader = None
 
     # -- one body ---------------------------------------------------------------------
     def profiling_due(self, key, warm):

@@ -279,7 +279,7 @@ class P2PSync:
     def _release_graphs(self):
         """Destroy this rank's captured graphs: NCCL's abort waits for every graph that
         holds the communicator's collectives to be gone."""
-        st = getattr(self.solver, "_gpu_step_obj", None) if self.solver is not None else None
+        st = self.solver.gpu_step if self.solver is not None else None
         if st is None:
             return
         try:
@@ -293,7 +293,7 @@ class P2PSync:
         try:
             self._set_context()
             if self.solver is None:
-                self.solver = m.build_solver()
+                self.solver = m.build_solver(self.rank)
             if not self.solver.test_nets and len(self.solver.param.test_iter):
                 self.solver.init_test_nets()  # every rank tests its own shard
             m.barrier()                 # every net (and data layer) is built
@@ -344,12 +344,11 @@ class P2PSync:
                 log.info("P2PSync: %s", line)
         if self.gpu:
             cp = backend.cp
-            import cupyx
             self.compute = cp.cuda.get_current_stream()
             self.comm_stream = _high_priority_stream()
             self._ctrl_dev = [cp.zeros(2, np.float32) for _ in range(2)]
-            self._ctrl_send = [cupyx.zeros_pinned(2, np.float32) for _ in range(2)]
-            self._ctrl_host = [cupyx.zeros_pinned(2, np.float32) for _ in range(2)]
+            self._ctrl_send = [backend.alloc_host(2, np.float32, pinned=True) for _ in range(2)]
+            self._ctrl_host = [backend.alloc_host(2, np.float32, pinned=True) for _ in range(2)]
         else:
             self._ctrl_host = [np.zeros(2, np.float32) for _ in range(2)]
         self._ctrl_ready = [None, None]
@@ -564,17 +563,20 @@ class P2PManager:
         if dups:
             raise MinicaffeError(f"GPU {dups[0]} is given to more than one rank")
         self.world_size = int(world_size or len(self.devices))
-        if context.solver_count() != self.world_size:
-            raise MinicaffeError(f"solver_count is {context.solver_count()} but the run has "
-                                 f"{self.world_size} ranks: call set_solver_count("
-                                 f"{self.world_size}) before building the root solver (its "
-                                 "data layers pick their shard when they are set up)")
+        if root_solver.config.world_size != self.world_size:
+            raise MinicaffeError(f"the root solver was built for {root_solver.config.world_size}"
+                                 f" rank(s) but the run has {self.world_size}: build it with "
+                                 f"config=RunConfig(world_size={self.world_size}) (or, as in "
+                                 f"pycaffe, call set_solver_count({self.world_size}) before "
+                                 "building it): its data layers pick their shard when they "
+                                 "are set up")
         self.comm_kind = comm_kind or (comm_mod.NcclComm if gpu else comm_mod.FakeComm)
         self.uid = uid if uid is not None else self.comm_kind.new_uid(self.world_size)
         self.parent_state = context.get()
         self.solver_class = type(root_solver)
         self.solver_param = root_solver.param
         self.solver_source = root_solver.source
+        self.config = root_solver.config
         self.action_function = action_function or root_solver.action_request_function
         self.abort_channel = abort_channel
         self.grace_s = grace_s
@@ -595,8 +597,9 @@ class P2PManager:
                       for i, d in enumerate(self.devices)]
 
     # -- used by the ranks ----------------------------------------------------------------------
-    def build_solver(self):
-        return self.solver_class(self.solver_param, source=self.solver_source)
+    def build_solver(self, rank):
+        return self.solver_class(self.solver_param, source=self.solver_source,
+                                 config=self.config.replace(rank=rank))
 
     def barrier(self):
         """All local ranks meet (a blocking wait, no polling); aborted on failure."""
@@ -718,11 +721,13 @@ def _failure_message(manager, rank, exc):
 
 # -- the whole run in threads ---------------------------------------------------------------------
 def train_threads(solver_param, devices, source=None, snapshot=None, weights=None,
-                  action_function=None, comm_kind=None, progress=None, grace_s=30.0):
+                  action_function=None, comm_kind=None, progress=None, grace_s=30.0,
+                  config=None):
     """Data-parallel training with one thread per device (GPU ids, or None for CPU ranks
     with a FakeComm); the global batch is the prototxt's.  ``progress(root_solver)`` may
-    return a progress bar (``update(n)``).  Returns the P2PManager (its ``rates``,
-    ``exposed`` and ``syncs[0].solver``, the root solver)."""
+    return a progress bar (``update(n)``).  ``config``: the run's RunConfig (the CLI's; the
+    environment's by default), its ranks and devices set here.  Returns the P2PManager
+    (its ``rates``, ``exposed`` and ``syncs[0].solver``, the root solver)."""
     from .solvers import solver_class
     n = len(devices)
     param = prepare_solver_param(solver_param, n, source)
@@ -743,7 +748,10 @@ def train_threads(solver_param, devices, source=None, snapshot=None, weights=Non
         else:
             context.set_mode_cpu()
         context.set_solver_rank(0)
-        solver = solver_class(param.type, source or "solver")(param, source=source)
+        from .config import RunConfig
+        config = (config or RunConfig.from_environment()).replace(world_size=n, rank=0)
+        solver = solver_class(param.type, source or "solver")(param, source=source,
+                                                              config=config)
         if progress is not None:
             solver.progress = progress(solver)
         if snapshot:

@@ -23,6 +23,7 @@ import sys
 import time
 
 from . import context, log
+from .config import env as config_env
 from .comm import CommAborted, FakeComm, NcclComm, share_uid_by_file, share_uid_by_mpi
 from .errors import MinicaffeError
 from .parallel import P2PManager, ParallelError, prepare_solver_param, root_only_logging
@@ -104,7 +105,7 @@ class MpiAbortChannel:
 
 
 def train_rank(param, source, rank, world_size, device, share_uid, channel, snapshot=None,
-               weights=None, action_function=None, comm_kind=None):
+               weights=None, action_function=None, comm_kind=None, config=None):
     """This process's rank of a process-mode run (see the module docstring).  ``share_uid``
     makes or fetches the communicator's id; ``channel`` is a File/MpiAbortChannel.  Returns
     the P2PManager; raises ParallelError naming the rank that failed."""
@@ -123,7 +124,10 @@ def train_rank(param, source, rank, world_size, device, share_uid, channel, snap
             comm_kind = comm_kind or (NcclComm if device is not None else FakeComm)
             uid = share_uid(comm_kind)
             p = prepare_solver_param(param, world_size, source, warn=rank == 0)
-            solver = solver_class(p.type, source or "solver")(p, source=source)
+            from .config import RunConfig
+            cfg = (config or RunConfig.from_environment()).replace(world_size=world_size,
+                                                                   rank=rank)
+            solver = solver_class(p.type, source or "solver")(p, source=source, config=cfg)
             if rank == 0 and snapshot:
                 log.info("Resuming from %s", snapshot)
                 solver.restore(snapshot)
@@ -292,7 +296,7 @@ def train_parallel(flags, param, source, gpus, progress=None, describe=None):
     if not gpus:
         raise MinicaffeError("the process mode needs GPUs (--gpu): each process drives one")
     check_multi_gpu(gpus)
-    launched = bool(os.environ.get(LAUNCHED_ENV))
+    launched = config_env(LAUNCHED_ENV)
     if by_hand or mpi_size > 1:
         if by_hand:
             rank, size = flags.rank, flags.world_size
@@ -316,7 +320,8 @@ def train_parallel(flags, param, source, gpus, progress=None, describe=None):
             try:
                 train_rank(param, source, rank, size, device, share, channel,
                            snapshot=flags.snapshot or None, weights=flags.weights or None,
-                           action_function=h.get_action)
+                           action_function=h.get_action,
+                           config=getattr(flags, "run_config", None))
             except ParallelError:
                 if launched:
                     raise SystemExit(1) from None   # the launcher prints the one error line
@@ -342,5 +347,5 @@ def train_parallel(flags, param, source, gpus, progress=None, describe=None):
     with SignalHandler(flags.sigint_effect, flags.sighup_effect) as h:
         train_threads(param, gpus, source, snapshot=flags.snapshot or None,
                       weights=flags.weights or None, action_function=h.get_action,
-                      progress=progress)
+                      progress=progress, config=getattr(flags, "run_config", None))
     return 0

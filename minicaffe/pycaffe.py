@@ -234,6 +234,12 @@ class Timer:
         self._ev0 = self._ev1 = None
         self._elapsed_ms = 0.0
 
+    @property
+    def uses_events(self):
+        """True when the last ``start`` was in GPU mode: the timer measures GPU time with
+        CUDA events rather than the wall clock."""
+        return self._gpu
+
     def start(self):
         if self.running:
             return

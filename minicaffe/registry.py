@@ -50,6 +50,13 @@ def _say_once(key, fn, *args):
         fn(*args)
 
 
+def cudnn_available():
+    """(True, '') when the CUDNN engine can be chosen here, else (False, why): the
+    registry's answer, which the Net's building passes ask too."""
+    from .gpu import cudnn
+    return cudnn.available()
+
+
 def choose_class(param):
     """The class Caffe's factory would build: the cuDNN one for ``engine: CUDNN``, or for
     DEFAULT when cuDNN is usable; Caffe's own otherwise (with one line saying why)."""
@@ -63,8 +70,7 @@ def choose_class(param):
                   "layer '%s' asks for engine CUDNN; minicaffe has no cuDNN %s layer: using "
                   "Caffe's engine", param.name, param.type)
         return cls
-    from .gpu import cudnn
-    ok, why = cudnn.available()
+    ok, why = cudnn_available()
     if ok:
         return alt
     if engine == "CUDNN":

@@ -42,6 +42,30 @@ class SyncedMemory:
     def nbytes(self):
         return self.size * self.dtype.itemsize
 
+    # -- read-only views of the state (never move the head, never allocate) ----------
+    @property
+    def pinned(self):
+        """True when the host side is page-locked (allocated in GPU mode), so host<->device
+        copies of it are truly asynchronous."""
+        return self._pinned
+
+    @property
+    def owns_cpu_data(self):
+        """False when the host side was adopted through ``set_cpu_data`` (never freed here)."""
+        return self._own_cpu
+
+    @property
+    def owns_gpu_data(self):
+        """False when the device side was adopted through ``set_gpu_data``."""
+        return self._own_gpu
+
+    @property
+    def device_array(self):
+        """The device side as it is now, or None when there is none (never allocated, or
+        released by ``release_gpu``).  Unlike ``gpu_data`` it neither copies nor moves the
+        head: what a memory plan or an offload engine inspects."""
+        return self._gpu
+
     # -- moving the head -------------------------------------------------
     def _alloc_cpu(self):
         pinned = context.is_gpu()

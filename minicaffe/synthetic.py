@@ -257,10 +257,11 @@ def default_solver_param():
 
 
 def synthetic_solver(model=None, solver=None, batch=None, input_shape=None, num_classes=None,
-                     level=0, stages=()):
+                     level=0, stages=(), config=None):
     """(solver, info): a Solver training ``model`` (with :func:`default_solver_param`)
     or the train net of ``solver`` (its type and settings), on synthetic inputs filled
-    once; test nets, display and snapshots are switched off.  ``info`` holds the
+    once; test nets, display and snapshots are switched off (``config``: the run's
+    RunConfig, by default the environment's).  ``info`` holds the
     replaced data layers and the input descriptions."""
     from .solvers import read_solver_param, solver_class
     if solver:
@@ -287,13 +288,13 @@ def synthetic_solver(model=None, solver=None, batch=None, input_shape=None, num_
     sp.snapshot_after_train = False
     sp.debug_info = False
     sp.max_iter = max(sp.max_iter, 1 << 30)
-    s = solver_class(sp.type or "SGD", path or "solver")(sp, source=path)
+    s = solver_class(sp.type or "SGD", path or "solver")(sp, source=path, config=config)
     inputs = fill_synthetic_inputs(s.net, num_classes)
     return s, {"replaced": replaced, "inputs": inputs, "solver_param": sp}
 
 
 def synthetic_test_net(model, batch=None, input_shape=None, num_classes=None, level=0,
-                       stages=()):
+                       stages=(), config=None):
     """(Net, info): the TEST net of ``model`` on synthetic inputs filled once."""
     param = read_net_param(model)
     param.state.phase = TEST
@@ -301,6 +302,6 @@ def synthetic_test_net(model, batch=None, input_shape=None, num_classes=None, le
     del param.state.stage[:]
     param.state.stage.extend(stages)
     net_param, replaced = synthetic_net_param(param, model, batch, input_shape)
-    net = Net(net_param)
+    net = Net(net_param, config=config)
     inputs = fill_synthetic_inputs(net, num_classes)
     return net, {"replaced": replaced, "inputs": inputs, "solver_param": None}

@@ -1,5 +1,7 @@
+import contextlib
 import os
 import pathlib
+import signal
 
 # Tests use small GEMMs: one BLAS thread is faster than two spinning ones, and it keeps
 # the suite steady on CI's 2 cores.  Must be set before numpy loads OpenBLAS.
@@ -45,6 +47,26 @@ def _fresh_manager():
     context.set_random_seed(1701)
     yield
     context.set_mode_cpu()
+
+
+@pytest.fixture
+def finishes():
+    """A liveness check, never a speed check: ``with finishes(): call()`` fails with
+    TimeoutError, instead of hanging the suite, when ``call`` has not returned after
+    ``seconds`` (default 300).  The limit is far beyond any normal run, even on a loaded
+    machine; it only ends a hang.  Main thread only (SIGALRM)."""
+    @contextlib.contextmanager
+    def within(seconds=300):
+        def alarm(signum, frame):
+            raise TimeoutError(f"still running after {seconds} s: it hangs")
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return within
 
 
 @pytest.fixture

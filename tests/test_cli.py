@@ -1,7 +1,6 @@
 """The ``minicaffe`` command line: Caffe's flags and spellings, train/test/time/
 device_query output, resume and finetune, YAML, signals, the progress bar, and bad
 input as one line with exit status 1."""
-import logging
 import os
 import pathlib
 import re
@@ -47,8 +46,7 @@ GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] ")
 def cli(capsys, tmp_path, monkeypatch):
     """Run ``main(argv)`` in this process, in tmp_path; returns (rc, stdout, stderr)."""
     monkeypatch.chdir(tmp_path)
-    logger = log.logger
-    saved = (list(logger.handlers), logger.level, log._default_handler)
+    saved = log.save_config()
 
     def run(*argv):
         rc = main([str(a) for a in argv])
@@ -56,14 +54,7 @@ def cli(capsys, tmp_path, monkeypatch):
         return rc, out, err
 
     yield run
-    for h in list(logger.handlers):
-        logger.removeHandler(h)
-        if isinstance(h, logging.FileHandler):
-            h.close()
-    for h in saved[0]:
-        logger.addHandler(h)
-    logger.setLevel(saved[1])
-    log._default_handler = saved[2]
+    log.restore_config(saved)
 
 
 def _messages(err):
@@ -570,11 +561,12 @@ def test_minicaffe_precision_sets_the_gpu_math_and_rejects_nonsense(cli, tmp_pat
         (tmp_path / "solver.prototxt").write_text(text + 'minicaffe_precision: "TF32"\n')
         rc, out, err = cli("train", "--solver", "solver.prototxt")
         assert rc == 0, err
-        assert options.tf32 is True
         assert "GPU math: fp32 with TF32" in err
+        # the solver's nets only (RunConfig.tf32): the process default is left alone
+        assert options.tf32 is old
         (tmp_path / "solver.prototxt").write_text(text + 'minicaffe_precision: "FLOAT"\n')
         rc, out, err = cli("train", "--solver", "solver.prototxt")
-        assert rc == 0 and options.tf32 is False
+        assert rc == 0 and "GPU math: fp32 strict (TF32 off)" in err and options.tf32 is old
     finally:
         options.set_tf32(old)
 

@@ -47,14 +47,14 @@ def test_workspace_limit_caps_every_convolution(monkeypatch):
         f.write(spec)
     context.set_mode_gpu()
     try:
-        cudnn._algo_cache.clear()
+        cudnn.clear_algorithm_cache()
         free = Net(f.name, phase=0)
         conv = free.layers[1]
-        assert conv._cudnn_key is not None
+        assert conv.uses_cudnn
         for k in ("fwd", "bwd_data", "bwd_filter"):
             assert getattr(conv, k) in conv.candidates[k]
         monkeypatch.setenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "0")
-        cudnn._algo_cache.clear()
+        cudnn.clear_algorithm_cache()
         capped_net = Net(f.name, phase=0)
         capped = capped_net.layers[1]
         assert capped.workspace_bytes == 0
@@ -69,7 +69,7 @@ def test_workspace_limit_caps_every_convolution(monkeypatch):
         np.testing.assert_allclose(capped_net.blobs["conv"].data, free.blobs["conv"].data,
                                    rtol=1e-4, atol=1e-4)
         monkeypatch.setenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "nonsense")
-        cudnn._algo_cache.clear()
+        cudnn.clear_algorithm_cache()
         with pytest.raises(Exception, match="MINICAFFE_CUDNN_WORKSPACE_LIMIT"):
             Net(f.name, phase=0)
     finally:

@@ -159,13 +159,10 @@ def test_cudnn_layer_matches_caffe_engine(gpu, text, shape, in_place):
         if "BatchNorm" in text:
             old = options.cudnn
             options.set_cudnn(engine == "CUDNN")
-            from minicaffe.gpu import cudnn
-            cudnn._state["checked"] = False
             try:
                 layer = make_layer(text)
             finally:
                 options.set_cudnn(old)
-                cudnn._state["checked"] = False
             if "global" in text:  # statistics to normalise with
                 layer_stats = [np.random.RandomState(5).uniform(0, 1, shape[1]),
                                np.random.RandomState(6).uniform(1, 2, shape[1]), [2.0]]
@@ -187,9 +184,7 @@ def test_cudnn_layer_matches_caffe_engine(gpu, text, shape, in_place):
         else:
             outs[engine] = _run(layer, x, 3, in_place)
         if engine == "CUDNN" and registry.engine_name(layer.layer_param) != "CAFFE":
-            used = getattr(layer, "_cudnn_key", None) is not None or getattr(layer, "_use", False) \
-                or getattr(layer, "_desc_key", None) is not None
-            assert used, "the cuDNN path was not taken"
+            assert layer.uses_cudnn, "the cuDNN path was not taken"
     for a, b in zip(outs["CUDNN"], outs["CAFFE"]):
         scale = max(np.abs(b).max(), 1e-6)
         assert np.abs(a - b).max() <= 2e-4 * scale + 1e-6, (np.abs(a - b).max(), scale)
@@ -202,7 +197,7 @@ def test_cudnn_pooling_falls_back_where_caffe_ceil_shape_differs(gpu):
     top = Blob(dtype=np.float32)
     layer.setup([x], [top])
     assert top.shape == (2, 3, 16, 16)       # Caffe's ceil: cuDNN would give 15
-    assert not layer._use
+    assert not layer.uses_cudnn
     layer.forward([x], [top])
 
 
@@ -268,19 +263,17 @@ def test_batchnorm_applies_the_following_scale_itself(gpu):
     layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
       inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
     """
-    from minicaffe.gpu import options, cudnn
+    from minicaffe.gpu import options
     x = np.random.RandomState(0).randn(8, 4, 5, 5).astype(np.float32)
     outs = {}
     for use in (True, False):
         old = options.cudnn
         options.set_cudnn(use)
-        cudnn._state["checked"] = False
         try:
             context.set_random_seed(3)
             net = Net(text, phase=caffe_pb2.TRAIN)
         finally:
             options.set_cudnn(old)
-            cudnn._state["checked"] = False
         assert (getattr(net.layers[-4], "fuse_scale", None) is net.layers[-3]) == use
         assert net.layers[-4].type == "BatchNorm"
         # with cuDNN the BatchNorm reads the convolution's output from a blob of its own
@@ -413,10 +406,10 @@ SOLVERS = ["SGD", "Nesterov", "AdaGrad", "RMSProp", "AdaDelta", "Adam"]
 def test_fused_update_matches_the_per_parameter_update(gpu, deterministic, typ, monkeypatch):
     from minicaffe.solvers.solver import Solver
     s = _solver(typ, graphs=False)
-    assert s._gpu_step_wanted()
+    assert s.uses_gpu_step
     s.step(6)
     fused = _weights(s)
-    monkeypatch.setattr(Solver, "_gpu_step_wanted", lambda self: False)
+    monkeypatch.setattr(Solver, "uses_gpu_step", property(lambda self: False))
     r = _solver(typ, graphs=False)
     r.step(6)
     for a, b in zip(fused, _weights(r)):
@@ -435,7 +428,7 @@ def test_graph_replay_gives_the_same_weights_as_eager(gpu, deterministic, typ, f
     eager.step(12)
     graph = _solver(typ, graphs=True, **fields)
     graph.step(12)
-    st = graph._gpu_step_obj
+    st = graph.gpu_step
     assert st.graphs_on and st.graphs, "nothing was captured"
     for a, b in zip(_weights(eager), _weights(graph)):
         np.testing.assert_array_equal(a, b)
@@ -473,6 +466,21 @@ def test_bad_label_is_reported_after_the_step(gpu):
         s.step(4)
 
 
+def test_the_run_config_overrides_the_solvers_cuda_graph(gpu):
+    """RunConfig.cuda_graphs (None: the solver's cuda_graph field) decides the capture."""
+    from minicaffe.config import RunConfig
+    from minicaffe.solvers import get_solver
+    keep = _solver(graphs=True)
+    off = get_solver(keep.param, config=RunConfig.from_environment(cuda_graphs=False))
+    on = get_solver(_solver(graphs=False).param, config=RunConfig.from_environment(
+        cuda_graphs=True))
+    for s in (keep, off, on):
+        s.step(3)
+    assert keep.gpu_step.graphs_on and keep.gpu_step.graphs
+    assert not off.gpu_step.graphs_on and not off.gpu_step.graphs
+    assert on.gpu_step.graphs_on and on.gpu_step.graphs
+
+
 def test_a_layer_that_cannot_be_captured_turns_graphs_off(gpu, deterministic):
     """Accuracy reads its count back to the host: the iteration runs eagerly, with the
     same results as an eager run."""
@@ -487,7 +495,7 @@ def test_a_layer_that_cannot_be_captured_turns_graphs_off(gpu, deterministic):
         g.step(4)
     finally:
         NET = saved
-    st = g._gpu_step_obj
+    st = g.gpu_step
     assert not st.graphs_on and not st.graphs
     for a, b in zip(_weights(eager), _weights(g)):
         np.testing.assert_array_equal(a, b)

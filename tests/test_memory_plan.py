@@ -121,7 +121,7 @@ def test_apply_keeps_inputs_and_points_blobs_into_the_arena():
         plan.apply()
         base = plan.arena.data.ptr
         for b in plan.buffers:
-            assert b.mem._gpu.data.ptr == base + b.offset
+            assert b.mem.device_array.data.ptr == base + b.offset
         np.testing.assert_array_equal(backend.cp.asnumpy(net.blobs["data"].gpu_data()), x)
     finally:
         context.set_mode_cpu()
@@ -145,7 +145,7 @@ backend.synchronize()
 pool.reset_peak()          # the training iteration's memory, not the net's construction
 solver.step(5)
 backend.synchronize()
-st = solver._gpu_step_obj
+st = solver.gpu_step
 print(pool.peak_bytes() + st.private_bytes(), st.plan.peak)
 """
 

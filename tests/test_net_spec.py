@@ -1,7 +1,6 @@
 """NetSpec (pycaffe's net_spec.py): keyword rules, naming of layers and tops, and the
 prototxt text pycaffe produces for the same specs (derived by following pycaffe's
 algorithm by hand; float values are printed by protobuf's own text format)."""
-import collections
 
 import numpy as np
 import pytest
@@ -300,9 +299,7 @@ def test_zero_top_layers_take_their_spec_name(tmp_path):
     # anonymous zero-top functions count per type
     anon = L.Silence(L.DummyData(shape=dict(dim=3)), ntop=0)
     assert isinstance(anon, Function)
-    layers = collections.OrderedDict()
-    anon._to_proto(layers, {}, collections.Counter())
-    assert [l.name for l in layers.values()] == ["DummyData1", "Silence1"]
+    assert [l.name for l in to_proto(anon).layer] == ["DummyData1", "Silence1"]
 
 
 def test_input_that_is_not_a_top_raises_type_error():

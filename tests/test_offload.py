@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from minicaffe import Net, offload
+from minicaffe.config import RunConfig
 from minicaffe.errors import ConfigError
 from minicaffe.gpu.plan import MemoryPlan
 from minicaffe.proto import caffe_pb2
@@ -60,13 +61,6 @@ def resnet():
 @pytest.fixture(scope="module")
 def googlenet():
     return _synthetic("models/bvlc_googlenet/train_val.prototxt", 2, [3, 224, 224])
-
-
-@pytest.fixture(autouse=True)
-def _no_override():
-    offload.set_override()
-    yield
-    offload.set_override()
 
 
 def _fake_times(net, conv=1e-3, other=1e-6):
@@ -329,14 +323,13 @@ def test_settings_read_every_field_and_the_override():
     p.offload_param.policy = caffe_pb2.OffloadParameter.CONV
     p.offload_param.gpu_memory_budget = 5 << 30
     assert offload.settings(p) == ("CONV", 5 << 30)
-    offload.set_override("dynamic", None)
-    assert offload.settings(p) == ("DYNAMIC", 5 << 30)
-    offload.set_override(None, 123)
-    assert offload.settings(p) == ("CONV", 123)
+    assert offload.settings(p, RunConfig()) == ("CONV", 5 << 30)
+    assert offload.settings(p, RunConfig(offload_policy="dynamic")) == ("DYNAMIC", 5 << 30)
+    assert offload.settings(p, RunConfig(offload_budget=123)) == ("CONV", 123)
     with pytest.raises(ConfigError, match="unknown offload policy 'sometimes'"):
-        offload.set_override("sometimes")
+        RunConfig(offload_policy="sometimes")
     with pytest.raises(ConfigError, match="gpu_mem_limit"):
-        offload.set_override(None, -1)
+        RunConfig(offload_budget=-1)
 
 
 def test_offload_in_cpu_mode_warns_and_training_goes_on(monkeypatch):
@@ -378,11 +371,10 @@ def test_memory_report_rows():
 
 @pytest.fixture
 def cli(capsys, tmp_path, monkeypatch):
-    import logging
     from minicaffe import log
     from minicaffe.cli import main
     monkeypatch.chdir(tmp_path)
-    saved = (list(log.logger.handlers), log.logger.level, log._default_handler)
+    saved = log.save_config()
 
     def run(*argv):
         rc = main([str(a) for a in argv])
@@ -390,14 +382,7 @@ def cli(capsys, tmp_path, monkeypatch):
         return rc, out, err
 
     yield run
-    for h in list(log.logger.handlers):
-        log.logger.removeHandler(h)
-        if isinstance(h, logging.FileHandler):
-            h.close()
-    for h in saved[0]:
-        log.logger.addHandler(h)
-    log.logger.setLevel(saved[1])
-    log._default_handler = saved[2]
+    log.restore_config(saved)
 
 
 def test_memory_command(cli, tmp_path):
@@ -557,7 +542,7 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
                     op.plan.arena[b.offset:b.offset + b.nbytes] = 0xEE
             for b in data:
                 if s in b.reads or s in b.bwd_reads:
-                    v = b.mem._gpu
+                    v = b.mem.device_array
                     assert v is not None, (b.names, s)
                     got = {float(v[0]), float(v[b.mem.size // 2]), float(v[b.mem.size - 1])}
                     assert got == {latest[id(b)]}, (b.names, s, got, latest[id(b)])
@@ -565,29 +550,25 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
             for b in data:
                 if s in b.writes:
                     latest[id(b)] = _value(b, s)
-                    b.mem._gpu[:b.mem.size] = latest[id(b)]
+                    b.mem.device_array[:b.mem.size] = latest[id(b)]
 
         for i in range(first):       # the data layers, before the body
             run(i)
         off.begin()
         for i in range(first, L):
-            for cb in net._before_forward:
-                cb(i)
+            net.run_hooks("before_forward", i)
             run(i)
-            for cb in net._after_forward:
-                cb(i)
+            net.run_hooks("after_forward", i)
         for i in range(L - 1, -1, -1):
-            for cb in net._before_backward:
-                cb(i)
+            net.run_hooks("before_backward", i)
             run(2 * L - 1 - i)
-            for cb in net._after_backward:
-                cb(i)
+            net.run_hooks("after_backward", i)
         off.end()
         for e in op.entries:     # parked: the host side holds the last forward value
             m = e.buf.mem
-            assert m._gpu is None
+            assert m.device_array is None
             assert (np.asarray(m.cpu_data()) == latest[id(e.buf)]).all(), e.name
-    net._offloader = None
+    off.detach()
     return checked
 
 

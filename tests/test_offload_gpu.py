@@ -1,4 +1,4 @@
-"""Offload on the GPU (offload.py's Offloader inside gpu/graph.py's GpuStep): the weights
+"""Offload on the GPU (offload.py's Offloader inside engine/step.py's GpuStep): the weights
 after N iterations are bit-identical with and without offload, eager and replayed as CUDA
 graphs; pycaffe reads after a step see the offloaded values; DYNAMIC times an iteration
 and re-plans under its budget; the measured peak goes down; bad budgets stop before
@@ -53,9 +53,7 @@ def gpu():
     old = options.deterministic
     options.set_deterministic(True)
     context.set_mode_gpu()
-    offload.set_override()
     yield backend.cp
-    offload.set_override()
     context.set_mode_cpu()
     options.set_deterministic(old)
 
@@ -95,7 +93,7 @@ def test_offload_changes_no_number(gpu, policy, graphs):
         budget = _between(offload.build(net, "ALL").peak, offload.build(net, "NONE").peak)
     s = _solver(policy, budget, graphs=graphs)
     s.step(8)
-    st = s._gpu_step_obj
+    st = s.gpu_step
     assert st.offload is not None and st.offload.oplan.entries
     if graphs:
         assert st.graphs, "nothing was captured"
@@ -141,7 +139,7 @@ def test_offload_lowers_the_planned_and_the_measured_peak(gpu):
         before = pool.used_bytes()
         s.step(3)
         backend.cp.cuda.Device().synchronize()
-        peaks[policy] = (pool.peak_bytes() - before, s._gpu_step_obj.plan.peak)
+        peaks[policy] = (pool.peak_bytes() - before, s.gpu_step.plan.peak)
         del s
         gc.collect()               # (the offload hooks make a cycle through the net)
     print("measured / planned peak bytes:", peaks)
@@ -163,7 +161,7 @@ def test_copies_and_events_are_captured_in_the_graph(gpu):
     """One replay is one launch: the copy streams fork from and join into the capture."""
     s = _solver("ALL")
     s.step(3)
-    st = s._gpu_step_obj
+    st = s.gpu_step
     assert st.graphs_on and st.graphs
     g = next(iter(st.graphs.values()))
     st.stream.synchronize()
@@ -171,4 +169,4 @@ def test_copies_and_events_are_captured_in_the_graph(gpu):
         g.launch(st.stream)
     st.stream.synchronize()
     st.offload.park()
-    assert all(e.buf.mem._gpu is None for e in st.offload.oplan.entries)
+    assert all(e.buf.mem.device_array is None for e in st.offload.oplan.entries)

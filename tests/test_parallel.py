@@ -271,16 +271,15 @@ def test_fake_comm_allreduce_and_bcast_are_identical_on_every_rank():
         np.testing.assert_array_equal(h, [3, 3])
 
 
-def test_fake_comm_abort_ends_every_waiting_rank():
+def test_fake_comm_abort_ends_every_waiting_rank(finishes):
     def fn(c):
         if c.rank == 1:
             time.sleep(0.2)
             c.abort()
             raise RuntimeError("rank 1 gives up")
         c.allreduce(np.zeros(2))
-    t0 = time.monotonic()
-    out, errs = run_ranks(3, fn)
-    assert time.monotonic() - t0 < 5
+    with finishes():
+        out, errs = run_ranks(3, fn)
     assert sum(isinstance(e, CommAborted) for e in errs) == 2
     assert sum(isinstance(e, RuntimeError) for e in errs) == 1
 
@@ -413,7 +412,7 @@ def test_root_test_scores_are_the_sum_over_every_rank(tmp_path):
 
 
 # -- stop, snapshot, failure ------------------------------------------------------------------------
-def test_stop_request_ends_every_rank_at_the_same_iteration(tmp_path):
+def test_stop_request_ends_every_rank_at_the_same_iteration(tmp_path, finishes):
     param = solver_param(tmp_path, max_iter=100000, test_interval=0)
     param.ClearField("test_iter")
     calls = []
@@ -421,9 +420,8 @@ def test_stop_request_ends_every_rank_at_the_same_iteration(tmp_path):
     def action():
         calls.append(1)
         return "stop" if len(calls) == 3 else "none"
-    t0 = time.monotonic()
-    m = parallel.train_threads(param, [None] * 2, action_function=action)
-    assert time.monotonic() - t0 < 20
+    with finishes():
+        m = parallel.train_threads(param, [None] * 2, action_function=action)
     iters = [s.solver.iter for s in m.syncs]
     assert iters[0] == iters[1] and 0 < iters[0] < 100000
     assert all(s.solver.requested_early_exit for s in m.syncs)
@@ -457,20 +455,19 @@ def test_sigint_with_snapshot_effect_snapshots_once_from_the_root(tmp_path):
     assert m.syncs[0].solver.iter == m.syncs[1].solver.iter == 400
 
 
-def test_a_data_error_in_one_rank_ends_every_rank_with_one_error(tmp_path):
+def test_a_data_error_in_one_rank_ends_every_rank_with_one_error(tmp_path, finishes):
     db = make_db(tmp_path / "train_db", bad={7})        # record 7: rank 1's shard
     param = solver_param(tmp_path, db=db, max_iter=50, test_interval=0)
     param.ClearField("test_iter")
-    t0 = time.monotonic()
-    with pytest.raises(parallel.ParallelError) as e:
-        parallel.train_threads(param, [None] * 2)
-    assert time.monotonic() - t0 < 15
+    with finishes():
+        with pytest.raises(parallel.ParallelError) as e:
+            parallel.train_threads(param, [None] * 2)
     msg = str(e.value)
     assert msg.startswith("rank 1 (CPU): ") and "00000007" in msg and "\n" not in msg
 
 
 @pytest.mark.parametrize("failing_rank", [0, 2])
-def test_an_exception_in_any_rank_ends_every_rank(tmp_path, monkeypatch, failing_rank):
+def test_an_exception_in_any_rank_ends_every_rank(tmp_path, monkeypatch, failing_rank, finishes):
     param = solver_param(tmp_path, max_iter=10000, test_interval=0)
     param.ClearField("test_iter")
     orig = parallel.P2PSync.on_start
@@ -480,24 +477,24 @@ def test_an_exception_in_any_rank_ends_every_rank(tmp_path, monkeypatch, failing
             raise RuntimeError("injected")
         orig(self)
     monkeypatch.setattr(parallel.P2PSync, "on_start", on_start)
-    t0 = time.monotonic()
-    with pytest.raises(parallel.ParallelError,
-                       match=f"^rank {failing_rank} \\(CPU\\): RuntimeError: injected$"):
-        parallel.train_threads(param, [None] * 3)
-    assert time.monotonic() - t0 < 15
+    with finishes():
+        with pytest.raises(parallel.ParallelError,
+                           match=f"^rank {failing_rank} \\(CPU\\): RuntimeError: injected$"):
+            parallel.train_threads(param, [None] * 3)
 
 
 def test_a_nan_loss_in_one_rank_ends_every_rank(tmp_path, monkeypatch):
     param = solver_param(tmp_path, max_iter=10000, test_interval=0)
     param.ClearField("test_iter")
-    orig = parallel.P2PSync._attach
+    orig = parallel.P2PSync.on_start
 
-    def attach(self):
-        orig(self)
-        if self.rank == 1:
-            net, fb = self.solver.net, self.solver.net.forward_backward
+    def on_start(self):
+        net = self.solver.net
+        if self.rank == 1 and "forward_backward" not in vars(net):   # once, at iteration 0
+            fb = net.forward_backward
             net.forward_backward = lambda: float("nan") if self.solver.iter == 4 else fb()
-    monkeypatch.setattr(parallel.P2PSync, "_attach", attach)
+        orig(self)
+    monkeypatch.setattr(parallel.P2PSync, "on_start", on_start)
     with pytest.raises(parallel.ParallelError, match="^rank 1 .*Iteration 4: the loss is nan"):
         parallel.train_threads(param, [None] * 2)
 
@@ -506,10 +503,10 @@ def test_a_failure_while_building_a_rank_does_not_hang(tmp_path, monkeypatch):
     param = solver_param(tmp_path, max_iter=10)
     orig = parallel.P2PManager.build_solver
 
-    def build(self):
+    def build(self, rank):
         if context.solver_rank() == 1:
             raise MinicaffeError("no memory for rank 1")
-        return orig(self)
+        return orig(self, rank)
     monkeypatch.setattr(parallel.P2PManager, "build_solver", build)
     with pytest.raises(parallel.ParallelError, match="^rank 1 \\(CPU\\): no memory for rank 1$"):
         parallel.train_threads(param, [None] * 2)

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -68,7 +67,7 @@ def test_nccl_threads_with_clipping_and_iter_size(tmp_path, gpu0):
     assert_gpu_close(weights(m.syncs[0].solver.net), ref_w)
 
 
-def test_nccl_failure_in_one_rank_ends_every_rank(tmp_path, gpu0, monkeypatch):
+def test_nccl_failure_in_one_rank_ends_every_rank(tmp_path, gpu0, monkeypatch, finishes):
     gpus = gpus_or_skip(2)
     param = solver_param(tmp_path, max_iter=3000, test_interval=0)
     param.ClearField("test_iter")
@@ -80,11 +79,10 @@ def test_nccl_failure_in_one_rank_ends_every_rank(tmp_path, gpu0, monkeypatch):
             raise RuntimeError("injected after backward")
         orig(self)
     monkeypatch.setattr(parallel.P2PSync, "agree", agree)
-    t0 = time.monotonic()
-    with pytest.raises(parallel.ParallelError,
-                       match="^rank 1 \\(GPU 1\\): RuntimeError: injected after backward$"):
-        parallel.train_threads(param, gpus)
-    assert time.monotonic() - t0 < 60
+    with finishes():
+        with pytest.raises(parallel.ParallelError,
+                           match="^rank 1 \\(GPU 1\\): RuntimeError: injected after backward$"):
+            parallel.train_threads(param, gpus)
 
 
 # -- process mode through the CLI ----------------------------------------------------------------
@@ -129,9 +127,8 @@ def test_cli_process_mode_data_error_is_one_line_and_no_rank_hangs(tmp_path):
     param = solver_param(tmp_path, db=db, max_iter=1000, test_interval=0)
     param.ClearField("test_iter")
     s = write_solver(tmp_path, param, "bad.prototxt")
-    t0 = time.monotonic()
-    r = run_cli(["--solver", s, "--gpu", "0,1", "--parallel", "process"], tmp_path, timeout=120)
-    assert time.monotonic() - t0 < 90
+    # liveness: run_cli's timeout ends a hang (TimeoutExpired fails the test)
+    r = run_cli(["--solver", s, "--gpu", "0,1", "--parallel", "process"], tmp_path, timeout=300)
     errors = [l for l in r.stderr.splitlines() if l.startswith("minicaffe: error")]
     assert r.returncode == 1 and len(errors) == 1, r.stderr[-3000:]
     assert errors[0].startswith("minicaffe: error: rank 1 (GPU 1): ") and "00000009" in errors[0]

@@ -29,7 +29,7 @@ def test_set_cpu_data_shares_and_does_not_own():
     m.set_cpu_data(buf)
     assert m.head == HEAD_AT_CPU
     assert m.cpu_data() is buf
-    assert not m._own_cpu
+    assert not m.owns_cpu_data
     buf[0] = 42
     assert m.cpu_data()[0] == 42
 
@@ -90,14 +90,14 @@ class TestGPU:
     def test_host_memory_is_pinned_in_gpu_mode(self):
         m = SyncedMemory(16)
         m.cpu_data()
-        assert m._pinned
+        assert m.pinned
 
     def test_set_gpu_data_shares(self):
         cp = backend.cp
         m = SyncedMemory(4)
         buf = cp.arange(4, dtype=cp.float32)
         m.set_gpu_data(buf)
-        assert m.head == HEAD_AT_GPU and m.gpu_data() is buf and not m._own_gpu
+        assert m.head == HEAD_AT_GPU and m.gpu_data() is buf and not m.owns_gpu_data
         np.testing.assert_array_equal(m.cpu_data(), np.arange(4))
 
     def test_async_gpu_data_on_stream_ends_synced(self):
@@ -114,5 +114,5 @@ class TestGPU:
         m.mutable_gpu_data()[...] = 5
         m.cpu_data()
         m.release_gpu()
-        assert m.head == HEAD_AT_CPU and m._gpu is None
+        assert m.head == HEAD_AT_CPU and m.device_array is None
         assert float(m.gpu_data().sum()) == 40

@@ -156,6 +156,12 @@ class PrefetchThread:
     def is_alive(self):
         return self._thread.is_alive()
 
+    def join(self, timeout=None):
+        """Wait until the thread has ended (after a failure or a stop), at most ``timeout``
+        seconds; returns whether it has ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self):
         stream = None
         try:
@@ -425,6 +431,12 @@ class BasePrefetchingDataLayer(BaseDataLayer):
     @property
     def prefetch_thread(self):
         return self._prefetch
+
+    @property
+    def current_batch(self):
+        """The batch whose buffers the tops show since the last forward (its ``data`` and
+        ``label`` Blobs; the tops share their memory, no copy is made), or None."""
+        return self._current
 
     def data_wait(self):
         """{'batches', 'host_wait_s', 'gpu_wait_ms'}: how long forward waited for the thread

@@ -1,15 +1,18 @@
-"""minicaffe's GPU runtime: what sits between the layers and the CUDA libraries.
+"""minicaffe's GPU bindings: what sits between the engine/layers and the CUDA libraries.
 
 - ``libs``: finding and loading libcublas and libcudnn (ctypes; CuPy 14 ships no cuDNN);
 - ``cublas``, ``cudnn``: thin bindings named after the libraries' calls, one handle per
   thread and device, always on the current CuPy stream (so they capture in CUDA graphs);
+- ``nccl``: CuPy's NCCL communicator and ``ncclCommAbort`` without the GIL;
+- ``host``: page-locked host memory, pinned or mapped (the one host allocator);
+- ``graph``: CUDA graph capture with a private pool (as ``torch.cuda.graph``);
 - ``pool``: the allocator (CuPy's default pool or the stream-ordered cudaMallocAsync pool)
-  and peak-memory readings;
-- ``options``: process-wide switches (TF32, deterministic algorithms, graphs);
+  and peak-memory readings (its code is in ``backend.py``);
+- ``options``: process-wide switches (TF32, deterministic algorithms, cuDNN on/off);
 - ``plan``: the static memory plan of a net (one arena, buffers shared where lifetimes
-  do not overlap);
-- ``graph``: the training iteration captured once as CUDA graphs and replayed.
+  do not overlap).
 
-Policy (which engine, which buffers, when to capture) lives here and in the layers; the
-bindings know nothing of nets.
+gpu/ imports nothing of layers, solvers, the engine, offload, the Net or parallel
+(tests/test_architecture.py): policy (which engine, which buffers, when to capture) lives
+one level up, in ``engine/`` and the layers.
 """

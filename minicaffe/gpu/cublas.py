@@ -7,7 +7,8 @@ results (DESIGN.md).  One handle per thread and device, kept in the thread's man
 
 ``matmul(a, b, out)`` is the row-major product of C-contiguous 2-D CuPy arrays (with
 optional transposes, alpha and beta); ``matmul_batched`` the same over a leading batch
-axis.  Math mode follows ``options.tf32``: strict fp32 unless TF32 is switched on.
+axis.  Math mode follows the caller's ``tf32`` (a layer passes its run's
+``RunConfig.tf32``), else ``options.tf32``: strict fp32 unless TF32 is switched on.
 """
 import ctypes
 
@@ -68,25 +69,26 @@ class _Handle:
         self.stream = None
         self.math = None
 
-    def ready(self):
-        """The handle, set to the current stream and math mode."""
+    def ready(self, tf32=None):
+        """The handle, set to the current stream and math mode (``tf32``; None: the
+        process default ``options.tf32``)."""
         s = backend.cp.cuda.get_current_stream().ptr
         if s != self.stream:
             _check(lib().cublasSetStream_v2(self.ptr, s), "cublasSetStream")
             self.stream = s
-        m = _TF32_MATH if options.tf32 else _DEFAULT_MATH
+        m = _TF32_MATH if (options.tf32 if tf32 is None else tf32) else _DEFAULT_MATH
         if m != self.math:
             _check(lib().cublasSetMathMode(self.ptr, m), "cublasSetMathMode")
             self.math = m
         return self.ptr
 
 
-def handle():
+def handle(tf32=None):
     handles = context.get().handles
     h = handles.get("cublas")
     if h is None:
         h = handles["cublas"] = _Handle()
-    return h.ready()
+    return h.ready(tf32)
 
 
 def _scalar(dtype, v):
@@ -110,7 +112,7 @@ def _dims(a, b, trans_a, trans_b):
     return M, N, K
 
 
-def matmul(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+def matmul(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=None):
     """out = alpha op(a) op(b) + beta out, row-major 2-D C-contiguous arrays.
 
     Row-major C = A B is column-major C^T = B^T A^T, so cuBLAS gets the operands swapped."""
@@ -123,13 +125,13 @@ def matmul(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     if M == 0 or N == 0:
         return out
     dt = out.dtype
-    _check(_fn(dt)(handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
+    _check(_fn(dt)(handle(tf32), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
                    N, M, K, _scalar(dt, alpha), b.data.ptr, b.shape[1], a.data.ptr, a.shape[1],
                    _scalar(dt, beta), out.data.ptr, N), "cublasSgemm")
     return out
 
 
-def matmul_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+def matmul_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=None):
     """``matmul`` over the leading axis of 3-D arrays (stride 0 allowed for a or b by
     passing a 2-D array, which is then shared by every batch entry)."""
     nb = out.shape[0]
@@ -146,7 +148,7 @@ def matmul_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0)
     if nb == 0 or M == 0 or N == 0:
         return out
     dt = out.dtype
-    _check(_fn(dt, True)(handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
+    _check(_fn(dt, True)(handle(tf32), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
                          N, M, K, _scalar(dt, alpha), b.data.ptr, b2.shape[1], sb,
                          a.data.ptr, a2.shape[1], sa, _scalar(dt, beta), out.data.ptr, N, M * N,
                          nb), "cublasSgemmStridedBatched")

@@ -150,13 +150,13 @@ def call(name, *args):
 
 def available():
     """(True, '') when the cuDNN engine can run here, else (False, why)."""
+    if not options.cudnn:    # checked first: switching cuDNN back on probes again
+        return False, "switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))"
     with _lock:
         if not _state["checked"]:
             _state["checked"] = True
             _state["error"] = None
             try:
-                if not options.cudnn:
-                    raise OSError("switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))")
                 if not backend.gpu_available():
                     raise OSError(backend.why_no_gpu())
                 v = version()
@@ -168,8 +168,6 @@ def available():
                 _state["probe"] = h
             except Exception as e:  # OSError, CudnnError, CUDA errors
                 _state["error"] = str(e)
-    if not options.cudnn:
-        return False, "switched off (MINICAFFE_CUDNN=0 or options.set_cudnn(False))"
     return (_state["error"] is None), (_state["error"] or "")
 
 
@@ -275,13 +273,14 @@ class FilterDesc(_Desc):
 class ConvDesc(_Desc):
     _create, _destroy = "cudnnCreateConvolutionDescriptor", "cudnnDestroyConvolutionDescriptor"
 
-    def __init__(self, pad, stride, dilation, groups, dtype):
+    def __init__(self, pad, stride, dilation, groups, dtype, tf32=None):
         super().__init__()
         call("cudnnSetConvolutionNdDescriptor", self.ptr, len(pad), _ints(pad), _ints(stride),
              _ints(dilation), CROSS_CORRELATION, DATA[np.dtype(dtype)])
         if groups > 1:
             call("cudnnSetConvolutionGroupCount", self.ptr, int(groups))
-        call("cudnnSetConvolutionMathType", self.ptr, DEFAULT_MATH if options.tf32 else FMA_MATH)
+        tf32 = options.tf32 if tf32 is None else tf32
+        call("cudnnSetConvolutionMathType", self.ptr, DEFAULT_MATH if tf32 else FMA_MATH)
 
     def output_dims(self, xdesc, wdesc):
         n = len(xdesc.shape)
@@ -344,6 +343,12 @@ _GET = {
 _algo_cache = {}
 
 
+def clear_algorithm_cache():
+    """Forget every algorithm Find has timed: the next layer set up times its shapes again
+    (after a change of workspace limit, or to measure Find itself)."""
+    _algo_cache.clear()
+
+
 def search_workspace(kind, descs, limit):
     """Bytes of workspace worth giving Find: the most any algorithm of ``kind`` asks for
     (cuDNN's heuristics list them with their needs), capped at ``limit``, so that small
@@ -356,13 +361,15 @@ def search_workspace(kind, descs, limit):
     return int(max(need, default=0))
 
 
-def find_algorithms(kind, key, args, workspace, limit):
+def find_algorithms(kind, key, args, workspace, limit, tf32=None):
     """The usable algorithms of ``kind`` (fwd, bwd_data, bwd_filter) for the geometry
     ``key``, timed by cuDNN's Find on the buffers in ``args`` (7 pointers/descriptors in
     the Find call's order), within ``limit`` bytes of workspace; deterministic ones only
-    when ``options.deterministic``, FMA math only unless TF32 is on.  Cached per (device,
+    when ``options.deterministic``, FMA math only unless ``tf32`` (None: ``options.tf32``)
+    is on.  Cached per (device,
     kind, key, options).  Returns [(algo, workspace bytes, time ms)], fastest first."""
-    ck = (context.device_id(), kind, key, options.deterministic, options.tf32)
+    tf32 = options.tf32 if tf32 is None else bool(tf32)
+    ck = (context.device_id(), kind, key, options.deterministic, tf32)
     hit = _algo_cache.get(ck)
     if hit is not None and limit <= hit[0]:     # timed with at least this much room
         fit = [a for a in hit[1] if a[1] <= limit]
@@ -379,7 +386,7 @@ def find_algorithms(kind, key, args, workspace, limit):
             continue
         if options.deterministic and p.determinism != DETERMINISTIC:
             continue
-        if not options.tf32 and p.mathType not in (DEFAULT_MATH, FMA_MATH):
+        if not tf32 and p.mathType not in (DEFAULT_MATH, FMA_MATH):
             continue
         found.append((int(p.algo), int(p.memory), float(p.time)))
     if not found:

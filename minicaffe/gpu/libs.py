@@ -11,6 +11,8 @@ import glob
 import importlib.util
 import os
 
+from .. import config
+
 _cache = {}
 
 
@@ -74,7 +76,7 @@ def load_cudnn():
         return _cache["cudnn"]
     tried = []
     cands = []
-    env = os.environ.get("MINICAFFE_CUDNN_LIBRARY")
+    env = config.env("MINICAFFE_CUDNN_LIBRARY")
     if env:
         cands.append(env)
     cands += _loaded_in_process("libcudnn")

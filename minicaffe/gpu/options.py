@@ -1,8 +1,10 @@
-"""Process-wide GPU engine switches.
+"""Process-wide GPU engine defaults.
 
 ``tf32``: let cuDNN and cuBLAS use TensorFloat-32 tensor cores for float32 (faster,
 about 1e-3 relative error).  Off by default: strict fp32 (cuDNN's FMA math mode,
-cuBLAS's default math), the same numbers a CPU would give up to summation order.
+cuBLAS's default math), the same numbers a CPU would give up to summation order.  This is
+the default of nets built without a RunConfig saying otherwise (``config.RunConfig.tf32``:
+a solver's ``minicaffe_precision`` or the CLI's ``--tf32`` set it for that run's nets only).
 
 ``deterministic``: choose only cuDNN algorithms that give bit-identical results run to
 run (some backward algorithms use atomics).  Off by default, as in Caffe and PyTorch;
@@ -12,40 +14,39 @@ tests that compare runs bit for bit switch it on.
 were not installed.
 
 Set them before the nets are built: layers read them when they choose algorithms.
-``MINICAFFE_TF32=1``, ``MINICAFFE_DETERMINISTIC=1`` and ``MINICAFFE_CUDNN=0`` set them
-from the environment.
+``MINICAFFE_TF32``, ``MINICAFFE_DETERMINISTIC`` and ``MINICAFFE_CUDNN`` give their initial
+values (read, and validated, by ``config.env`` on first use).
 """
-import os
+from .. import config
+
+_ENV = {"tf32": "MINICAFFE_TF32", "deterministic": "MINICAFFE_DETERMINISTIC",
+        "cudnn": "MINICAFFE_CUDNN"}
+_values = {}
 
 
-def _env(name, default):
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
-
-
-tf32 = _env("MINICAFFE_TF32", False)
-deterministic = _env("MINICAFFE_DETERMINISTIC", False)
-cudnn = _env("MINICAFFE_CUDNN", True)
+def __getattr__(name):        # options.tf32 etc.: from the environment on first use
+    if name in _ENV:
+        if name not in _values:
+            _values[name] = config.env(_ENV[name])
+        return _values[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def set_tf32(on):
-    global tf32
-    tf32 = bool(on)
+    _values["tf32"] = bool(on)
 
 
 def set_deterministic(on):
-    global deterministic
-    deterministic = bool(on)
+    _values["deterministic"] = bool(on)
 
 
 def set_cudnn(on):
-    global cudnn
-    cudnn = bool(on)
+    _values["cudnn"] = bool(on)
 
 
-def describe():
-    """One line for logs and benchmark headers."""
+def describe(tf32=None):
+    """One line for logs and benchmark headers (``tf32``: a run's, else the default)."""
+    tf32 = __getattr__("tf32") if tf32 is None else tf32
+    det = __getattr__("deterministic")
     return (f"fp32 {'with TF32' if tf32 else 'strict (TF32 off)'}, "
-            f"{'deterministic' if deterministic else 'fastest'} algorithms")
+            f"{'deterministic' if det else 'fastest'} algorithms")

@@ -101,6 +101,13 @@ def _geom(x_shape, kernel, stride, pad):
     return N, C, H, W, kh, kw, sh, sw, ph, pw, PH, PW
 
 
+def uses_phase_planes(x_shape, kernel, stride=1, pad=0):
+    """True when MAX/AVE pooling of ``x_shape`` takes the fast path (windows read as
+    strided phase planes) rather than the per-offset loop: ``FAST_PATH`` is on and the
+    planes waste at most ``FAST_MAX_WASTE`` times the output's size."""
+    return _Phase(*_geom(x_shape, kernel, stride, pad)).ok()
+
+
 def _padded(x, H, W, kh, kw, sh, sw, ph, pw, PH, PW, fill):
     """x embedded at offset (ph, pw) in an array covering every window (x itself
     when no window reaches past the image)."""

@@ -1,4 +1,4 @@
-"""Small kernels of the GPU training step (``gpu/graph.py``): the loss into the host
+"""Small kernels of the GPU training step (``engine/step.py``): the loss into the host
 ring, the iteration counter, the squared norm of the gradients for clipping.
 
 Everything here is deterministic (fixed-order reductions, no atomics), so an iteration

@@ -95,7 +95,7 @@ class InnerProductLayer(Layer):
         x = bottom[0].data_for(xp).reshape(self.M, self.K)
         w = self.blobs[0].data_for(xp)
         y = top[0].mutable_data_for(xp).reshape(self.M, self.N)
-        gemm(xp, x, w, y, trans_b=not self.transpose)
+        gemm(xp, x, w, y, trans_b=not self.transpose, tf32=self.config.tf32)
         if self.bias_term:
             y += self.blobs[1].data_for(xp)
 
@@ -105,19 +105,20 @@ class InnerProductLayer(Layer):
         if self.get_param_propagate_down(0):
             dw = self.blobs[0].mutable_diff_for(xp)
             if self.transpose:
-                gemm(xp, x, dy, dw, trans_a=True, beta=1.0)
+                gemm(xp, x, dy, dw, trans_a=True, beta=1.0, tf32=self.config.tf32)
             else:
-                gemm(xp, dy, x, dw, trans_a=True, beta=1.0)
+                gemm(xp, dy, x, dw, trans_a=True, beta=1.0, tf32=self.config.tf32)
         if self.bias_term and self.get_param_propagate_down(1):
             db = self.blobs[1].mutable_diff_for(xp)
             if xp is np:
                 db += dy.sum(axis=0)
             else:  # a GEMV with a ones vector: cuBLAS, deterministic, no temporary
-                gemm(xp, self._ones(xp), dy, db.reshape(1, self.N), beta=1.0)
+                gemm(xp, self._ones(xp), dy, db.reshape(1, self.N), beta=1.0,
+                     tf32=self.config.tf32)
         if propagate_down[0]:
             w = self.blobs[0].data_for(xp)
             dx = bottom[0].mutable_diff_for(xp).reshape(self.M, self.K)
-            gemm(xp, dy, w, dx, trans_b=self.transpose)
+            gemm(xp, dy, w, dx, trans_b=self.transpose, tf32=self.config.tf32)
 
     def backward_reads(self, bottom, top):
         return (0,), ()

@@ -13,11 +13,10 @@ workspace size for the whole net (``share_workspace``), strict fp32 (CUDNN_FMA_M
 switched on (``gpu/options``).  The workspace is one per thread and device, grown at the
 first (eager) run of each shape and never while a CUDA graph is being captured.
 """
-import os
 
 import numpy as np
 
-from .. import backend, context
+from .. import backend, config, context
 from ..gpu import cudnn, options
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
@@ -47,16 +46,14 @@ OFFLOAD_PRICE_PER_GIB = 0.10
 OFFLOAD_FIND_LIMIT = 4 << 30
 
 
-def find_limit(offloading=False):
-    """Bytes of workspace Find may try; ``offloading``: for a layer of a net that offloads
-    (``Layer.offloading``, set by the Net)."""
-    env = os.environ.get("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "").strip()
-    if env:
-        try:
-            return max(0, int(float(env)))
-        except ValueError:
-            raise ValueError(f"MINICAFFE_CUDNN_WORKSPACE_LIMIT={env!r}: not a number of "
-                             f"bytes") from None
+def find_limit(offloading=False, limit=None):
+    """Bytes of workspace Find may try: ``limit`` (a run's ``RunConfig.workspace_limit``;
+    None: MINICAFFE_CUDNN_WORKSPACE_LIMIT) when set; ``offloading``: for a layer of a net
+    that offloads (``Layer.offloading``, set by the Net)."""
+    if limit is None:
+        limit = config.env("MINICAFFE_CUDNN_WORKSPACE_LIMIT")
+    if limit is not None:
+        return max(0, int(limit))
     free = int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
     return min(free, OFFLOAD_FIND_LIMIT) if offloading else free
 
@@ -107,6 +104,11 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
     """Convolution through cuDNN: y = W * x + b; dW += dy (x) x; db += sum dy;
     dx = W^T (x) dy.  N-D (2 or 3 spatial axes), groups, dilation; channel axis 1."""
 
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's engine runs this shape)."""
+        return getattr(self, "_cudnn_key", None) is not None
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._cudnn_key = None
@@ -116,7 +118,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         if dt not in cudnn.DATA:
             return
         key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
-               tuple(self.dilation), self.group, self.num_output, str(dt), options.tf32,
+               tuple(self.dilation), self.group, self.num_output, str(dt), self.config.tf32,
                options.deterministic)
         if getattr(self, "_desc_key", None) != key:
             self._setup_descriptors(bottom[0].shape, top[0].shape, dt, key)
@@ -127,7 +129,8 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         self.x_desc = cudnn.TensorDesc(xshape, dt)
         self.y_desc = cudnn.TensorDesc(yshape, dt)
         self.w_desc = cudnn.FilterDesc(self.blobs[0].shape, dt)
-        self.conv_desc = cudnn.ConvDesc(self.pad, self.stride, self.dilation, self.group, dt)
+        self.conv_desc = cudnn.ConvDesc(self.pad, self.stride, self.dilation, self.group, dt,
+                                        self.config.tf32)
         self.b_desc = cudnn.TensorDesc((1, self.num_output) + (1,) * self.num_spatial, dt)
         if self.conv_desc.output_dims(self.x_desc, self.w_desc) != tuple(yshape) + (1,) * (
                 len(self.x_desc.shape) - len(yshape)):
@@ -137,7 +140,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         x = rs.standard_normal(xshape, dtype=dt)
         w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
         y = rs.standard_normal(yshape, dtype=dt)
-        lim = find_limit(self.offloading)
+        lim = find_limit(self.offloading, self.config.workspace_limit)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
         need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
                    cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
@@ -149,13 +152,13 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         self.candidates = {
             "fwd": cudnn.find_algorithms(
                 "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
-                ws, lim),
+                ws, lim, self.config.tf32),
             "bwd_data": cudnn.find_algorithms(
                 "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr,
-                                  _ptr(x)), ws, lim),
+                                  _ptr(x)), ws, lim, self.config.tf32),
             "bwd_filter": cudnn.find_algorithms(
                 "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
-                                    _ptr(dw)), ws, lim)}
+                                    _ptr(dw)), ws, lim, self.config.tf32)}
         del x, w, y, dw, ws
         self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
         self._desc_key = key
@@ -242,6 +245,11 @@ class CuDNNPoolingLayer(PoolingLayer):
     Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
     otherwise.  Backward reads the top data, so a top rewritten in place by a later layer
     keeps Caffe's mask-based backward (``Layer.top_rewritten``, set by the Net)."""
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
+        return getattr(self, "_use", False)
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._use = False
@@ -301,6 +309,11 @@ class CuDNNLRNLayer(LRNLayer):
     formula, alpha divided by the window); Caffe's kernels otherwise.  Backward reads x
     and y: a top rewritten in place later keeps Caffe's body."""
 
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
+        return getattr(self, "_use", False)
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         p = self.layer_param.lrn_param
@@ -342,6 +355,11 @@ class _CuDNNActivation:
     """Shared body of the cuDNN ReLU, Sigmoid and TanH: y = f(x), dx = f'(.) dy, in place
     allowed (cuDNN reads y, dy and x; in place x is y, which these three allow)."""
     act_mode = None
+
+    @property
+    def uses_cudnn(self):
+        """True once a pass has run through cuDNN (False: Caffe's body ran, or none yet)."""
+        return getattr(self, "_desc_key", None) is not None
 
     def _act_ready(self, bottom):
         if (not context.is_gpu() or bottom[0].dtype not in cudnn.DATA or not self._act_ok()
@@ -411,6 +429,11 @@ class CuDNNSoftmaxLayer(SoftmaxLayer):
     """Softmax over ``axis`` through cuDNN (ACCURATE, per channel of an
     (outer, C, inner, 1) view); dx = y * (dy - sum(dy * y))."""
 
+    @property
+    def uses_cudnn(self):
+        """True once a pass has run through cuDNN (False: Caffe's body ran, or none yet)."""
+        return getattr(self, "_desc_key", None) is not None
+
     def _ready(self, bottom):
         if not context.is_gpu() or bottom[0].dtype not in cudnn.DATA:
             return False
@@ -475,6 +498,11 @@ class CuDNNBatchNormLayer(BatchNormLayer):
     folds into Caffe's three statistics blobs exactly as Caffe does; global statistics
     run cuDNN's inference mode on mean_sum/s and var_sum/s.  Backward needs the input x:
     in place, forward keeps a copy of it."""
+
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
+        return getattr(self, "_use", False)
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from .. import context, log
+from .. import config, context, log
 from ..blob import Blob
 from ..data.db import DBError, key_text, open_db, parse_datum
 from ..data.images import ImageError, read_image
@@ -34,21 +34,19 @@ def _fmt(shape):
     return "x".join(str(d) for d in shape)
 
 
-def shard_of(phase):
-    """(count, rank) this thread's reader takes records from (count 1 = all)."""
-    n = context.solver_count()
+def shard_of(phase, config=None):
+    """(count, rank) this reader takes records from (count 1 = all): the run's
+    ``config.world_size``/``rank`` (the layer's RunConfig), else this thread's manager."""
+    n = config.world_size if config is not None else context.solver_count()
     if n <= 1 or (phase != TRAIN and not context.shard_test()):
         return 1, 0
-    return n, context.solver_rank()
+    return n, (config.rank if config is not None else context.solver_rank())
 
 
 def decode_threads():
     """Threads that decode images and transform them for one loader
     ($MINICAFFE_DECODE_THREADS, default min(4, CPU count)); 1 = on the prefetch thread."""
-    try:
-        n = int(os.environ.get("MINICAFFE_DECODE_THREADS", "0"))
-    except ValueError:
-        n = 0
+    n = config.env("MINICAFFE_DECODE_THREADS")
     return n if n > 0 else min(4, os.cpu_count() or 1)
 
 
@@ -207,7 +205,7 @@ class DataLayer(BasePrefetchingDataLayer):
             cur.close()
             first = self.transformer.decode(datum, where)
             shape = self.transformer.output_shape(first.shape, where)
-            shard = shard_of(self.phase)
+            shard = shard_of(self.phase, self.config)
             if shard[0] > 1 and db.count() < shard[0]:
                 raise DBError(f"{p.source}: {db.count()} records cannot be shared by "
                               f"{shard[0]} solvers")
@@ -355,7 +353,7 @@ class ImageDataLayer(BasePrefetchingDataLayer):
             raise self.error(str(e)) from None
         if not lines:
             raise self.error(f"{p.source}: the list file is empty")
-        count, rank = shard_of(self.phase)
+        count, rank = shard_of(self.phase, self.config)
         if count > 1:
             if len(lines) < count:
                 raise self.error(f"{p.source}: {len(lines)} images cannot be shared by {count} solvers")
@@ -434,7 +432,7 @@ class HDF5DataLayer(BaseDataLayer):
                       for n in names]
         log.info("Number of HDF5 files: %d", len(self.files))
         self.source = p.source
-        self.shard = shard_of(self.phase)
+        self.shard = shard_of(self.phase, self.config)
         self.rng = np.random.RandomState(int(context.rng().randint(0, 2 ** 32, dtype=np.uint32)))
         self.file_order = np.arange(len(self.files))
         if self.shuffle:

@@ -102,6 +102,7 @@ class ConvEngine:
         self.is_1x1 = (all(k == 1 for k in self.kernel) and all(s == 1 for s in self.stride)
                        and all(p == 0 for p in self.pad))
         self._ws = None  # numpy workspace: (dtype, chunk) -> buffers
+        self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
 
     # -- chunking ----------------------------------------------------------------
     def chunk(self, N, itemsize, budget, min_columns=0):
@@ -119,7 +120,7 @@ class ConvEngine:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._fwd_cn(x, w, y, budget)
             return self._fwd_nhwc(x, w, y, budget)
-        return self._fwd_generic(xp, x, w, y, budget)
+        return self.forward_generic(xp, x, w, y, budget)
 
     def backward(self, xp, x, w, dy, budget, dw=None, dx=None):
         """``x`` may be None when only ``dx`` is wanted."""
@@ -131,7 +132,7 @@ class ConvEngine:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._bwd_cn(x, w, dy, dw, dx, budget)
             return self._bwd_nhwc(x, w, dy, dw, dx, budget)
-        return self._bwd_generic(xp, x, w, dy, dw, dx, budget)
+        return self.backward_generic(xp, x, w, dy, dw, dx, budget)
 
     # -- 1x1, stride 1, no pad: the input is the column matrix ----------------------
     def _fwd_1x1(self, x, w, y):
@@ -401,17 +402,22 @@ class ConvEngine:
         a = (self.kernel, self.pad, self.stride, self.dilation)
         return K.col2im(col, shape, *a) if self.ns == 2 else K.col2im_nd(col, shape, *a)
 
-    def _fwd_generic(self, xp, x, w, y, budget):
+    def forward_generic(self, xp, x, w, y, budget):
+        """The reference path every shape and array module can take: im2col from the
+        kernels package and one batched GEMM per chunk of images (``forward`` picks a
+        faster numpy path where one applies)."""
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         step = self.chunk(N, x.dtype.itemsize, budget)
         for n0 in range(0, N, step):
             n = min(N, n0 + step) - n0
             col = self._im2col(x[n0:n0 + n]).reshape(G, -1, n * P)
-            out = gemm_batched(xp, w3, col, xp.empty((G, O // G, n * P), dtype=y.dtype))
+            out = gemm_batched(xp, w3, col, xp.empty((G, O // G, n * P), dtype=y.dtype),
+                               tf32=self.tf32)
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).swapaxes(0, 1)
 
-    def _bwd_generic(self, xp, x, w, dy, dw, dx, budget):
+    def backward_generic(self, xp, x, w, dy, dw, dx, budget):
+        """The reference backward (im2col/col2im and batched GEMMs), as ``forward_generic``."""
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         dw3 = None if dw is None else dw.reshape(G, O // G, -1)
@@ -421,10 +427,11 @@ class ConvEngine:
             dy3 = dy[n0:n0 + n].swapaxes(0, 1).reshape(G, O // G, n * P)
             if dw3 is not None:
                 col = self._im2col(x[n0:n0 + n]).reshape(G, -1, n * P)
-                gemm_batched(xp, dy3, col, dw3, trans_b=True, beta=1.0)
+                gemm_batched(xp, dy3, col, dw3, trans_b=True, beta=1.0, tf32=self.tf32)
             if dx is not None:
                 dcol = gemm_batched(xp, w3, dy3, xp.empty((G, w3.shape[2], n * P), dy.dtype),
-                                    trans_a=True).reshape(self.C * self.ksize, n * P)
+                                    trans_a=True, tf32=self.tf32).reshape(self.C * self.ksize,
+                                                                          n * P)
                 dx[n0:n0 + n] = self._col2im(dcol, dx[n0:n0 + n].shape)
 
 
@@ -554,6 +561,7 @@ class BaseConvolutionLayer(_ConvGeometry):
                 != (cin, cout, tuple(sin), tuple(sout))):
             self.engine = ConvEngine(cin, cout, self.group, self.kernel, self.pad, self.stride,
                                      self.dilation, sin, sout)
+        self.engine.tf32 = self.config.tf32
 
     def backward_reads(self, bottom, top):
         return range(len(bottom)), ()

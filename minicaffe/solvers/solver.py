@@ -63,8 +63,12 @@ class Solver:
 
     type = None
 
-    def __init__(self, param, source=None):
+    def __init__(self, param, source=None, config=None):
         self.param, path = read_solver_param(param)
+        if config is None:
+            from ..config import RunConfig
+            config = RunConfig.from_environment()
+        self.config = config      # the run's settings, handed to every net (config.py)
         path = path or (os.fspath(source) if source else None)
         self.source = path or "<solver>"
         self._solver_dir = os.path.dirname(os.path.abspath(path)) if path else None
@@ -103,11 +107,11 @@ class Solver:
         if prec not in ("FLOAT", "TF32"):
             raise ConfigError(f"{self.source}: minicaffe_precision must be \"FLOAT\" (strict "
                               f"fp32) or \"TF32\", got \"{p.minicaffe_precision}\"")
-        if p.HasField("minicaffe_precision"):
-            from ..gpu import options
-            options.set_tf32(prec == "TF32")
+        if p.HasField("minicaffe_precision"):   # this solver's nets only
+            self.config = self.config.replace(tf32=prec == "TF32")
             if self.root:
-                log.info("GPU math: %s", options.describe())
+                from ..gpu import options
+                log.info("GPU math: %s", options.describe(self.config.tf32))
         check_solver_param(p, self.source)
         if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             try:
@@ -118,7 +122,7 @@ class Solver:
         self.check_params()
         self.check_snapshot_write_permissions()
         if p.random_seed >= 0:
-            context.set_random_seed(p.random_seed + context.solver_rank())
+            context.set_random_seed(p.random_seed + self.config.rank)
         self.init_train_net()
         if self.root:
             self.init_test_nets()
@@ -181,7 +185,7 @@ class Solver:
         state.MergeFrom(net_param.state)
         state.MergeFrom(p.train_state)
         net_param.state.CopyFrom(state)
-        self.net = Net(net_param)
+        self.net = Net(net_param, config=self.config)
         if not self.net.layers:
             raise ConfigError(f"{where}: the train net has no layers (in phase TRAIN)")
         if not any(self.net.blob_loss_weights.values()):
@@ -232,7 +236,7 @@ class Solver:
                 state.MergeFrom(p.test_state[i])
             np_.state.CopyFrom(state)
             log.info("Creating test net (#%d) specified by %s", i, sources[i])
-            net = Net(np_)
+            net = Net(np_, config=self.config)
             if not net.layers:
                 raise ConfigError(f"{self.source}: test net #{i} ({sources[i]}) has no layers "
                                   "(in phase TEST)")
@@ -267,7 +271,7 @@ class Solver:
     # -- training ---------------------------------------------------------------------
     def step(self, iters):
         """Run ``iters`` training iterations (Caffe's Solver::Step)."""
-        if self._gpu_step_wanted():
+        if self.uses_gpu_step:
             return self._step_gpu(iters)
         p = self.param
         start_iter = self.iter
@@ -316,19 +320,34 @@ class Solver:
                 self.requested_early_exit = True
                 break
 
-    # -- the GPU step (gpu/graph.py) -----------------------------------------------------
+    # -- the GPU step (engine/step.py) -----------------------------------------------------
     def _gpu_step_wanted(self):
-        """The SGD family on one GPU runs its iterations through gpu.graph.GpuStep (fused
+        """The SGD family on one GPU runs its iterations through engine.step.GpuStep (fused
         update, deferred loss reads, CUDA graphs where they capture); debug_info needs the
         host after every layer and keeps the layer-by-layer path."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
                 and not self.net.net_param.debug_info)
 
+    @property
+    def uses_gpu_step(self):
+        """True when ``step`` runs through the GPU step (fused update, deferred loss reads,
+        CUDA graphs where they capture) rather than layer by layer."""
+        return self._gpu_step_wanted()
+
+    @property
+    def gpu_step(self):
+        """The GPU step that ran the last ``step`` (engine.step.GpuStep: its memory ``plan``,
+        ``graphs``, ``offload``, ``private_bytes()``), or None before the first GPU step
+        or in CPU mode.  Read-only: for inspection and reports."""
+        return getattr(self, "_gpu_step_obj", None)
+
     def _gpu_step(self):
         st = getattr(self, "_gpu_step_obj", None)
         if st is None or not st.update.intact():
-            from ..gpu.graph import GpuStep
-            st = self._gpu_step_obj = GpuStep(self, graphs=self.param.cuda_graph)
+            from ..engine.step import GpuStep
+            graphs = self.config.cuda_graphs
+            st = self._gpu_step_obj = GpuStep(
+                self, graphs=self.param.cuda_graph if graphs is None else graphs)
         return st
 
     def fused_extra(self):

@@ -41,6 +41,7 @@ import zipfile
 
 import numpy as np
 
+from minicaffe import config
 from minicaffe.datasets import (
     CIFAR10_TARBALLS, CIFAR10_URL, MNIST_FILES, cifar10_missing_message,
     extract_cifar10_tarball, find_cifar10_files, find_mnist_files, load_cifar10,
@@ -322,7 +323,7 @@ def fetch_mnist(dest, from_dir=None, *, mirrors=MNIST_MIRRORS, timeout=DEFAULT_T
     steps = []
     if from_dir:
         steps.append(("--from %s" % from_dir, lambda st, tmp: _try_local(from_dir, st)))
-    env_dir = os.environ.get(MNIST_ENV) if use_env else None
+    env_dir = config.env(MNIST_ENV) if use_env else None
     if env_dir:
         steps.append(("$%s=%s" % (MNIST_ENV, env_dir), lambda st, tmp: _try_local(env_dir, st)))
     mirror_start = [None]

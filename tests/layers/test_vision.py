@@ -360,10 +360,10 @@ def test_numpy_engine_paths_agree_with_naive(monkeypatch, layout, dx_path, k, s,
         ref.append((layer, top.data.copy(), x.diff.copy(), layer.blobs[0].diff.copy()))
     # the same layers through the generic engine (the kernels package's im2col/col2im)
     monkeypatch.setattr(vision.ConvEngine, "forward",
-                        lambda self, xp, *a: self._fwd_generic(xp, *a))
+                        lambda self, xp, *a: self.forward_generic(xp, *a))
     monkeypatch.setattr(vision.ConvEngine, "backward",
                         lambda self, xp, x, w, dy, budget, dw=None, dx=None:
-                        self._bwd_generic(xp, x, w, dy, dw, dx, budget))
+                        self.backward_generic(xp, x, w, dy, dw, dx, budget))
     for layer, y, dx, dw in ref:
         top, = forward(layer, x)
         np.testing.assert_allclose(top.data, y, rtol=1e-11, atol=1e-11)

@@ -1,0 +1,163 @@
+"""One run's configuration, and the MINICAFFE_* environment variables, read in one place.
+
+``RunConfig`` is a frozen dataclass: the settings of one run that used to travel through
+process globals.  The CLI (from its flags) or a Python user builds one and hands it to
+the Solver, which hands it to its Nets, which hand it to their layers (``Layer.config``):
+
+- ``tf32``: the GPU math of this run's nets (cuDNN convolutions and cuBLAS GEMMs may use
+  TensorFloat-32); a solver's ``minicaffe_precision`` sets it for that solver's nets only;
+- ``offload_policy`` / ``offload_budget``: the command line's ``--offload`` and
+  ``--gpu_mem_limit``, which override every net's ``offload_param`` (None: the net's own);
+- ``cuda_graphs``: None keeps the solver's ``cuda_graph`` field; True/False overrides it;
+- ``workspace_limit``: bytes of workspace cuDNN's Find may try (None: the default rule);
+- ``rank``, ``world_size``: this solver's place in a data-parallel run (its data layers
+  read that shard), in place of the order-dependent ``set_solver_count`` global.
+
+Caffe has no such object (its settings are flags and the process-wide ``Caffe`` singleton);
+PyTorch keeps them in ``torch.backends`` flags.  Unset fields take the environment's values
+(``RunConfig.from_environment()``), and ``gpu.options`` stays the process default that a
+Python user may set (as ``torch.backends.cuda.matmul.allow_tf32``) before building nets.
+
+Environment variables are overrides read here and nowhere else (``env(name)``), each one
+validated: a bad value raises ConfigError naming the variable, the value and what is
+accepted, and the CLI checks them all before it does anything (``check_environment``).
+The table ``VARIABLES`` is their documentation (docs/cli.md lists it).
+"""
+import dataclasses
+import os
+
+from .errors import ConfigError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(text):
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError
+
+
+def _count(text):
+    n = int(text.strip())
+    if n < 0:
+        raise ValueError
+    return n
+
+
+def _bytes(text):
+    v = float(text.strip())
+    if not v >= 0 or v != v or v == float("inf"):
+        raise ValueError
+    return int(v)
+
+
+def _allocator(text):
+    t = text.strip().lower()
+    if t not in ("async", "default"):
+        raise ValueError
+    return t
+
+
+def _file(text):
+    if not os.path.isfile(text):
+        raise ValueError
+    return text
+
+
+def _folder(text):
+    if not os.path.isdir(text):
+        raise ValueError
+    return text
+
+
+# name -> (parser, what is accepted, default when unset or empty, what it does)
+VARIABLES = {
+    "MINICAFFE_TF32": (_bool, "1/0, true/false, yes/no, on/off", False,
+                       "default GPU math: TF32 tensor cores for float32 (off: strict fp32)"),
+    "MINICAFFE_DETERMINISTIC": (_bool, "1/0, true/false, yes/no, on/off", False,
+                                "only cuDNN algorithms that give the same bits run to run"),
+    "MINICAFFE_CUDNN": (_bool, "1/0, true/false, yes/no, on/off", True,
+                        "0 forbids the cuDNN engine (every layer takes Caffe's)"),
+    "MINICAFFE_CUDNN_WORKSPACE_LIMIT": (_bytes, "a number of bytes >= 0 (e.g. 0, 1e9)", None,
+                                        "most workspace cuDNN's Find may try"),
+    "MINICAFFE_CUDNN_LIBRARY": (_file, "the path of an existing libcudnn.so file", None,
+                                "the cuDNN library to load first"),
+    "MINICAFFE_GPU_ALLOCATOR": (_allocator, "async or default", "async",
+                                "the GPU allocator: stream-ordered pool or CuPy's cache"),
+    "MINICAFFE_DECODE_THREADS": (_count, "an integer >= 0 (0: min(4, CPU count))", 0,
+                                 "threads decoding and transforming images per data layer"),
+    "MINICAFFE_MNIST_DIR": (_folder, "an existing folder", None,
+                            "a folder holding MNIST's four files, tried first when fetching"),
+    "MINICAFFE_TRACEBACK": (_bool, "1/0, true/false, yes/no, on/off", False,
+                            "the CLI shows Python's traceback instead of one error line"),
+    "MINICAFFE_LAUNCHED": (_bool, "1/0, true/false, yes/no, on/off", False,
+                           "set by the process-mode launcher in the processes it starts"),
+}
+
+
+def env(name):
+    """The parsed value of environment variable ``name`` (its default when unset or
+    empty); ConfigError naming the variable and what it accepts when the value is bad."""
+    parse, accepted, default, _ = VARIABLES[name]
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return parse(raw)
+    except (ValueError, TypeError, OverflowError):
+        raise ConfigError(f"environment variable {name}={raw!r} is not valid: "
+                          f"accepted values are {accepted}") from None
+
+
+def check_environment():
+    """Validate every MINICAFFE_* variable that is set (the CLI calls this first); an
+    unknown MINICAFFE_ name is an error too (a misspelt variable would do nothing)."""
+    for name in sorted(os.environ):
+        if name.startswith("MINICAFFE_") and name not in VARIABLES:
+            raise ConfigError(f"environment variable {name} is not one of minicaffe's: "
+                              f"{', '.join(sorted(VARIABLES))}")
+    for name in VARIABLES:
+        env(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A run's settings (see the module docstring); ``replace(**changes)`` makes a copy."""
+    tf32: bool = False
+    offload_policy: str = None
+    offload_budget: int = None
+    cuda_graphs: bool = None
+    workspace_limit: int = None
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self):
+        if self.offload_policy is not None:
+            from .offload import parse_policy
+            object.__setattr__(self, "offload_policy", parse_policy(self.offload_policy))
+        if self.offload_budget is not None:
+            if int(self.offload_budget) < 0:
+                raise ConfigError(f"--gpu_mem_limit must be a number of bytes >= 0 (got "
+                                  f"{self.offload_budget})")
+            object.__setattr__(self, "offload_budget", int(self.offload_budget))
+
+    @classmethod
+    def from_environment(cls, **fields):
+        """A RunConfig whose unset fields take the process defaults: ``gpu.options.tf32``
+        (MINICAFFE_TF32 unless set from Python), MINICAFFE_CUDNN_WORKSPACE_LIMIT, and this
+        thread's ``solver_count``/``solver_rank`` (pycaffe's ``set_solver_count`` before
+        building a solver, as in Caffe)."""
+        from . import context
+        from .gpu import options
+        fields.setdefault("tf32", options.tf32)
+        fields.setdefault("world_size", context.solver_count())
+        fields.setdefault("rank", context.solver_rank())
+        fields.setdefault("workspace_limit", env("MINICAFFE_CUDNN_WORKSPACE_LIMIT"))
+        return cls(**fields)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
