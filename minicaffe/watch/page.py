@@ -28,7 +28,8 @@ td.k{color:#667}
 svg text{font-size:10px;fill:#555}
 .legend span{font-size:12px;margin-right:12px;white-space:nowrap}
 .legend i{display:inline-block;width:10px;height:3px;margin-right:4px;vertical-align:middle}
-#net img{max-width:100%}
+#net img{max-width:100%}#snapshots,#net-draw{font-size:13px}
+.chart svg{width:100%;height:auto}
 #bar{height:6px;background:#dde1e6;border-radius:3px;margin-top:4px}#bar div{height:6px;background:#4c8bf5;border-radius:3px;width:0}
 </style></head>
 <body>
@@ -40,7 +41,7 @@ svg text{font-size:10px;fill:#555}
 <section><h2>Training loss</h2><div class="chart" data-group="train"></div></section>
 <section><h2>Test scores</h2><div class="chart" data-group="test"></div></section>
 <section><h2>Learning rate</h2><div class="chart" data-group="lr"></div></section>
-<section><h2>Images per second</h2><div class="chart" data-group="speed"></div></section>
+<section><h2 id="speed-title">Images per second</h2><div class="chart" data-group="speed"></div></section>
 <section><h2>Share of the iteration waiting for data</h2><div class="chart" data-group="data_wait"></div></section>
 <section><h2>Device memory (MiB, high-water mark)</h2><div class="chart" data-group="memory"></div></section>
 <section id="net"><h2>Net</h2><div id="net-draw" class="k">loading</div></section>
@@ -139,6 +140,10 @@ function render(run) {
   document.getElementById("snapshots").style.whiteSpace = "pre-line";
   const groups = {};
   for (const n in run.series) { const g = groupOf(n); if (g) (groups[g] = groups[g] || {})[n] = run.series[n]; }
+  if (!groups.speed && run.series["speed/iter_per_s"]) {  // a log: iterations/s only
+    groups.speed = {"speed/iter_per_s": run.series["speed/iter_per_s"]};
+    document.getElementById("speed-title").textContent = "Iterations per second";
+  }
   for (const box of document.querySelectorAll(".chart")) chart(box, groups[box.dataset.group] || {});
 }
 function loadNet() {
