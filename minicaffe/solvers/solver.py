@@ -127,7 +127,7 @@ class Solver:
             log.info("Solver scaffolding done.")
         if self.root and p.minicaffe_tensorboard_dir:  # only the root solver writes
             from ..watch.tensorboard import TensorBoardWriter
-            self.observers.append(TensorBoardWriter(p.minicaffe_tensorboard_dir, self))
+            TensorBoardWriter(p.minicaffe_tensorboard_dir, self)   # attaches itself
         self.iter = 0
         self.current_step = 0
         self.pre_solve()
