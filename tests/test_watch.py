@@ -210,6 +210,12 @@ def test_a_token_is_required_off_the_loopback_and_checked():
         status, body = _get(base + "api/run?token=" + d.token)
         assert status == 200 and json.loads(body)["series"]["train/loss"] == [[0, 2.5]]
         assert _get(d.url)[0] == 200
+        version = json.loads(body)["version"]
+        status, body = _get(f"{base}api/run?token={d.token}&since={version}")
+        assert json.loads(body) == {"version": version, "unchanged": True}
+        rec.add("train/loss", 10, 1.5)
+        status, body = _get(f"{base}api/run?token={d.token}&since={version}")
+        assert json.loads(body)["series"]["train/loss"] == [[0, 2.5], [10, 1.5]]
         req = urllib.request.Request(base + "api/run?token=" + d.token, data=b"x", method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:   # read-only
             urllib.request.urlopen(req, timeout=10)
@@ -304,6 +310,10 @@ def test_tensorboard_event_file_holds_the_logs_scalars(cli, tmp_path):
     assert [i for i, _ in rec.points("speed/images_per_s")] == [2, 4, 6, 8, 10]
     assert rec.facts["net"] == "dummy" and rec.status == "finished"
     assert [s[0] for s in rec.snapshots] == [6, 12]
+    with serve(tmp_path / "tb", port=0) as d:    # `minicaffe dashboard` of the event folder
+        run = json.loads(_get(d.url + "api/run")[1])
+    assert run["series"]["lr"] == [list(p) for p in rec.points("lr")]
+    assert run["status"] == "finished" and run["facts"]["batch"] == "8 images per iteration"
 
 
 def test_tensorboard_corrupt_file_and_missing_writer(tmp_path, monkeypatch):
@@ -435,3 +445,21 @@ def test_progress_line_text():
     assert describe(S(), 1000.0, 64).startswith("loss 0.25, lr 0.001, 64.0k img/s")
     S.data_wait_share = None
     assert describe(S()).endswith("data wait n/a")
+
+
+@pytest.mark.gpu
+def test_gpu_run_records_device_memory_and_the_logs_values(cli, tmp_path):
+    """On a GPU: the event file holds device memory and the same losses as the log."""
+    pytest.importorskip("tensorboardX")
+    from minicaffe.watch.tensorboard import read_events
+    _setup(tmp_path, solver=TB_SOLVER)
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--gpu", "0", "--log", "run.log",
+                       "--tensorboard", "tb")
+    assert rc == 0, err
+    rec = read_events(tmp_path / "tb")
+    train, _ = parse_log(tmp_path / "run.log")
+    assert [(int(r["NumIters"]), r["loss"]) for r in train] == \
+        [(i, pytest.approx(v, rel=1e-5)) for i, v in rec.points("train/loss")]
+    mem = rec.points("device_memory_mib")
+    assert len(mem) == len(train) and all(v > 0 for _, v in mem)
+    assert rec.facts["devices"] == "GPU 0" and "fp32" in rec.facts["precision"]

@@ -1,7 +1,8 @@
 """The dashboard's page: one self-contained HTML document (its own small SVG plotting
 in plain JavaScript; nothing is fetched from outside the server that sent it).
 
-It polls ``api/run`` (the RunRecord as JSON) every second while the run trains, draws
+It polls ``api/run?since=V`` (the RunRecord as JSON, or "unchanged") every second while
+the run trains, draws
 one chart per group (training loss and outputs, test scores, learning rate, images/s,
 data-wait share, device memory), the run's facts, its snapshots and the net's drawing
 (``net.svg``, when Graphviz could draw it).  Each plotted line carries its points as
@@ -24,7 +25,7 @@ section{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:8px 1
 section h2{font-size:14px;margin:0 0 4px 0;color:#26374a}
 table{border-collapse:collapse;font-size:13px}td{padding:2px 8px 2px 0;vertical-align:top}
 td.k{color:#667}
-.na{color:#888;font-size:13px;padding:30px 0;text-align:center}
+.na{color:#888;font-size:13px;padding:24px 0;text-align:center}
 svg text{font-size:10px;fill:#555}
 .legend span{font-size:12px;margin-right:12px;white-space:nowrap}
 .legend i{display:inline-block;width:10px;height:3px;margin-right:4px;vertical-align:middle}
@@ -44,7 +45,7 @@ svg text{font-size:10px;fill:#555}
 <section><h2 id="speed-title">Images per second</h2><div class="chart" data-group="speed"></div></section>
 <section><h2>Share of the iteration waiting for data</h2><div class="chart" data-group="data_wait"></div></section>
 <section><h2>Device memory (MiB, high-water mark)</h2><div class="chart" data-group="memory"></div></section>
-<section id="net"><h2>Net</h2><div id="net-draw" class="k">loading</div></section>
+<section id="net" style="grid-column:1/-1"><h2>Net</h2><div id="net-draw" class="k">loading</div></section>
 </main>
 <script>
 "use strict";
@@ -99,7 +100,8 @@ function chart(box, series) {
     const yv = y0 + (y1 - y0) * i / 4, xv = x0 + (x1 - x0) * i / 4;
     svg.appendChild(el("line", {x1: L, x2: W - R, y1: sy(yv), y2: sy(yv), stroke: "#eceff3"}));
     svg.appendChild(el("text", {x: L - 4, y: sy(yv) + 3, "text-anchor": "end"}, fmt(yv)));
-    svg.appendChild(el("text", {x: sx(xv), y: H - 6, "text-anchor": "middle"}, String(Math.round(xv))));
+    svg.appendChild(el("text", {x: sx(xv), y: H - 6, "text-anchor": i === 4 ? "end" : "middle"},
+                        String(Math.round(xv))));
   }
   const legend = el("div", {"class": "legend"});
   names.forEach((n, k) => {
@@ -155,8 +157,10 @@ function loadNet() {
                           : (document.getElementById("net-draw").textContent = "no drawing"));
 }
 function poll() {
-  fetch("api/run" + Q, {cache: "no-store"}).then(r => r.ok ? r.json() : Promise.reject(r.status))
+  const since = (Q ? Q + "&" : "?") + "since=" + lastVersion;
+  fetch("api/run" + since, {cache: "no-store"}).then(r => r.ok ? r.json() : Promise.reject(r.status))
   .then(run => {
+    if (run.unchanged) { setTimeout(poll, 1000); return; }
     if (run.version !== lastVersion) { lastVersion = run.version; render(run); }
     loadNet();
     if (run.status === "training" || run.status === "unfinished") setTimeout(poll, 1000);

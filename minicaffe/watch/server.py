@@ -9,7 +9,8 @@ TensorBoard event file/folder (read again whenever the file changes, so a log st
 being written updates too).
 
 Routes (GET/HEAD only; anything else is refused): ``/`` the page (page.py), ``/api/run``
-the record as JSON, ``/net.svg`` the net drawn by ``minicaffe draw`` (Graphviz's ``dot``;
+the record as JSON (``?since=VERSION``: only ``{"version", "unchanged"}`` when nothing
+changed since then), ``/net.svg`` the net drawn by ``minicaffe draw`` (Graphviz's ``dot``;
 404 with the reason otherwise).  It binds 127.0.0.1 unless a host is given.  Bound to
 any other host, or with ``require_token=True``, every request must carry the run's
 token (``?token=...``, generated unless given; the URL holding it is printed once):
@@ -104,7 +105,7 @@ def _net_svg(net_param):
                      b"(apt-get install graphviz), which this machine lacks")
     from ..draw import get_dot, render
     try:
-        return 200, render(get_dot(net_param, "TB"), "svg")
+        return 200, render(get_dot(net_param, "LR"), "svg")
     except MinicaffeError as e:
         return 404, f"no drawing: {e}".encode()
 
@@ -139,7 +140,11 @@ class _Handler(BaseHTTPRequestHandler):
         if path in ("/", "/index.html"):
             return self._send(200, PAGE.encode(), "text/html; charset=utf-8", head)
         if path == "/api/run":
-            body = json.dumps(d.run.to_dict(), allow_nan=False).encode()
+            run = d.run.to_dict()
+            since = parse_qs(url.query).get("since", [""])[0]
+            if since == str(run["version"]):      # nothing new since the last poll
+                run = {"version": run["version"], "unchanged": True}
+            body = json.dumps(run, allow_nan=False).encode()
             return self._send(200, body, "application/json", head)
         if path == "/net.svg":
             status, body = d.net_svg()
