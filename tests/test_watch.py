@@ -267,6 +267,12 @@ def test_dashboard_of_a_missing_or_foreign_file_is_one_line(cli, tmp_path):
     (tmp_path / "notes.txt").write_text("hello\n")
     rc, out, err = cli("dashboard", "notes.txt", "--port", "0")
     assert rc == 1 and "not a Caffe or minicaffe log" in err and "Traceback" not in err
+    (tmp_path / "caffe.log").write_text(CAFFE_LOG)
+    with serve(tmp_path / "caffe.log", port=0) as d:   # a log that goes away while served
+        assert _get(d.url + "api/run")[0] == 200
+        (tmp_path / "caffe.log").unlink()
+        status, body = _get(d.url + "api/run")
+    assert status == 500 and b"cannot read the run" in body
 
 
 # -- TensorBoard event files ---------------------------------------------------------------

@@ -140,7 +140,10 @@ class _Handler(BaseHTTPRequestHandler):
         if path in ("/", "/index.html"):
             return self._send(200, PAGE.encode(), "text/html; charset=utf-8", head)
         if path == "/api/run":
-            run = d.run.to_dict()
+            try:
+                run = d.run.to_dict()
+            except (OSError, MinicaffeError, ValueError) as e:   # a log gone or garbled
+                return self._send(500, f"cannot read the run: {e}\n".encode(), head=head)
             since = parse_qs(url.query).get("since", [""])[0]
             if since == str(run["version"]):      # nothing new since the last poll
                 run = {"version": run["version"], "unchanged": True}
