@@ -114,7 +114,7 @@ class Solver:
                 import h5py  # noqa: F401
             except ImportError:
                 raise ConfigError(f"{self.source}: snapshot_format HDF5 needs h5py "
-                                  "(pip install minicaffe[data])") from None
+                                  "(pip install \".[data]\")") from None
         self.check_params()
         self.check_snapshot_write_permissions()
         if p.random_seed >= 0:
