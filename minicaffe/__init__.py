@@ -9,6 +9,8 @@ one changed import line:
 - ``set_mode_cpu/gpu``, ``set_device``, ``set_random_seed``, ``solver_count``,
   ``set_solver_count``, ``solver_rank``, ``set_solver_rank``, ``set_multiprocess``;
 - ``Layer``: the base class of Python layers (``type: "Python"``);
+- ``set_num_threads(n)``/``get_num_threads()``: numpy's BLAS threads (one by default,
+  unless OPENBLAS_NUM_THREADS/OMP_NUM_THREADS/MKL_NUM_THREADS say otherwise: threads.py);
 - ``Timer``, ``init_log``, ``log`` (``caffe.log("text")`` logs a line; ``caffe.log.info``
   works too), ``has_nccl()``, ``NCCL``, ``__version__``;
 - submodules ``io``, ``draw``, ``proto.caffe_pb2``, and NetSpec's ``layers``/``params``
@@ -18,6 +20,10 @@ __version__ = "0.1.0"
 
 import sys as _sys
 import types as _types
+
+from . import threads as _threads
+_threads.apply_default()    # one BLAS thread per process unless asked (threads.py)
+from .threads import set_num_threads, get_num_threads  # noqa: E402
 
 from .context import (set_mode_cpu, set_mode_gpu, set_device, set_random_seed,
                       solver_count, set_solver_count, solver_rank, set_solver_rank,

@@ -266,6 +266,8 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
             argv += [f"--{name}", getattr(flags, name)]
     if flags.debug_info:
         argv.append("--debug_info")
+    if "threads" in flags.given:
+        argv += ["--threads", str(flags.threads)]
     if flags.log and rank == 0:
         argv += ["--log", flags.log]
     return argv
