@@ -54,10 +54,12 @@ _log_module.__class__ = _CallableLogModule
 log = _log_module
 
 
-def init_log(level=None, stderr=True, log_file=None):
+def init_log(level=None, stderr=True, log_file=None, volume="caffe"):
     """pycaffe's ``init_log()`` / ``init_log(level)`` / ``init_log(level, stderr)``: glog
     levels 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL; logs go to stderr (unless ``stderr`` is
-    False) and to ``log_file`` if given."""
+    False) and to ``log_file`` if given.  ``volume``: "caffe" (every INFO line, as Caffe),
+    "normal" (the net set-up report only with GLOG_v=1) or "quiet" (progress and results);
+    without any ``init_log`` call the Python API logs at "normal" (minicaffe/log.py)."""
     import io as _pyio
     lvl = None
     if level is not None:
@@ -65,7 +67,7 @@ def init_log(level=None, stderr=True, log_file=None):
         if lvl is None:
             raise ValueError(f"init_log: level must be 0 (INFO) .. 3 (FATAL), got {level}")
     stream = None if stderr else _pyio.StringIO()
-    _log_module.init_log(lvl, log_file=log_file, stream=stream)
+    _log_module.init_log(lvl, log_file=log_file, stream=stream, volume=volume)
 
 
 # The layer package doubles as NetSpec's ``layers`` pseudo-module (``L.Convolution(...)``):

@@ -266,8 +266,11 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
             argv += [f"--{name}", getattr(flags, name)]
     if flags.debug_info:
         argv.append("--debug_info")
-    if "threads" in flags.given:
-        argv += ["--threads", str(flags.threads)]
+    for name in ("threads", "minloglevel"):
+        if name in flags.given:
+            argv += [f"--{name}", str(getattr(flags, name))]
+    if flags.quiet:
+        argv.append("--quiet")
     if flags.log and rank == 0:
         argv += ["--log", flags.log]
     return argv
