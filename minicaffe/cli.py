@@ -827,8 +827,21 @@ def validate(command, flags):
     if flags.input_shape:
         from .bench import parse_input_shape
         parse_input_shape(flags.input_shape)
-    if flags.gpu not in (None, "", "all"):
-        get_gpus(flags.gpu)          # the spelling; the devices are checked by the command
+    if command == "train" and flags.snapshot and flags.weights:
+        raise MinicaffeError("give a snapshot to resume training or weights to finetune, "
+                             "but not both")
+    if command in ("bench", "memory") and flags.model and flags.solver:
+        raise MinicaffeError("give --model or --solver, not both")
+    if flags.gpu not in (None, ""):
+        _check_gpus(get_gpus(flags.gpu))   # the spelling and the devices
+    files = [("solver", flags.solver), ("snapshot", flags.snapshot)]
+    files += [("model", m) for m in flags.model.split(",") if m] if command == "bench" else \
+        [("model", flags.model)]
+    files += [("weights", w) for w in flags.weights.split(",") if w]
+    for name, path in files:         # before the log file is opened
+        if path and name in allowed and not os.path.isfile(path):
+            raise MinicaffeError(f"{path}: no such file" + ("" if name in ("solver", "model")
+                                                            else f" (--{name})"))
 
 
 # -- main ------------------------------------------------------------------------------------

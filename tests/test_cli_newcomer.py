@@ -346,6 +346,12 @@ LENET = str(REPO / "models" / "lenet" / "train_val.prototxt")
     (["bench", "--model", LENET, "--repeats", "0"], "--repeats must be at least 1"),
     (["train", "--solver", "solver.prototxt", "--gpu_mem_limit", "-1"],
      "--gpu_mem_limit must be at least 0"),
+    (["train", "--solver", "nosolver.prototxt"], "nosolver.prototxt: no such file"),
+    (["train", "--solver", "solver.prototxt", "--weights", "net.prototxt,gone.caffemodel"],
+     "gone.caffemodel: no such file (--weights)"),
+    (["test", "--model", "net.prototxt", "--weights", "gone.caffemodel"],
+     "gone.caffemodel: no such file (--weights)"),
+    (["time", "--model", "nonet.prototxt"], "nonet.prototxt: no such file"),
 ])
 def test_hostile_flags_are_one_line_and_write_nothing(cli, tmp_path, args, words):
     _setup(tmp_path)
