@@ -46,7 +46,7 @@ def gpu_available():
 def why_no_gpu():
     if cp is None:
         return f"CuPy is not installed or failed to import ({_CUPY_ERROR}); " \
-               "install minicaffe[cuda12] or minicaffe[cuda13]"
+               "from the minicaffe checkout run pip install \".[cuda12]\" (or \".[cuda13]\")"
     return "CuPy found no CUDA device"
 
 

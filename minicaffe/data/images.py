@@ -28,7 +28,7 @@ def _pil():
         from PIL import Image
     except ImportError:
         raise ImageError("reading images needs Pillow (pip install Pillow, or "
-                         "pip install minicaffe[data])") from None
+                         "pip install \".[data]\")") from None
     return Image
 
 

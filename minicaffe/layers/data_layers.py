@@ -394,7 +394,7 @@ def _import_h5py(what):
         import h5py
     except ImportError:
         raise MinicaffeError(f"{what} needs the 'h5py' package (pip install h5py, or "
-                             "pip install minicaffe[data])") from None
+                             "pip install \".[data]\")") from None
     return h5py
 
 

@@ -120,7 +120,7 @@ class Solver:
                 import h5py  # noqa: F401
             except ImportError:
                 raise ConfigError(f"{self.source}: snapshot_format HDF5 needs h5py "
-                                  "(pip install minicaffe[data])") from None
+                                  "(pip install \".[data]\")") from None
         self.check_params()
         self.check_snapshot_write_permissions()
         if p.random_seed >= 0:
@@ -613,8 +613,11 @@ class Solver:
                 pass
             os.remove(probe)
         except OSError:
-            raise MinicaffeError(f"cannot write to snapshot prefix '{p.snapshot_prefix}'; make "
-                                 "sure that the directory exists and is writeable") from None
+            where = "" if os.path.isabs(p.snapshot_prefix) else \
+                f" (relative to the working directory {os.getcwd()}, as in Caffe)"
+            raise MinicaffeError(f"cannot write to snapshot prefix '{p.snapshot_prefix}'"
+                                 f"{where}; make sure that the directory exists and is "
+                                 "writeable") from None
 
     def snapshot_filename(self, extension):
         """Caffe's Solver::SnapshotFilename: PREFIX_iter_N + extension."""
