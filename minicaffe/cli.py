@@ -84,6 +84,9 @@ flags:
                        or DYNAMIC (overrides the net's offload_param; docs/offload.md)
   --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
                        (overrides offload_param's gpu_memory_budget)
+  --data_workers N     train: worker processes that read and decode each Data/ImageData
+                       layer's records (0: in the prefetch thread; default: from the cores;
+                       sets $MINICAFFE_DECODE_THREADS, overriding data_param.workers)
   --version            print the version
 """
 
@@ -117,6 +120,7 @@ FLAGS = {
     "input_shape": ("str", ""),
     "offload": ("str", ""),
     "gpu_mem_limit": ("int", 0),
+    "data_workers": ("int", -1),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 
@@ -305,6 +309,11 @@ def train(flags, stream=None):
     for w in [s for s in flags.weights.split(",") if s]:
         if not os.path.isfile(w):
             raise MinicaffeError(f"{w}: no such file (--weights)")
+    if "data_workers" in flags.given:
+        if flags.data_workers < 0:
+            raise MinicaffeError(f"--data_workers {flags.data_workers}: expected the number "
+                                 "of data worker processes (0 reads in the prefetch thread)")
+        os.environ["MINICAFFE_DECODE_THREADS"] = str(flags.data_workers)  # ranks inherit it
     param, path = read_solver_param(flags.solver)
     param.train_state.level = flags.level
     param.train_state.stage.extend(_stages(flags))

@@ -33,10 +33,11 @@ def make_db(path, n=37, shape=(3, 9, 10), values=None):
     return str(path), imgs
 
 
-def data_layer(src, batch=8, transform="crop_size: 7 mirror: true scale: 0.5", prefetch=4):
+def data_layer(src, batch=8, transform="crop_size: 7 mirror: true scale: 0.5", prefetch=4,
+               extra=""):
     return make_layer(f'name: "d" type: "Data" top: "data" top: "label" '
                       f'data_param {{ source: "{src}" batch_size: {batch} backend: LMDB '
-                      f'prefetch: {prefetch} }} transform_param {{ {transform} }}', TRAIN)
+                      f'prefetch: {prefetch} {extra} }} transform_param {{ {transform} }}', TRAIN)
 
 
 def batches(src, n, gpu, **kw):
@@ -68,6 +69,50 @@ def test_gpu_batches_equal_cpu_batches(tmp_path):
     for (a, la), (b, lb) in zip(cpu, gpu):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(la, lb)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("transform", ["crop_size: 7 mirror: true mean_value: 104 "
+                                       "mean_value: 117 mean_value: 123 scale: 0.017",
+                                       "mirror: true mean_file: MEAN scale: 0.5"])
+def test_gpu_transform_gives_cpu_batches_with_workers(tmp_path, workers, transform):
+    """The uint8 batch uploaded and transformed by one kernel (kernels/transform.py) equals
+    CPU mode's numpy transform bit for bit, read by the thread or by worker processes."""
+    from minicaffe import protoio
+    src, _ = make_db(tmp_path / "db")
+    mean = caffe_pb2.BlobProto(num=1, channels=3, height=9, width=10)
+    mean.data.extend(np.random.RandomState(1).uniform(0, 255, 270).astype(np.float32).tolist())
+    protoio.write_binary(str(tmp_path / "m.binaryproto"), mean)
+    transform = transform.replace("MEAN", f'"{tmp_path}/m.binaryproto"')
+    kw = dict(transform=transform, extra=f"workers: {workers}")
+    cpu, _ = batches(src, 10, False, **kw)
+    gpu, _ = batches(src, 10, True, **kw)
+    for (a, la), (b, lb) in zip(cpu, gpu):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(la, lb)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("crop,mean", [(0, None), (5, "file"), (6, "values"), (5, "value")])
+def test_transform_kernel_equals_the_numpy_transform(dtype, crop, mean):
+    from minicaffe.data.transformer import DataTransformer
+    cp = backend.cp
+    rs = np.random.RandomState(3)
+    p = caffe_pb2.TransformationParameter(crop_size=crop, mirror=True, scale=0.37)
+    t = DataTransformer(p, TRAIN)
+    if mean == "file":
+        t.mean = rs.uniform(0, 255, (3, 8, 9)).astype(np.float32)
+    elif mean == "values":
+        t.mean_values = np.asarray([104, 117, 123], np.float32)
+    elif mean == "value":
+        t.mean_values = np.asarray([100.5], np.float32)
+    images = rs.randint(0, 256, (16, 3, 8, 9)).astype(dtype)
+    mirror, hoff, woff = t.draw(16, (8, 9), np.random.RandomState(5))
+    assert 0 < mirror.sum() < 16
+    oshape = t.output_shape((3, 8, 9))
+    a = t.apply(images, np.empty((16,) + oshape, np.float32), mirror, hoff, woff)
+    b = t.apply(cp.asarray(images), cp.empty((16,) + oshape, cp.float32), mirror, hoff, woff)
+    np.testing.assert_array_equal(a, cp.asnumpy(b))
 
 
 def test_host_buffers_are_pinned_and_uploads_use_events(tmp_path):

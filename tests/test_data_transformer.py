@@ -102,6 +102,20 @@ def test_transform_matches_caffe_reference(case, phase, dtype, tmp_path):
     np.testing.assert_array_equal(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_vectorised_batch_of_mixed_mirrors_matches_the_reference(dtype, tmp_path):
+    """A batch of 32 (mirrored and not, random crops, a mean file): the one-gather-per-batch
+    path equals Caffe's pixel loop image by image."""
+    rng = np.random.RandomState(9)
+    images = rng.randint(0, 256, size=(32, 3, 11, 12)).astype(dtype)
+    mean = rng.uniform(0, 255, size=(3, 11, 12)).astype(np.float32)
+    write_mean(tmp_path / "mean.binaryproto", mean)
+    p = tparam(crop_size=6, mirror=True, scale=0.25, mean_file=str(tmp_path / "mean.binaryproto"))
+    t = DataTransformer(p, TRAIN)
+    out = t.transform(images, np.empty((32, 3, 6, 6), np.float32), np.random.RandomState(1))
+    np.testing.assert_array_equal(out, caffe_reference(images, p, TRAIN, mean, seed=1))
+
+
 def test_random_draws_cover_offsets_and_mirror():
     t = DataTransformer(tparam(crop_size=2, mirror=True), TRAIN)
     mirror, hoff, woff = t.draw(400, (4, 5), np.random.RandomState(0))

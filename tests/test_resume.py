@@ -129,8 +129,11 @@ def _solve(resume_file=None):
             net.close()
 
 
-@pytest.mark.parametrize("source", ["lmdb", "images", "hdf5", "dummy"])
-def test_resumed_run_ends_with_the_uninterrupted_weights(run_dir, source):
+@pytest.mark.parametrize("source", ["lmdb", "lmdb-2-workers", "images", "hdf5", "dummy"])
+def test_resumed_run_ends_with_the_uninterrupted_weights(run_dir, source, monkeypatch):
+    if source == "lmdb-2-workers":  # decoded by worker processes (data/workers.py)
+        monkeypatch.setenv("MINICAFFE_DECODE_THREADS", "2")
+        source = "lmdb"
     if source == "images":
         pytest.importorskip("PIL")
     if source == "hdf5":

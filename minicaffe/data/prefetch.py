@@ -28,7 +28,6 @@ import threading
 import time
 import traceback
 import weakref
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -37,6 +36,7 @@ from ..blob import Blob
 from ..errors import MinicaffeError, WaitInterrupted
 from ..layer import Layer
 from ..proto import caffe_pb2
+from ..synced_memory import HEAD_AT_CPU
 from .transformer import DataTransformer, TransformError
 
 
@@ -64,45 +64,6 @@ _STOP = object()
 STOP_TIMEOUT = 2.0   # seconds ``stop`` waits for a thread (a stalled read may never end)
 
 
-class DaemonPool:
-    """``map(fn, *iterables)`` over ``n`` daemon threads: the decode pool of a loader.
-    (concurrent.futures joins its workers at interpreter exit, so one stuck in a hung
-    read would keep the process from exiting; daemon threads never do.)"""
-
-    def __init__(self, n, name="prefetch-decode"):
-        self._tasks = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def _work(self):
-        while True:
-            item = self._tasks.get()
-            if item is None:
-                return
-            future, fn, args = item
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:
-                future.set_exception(e)
-
-    def map(self, fn, *iterables):
-        """[fn(*args) for args in zip(*iterables)], computed on the pool's threads."""
-        futures = []
-        for args in zip(*iterables):
-            futures.append(Future())
-            self._tasks.put((futures[-1], fn, args))
-        return [f.result() for f in futures]
-
-    def shutdown(self, timeout=STOP_TIMEOUT):
-        for _ in self._threads:
-            self._tasks.put(None)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout)
-
-
 def _position(loader, rng_state):
     """Where ``loader`` is (its ``position()``, if it has one) and the thread's generator."""
     position = getattr(loader, "position", None)
@@ -115,7 +76,8 @@ class PrefetchThread:
     """Fills batches on a background thread with ``loader.load_batch(batch, rng)``.
 
     ``loader`` must not reference the layer (the layer's finalizer stops the thread);
-    it may define ``close()``, called on the thread when it ends, and ``position()``, a
+    it may define ``close()``, called on the thread when it ends, ``interrupt()``, called
+    by ``stop`` to end a wait inside ``load_batch``, and ``position()``, a
     dict of where it is (see ``BasePrefetchingDataLayer.data_position``).  Each batch
     records the position after it was loaded (``batch.position``), so the consumer knows
     where the records it has used end, however far the thread has read ahead.  A thread
@@ -174,11 +136,16 @@ class PrefetchThread:
                 if batch.consumed is not None:
                     batch.consumed.synchronize()
                     batch.consumed = None
-                self.loader.load_batch(batch, rng)
+                if stream is not None:
+                    with stream:  # a GPU transform runs on this thread's stream
+                        self.loader.load_batch(batch, rng)
+                else:
+                    self.loader.load_batch(batch, rng)
                 batch.position = _position(self.loader, rng.get_state())
                 if stream is not None:
                     for b in batch.blobs():
-                        b.data_mem.async_gpu_data(stream)
+                        if b.data_mem.head == HEAD_AT_CPU:  # not already written there
+                            b.data_mem.async_gpu_data(stream)
                     batch.ready = stream.record()
                 self.batches_loaded += 1
                 self.full.put(batch)
@@ -250,6 +217,9 @@ class PrefetchThread:
         loader is closed unless ``close_loader`` is False (a new thread will use it)."""
         self.close_loader = close_loader
         self._stop.set()
+        interrupt = getattr(self.loader, "interrupt", None)
+        if interrupt is not None:  # a wait for worker processes ends too
+            interrupt()
         self.free.put(_STOP)
         t = self._thread
         if t.is_alive() and t is not threading.current_thread():
