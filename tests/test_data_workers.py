@@ -276,3 +276,37 @@ def test_train_ends_cleanly_with_workers(tmp_path, photos, how):
         time.sleep(0.05)
     assert not [w for w in workers if os.path.exists(f"/proc/{w}")], "a worker is still there"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"minicaffe-{p.pid}-")]
+
+
+def test_display_shows_the_data_wait_and_says_once_when_input_is_the_bottleneck(tmp_path):
+    """``Solver.data_wait_share`` (read by the dashboard) is the share of the last display
+    interval the step waited for input, shown in the display line; the bottleneck line
+    comes once, exactly when a share went over 10%.  (PNGs decoded by the prefetch thread
+    alone feed a net of one small layer, so waits are likely, but nothing depends on it.)"""
+    import re
+    from minicaffe.solvers import get_solver
+    from test_solver_nets import captured_log, messages
+    big = np.random.RandomState(0).randint(0, 256, (8, 3, 96, 96)).astype(np.uint8)
+    src = make_db(tmp_path / "db", big, encoded="png")
+    (tmp_path / "net.prototxt").write_text(NET.format(src=src).replace(
+        "backend: LMDB", "backend: LMDB workers: 0"))
+    (tmp_path / "solver.prototxt").write_text(SOLVER.format(
+        net=tmp_path / "net.prototxt", max_iter=12, prefix=tmp_path / "s").replace(
+        "display: 1", "display: 3"))
+    s = get_solver(str(tmp_path / "solver.prototxt"))
+    assert s.data_wait_share is None
+    try:
+        with captured_log() as lines:
+            s.step(12)
+    finally:
+        s.close()
+    msgs = messages(lines)
+    shown = [float(m) / 100 for m in re.findall(r"iters, data wait ([\d.]+)%\), loss = ",
+                                                "\n".join(msgs))]
+    assert len(shown) == 3  # the first display of a step starts the interval
+    assert all(0.0 <= x <= 1.0 for x in shown)
+    assert abs(s.data_wait_share - shown[-1]) < 1e-3
+    said = [m for m in msgs if m.startswith("Input is the bottleneck")]
+    assert len(said) == (1 if max(shown) > 0.10 else 0)
+    if said:
+        assert "--data_workers N" in said[0] and "MINICAFFE_DECODE_THREADS" in said[0]

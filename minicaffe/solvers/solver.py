@@ -77,6 +77,10 @@ class Solver:
         self.losses = []
         self.smoothed_loss = _f(0)
         self.iterations_last = 0
+        # share of the last display interval the training thread waited for input (data
+        # layers with a prefetch thread); None when unknown (no such layer, no interval yet)
+        self.data_wait_share = None
+        self._said_bottleneck = False
         self.last_snapshot = None  # (iter, solver state file) of the last snapshot
         self.net = None
         self.test_nets = []
@@ -417,11 +421,43 @@ class Solver:
         the new start of the display timer."""
         lapse = time.perf_counter() - timer_start
         per_s = (self.iter - self.iterations_last) / (lapse if lapse else 1.0)
-        log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
-                 _fmt(_f(per_s)), _fmt(_f(lapse)), self.param.display, _fmt(self.smoothed_loss))
+        self._measure_data_wait(lapse)
+        wait = "" if self.data_wait_share is None else \
+            f", data wait {100 * self.data_wait_share:.1f}%"
+        log.info("Iteration %d (%s iter/s, %ss/%d iters%s), loss = %s", self.iter,
+                 _fmt(_f(per_s)), _fmt(_f(lapse)), self.param.display, wait,
+                 _fmt(self.smoothed_loss))
+        self._say_bottleneck()
         self.iterations_last = self.iter
         self._log_outputs(self.net, "Train")
         return time.perf_counter()
+
+    def _measure_data_wait(self, lapse):
+        """Set ``data_wait_share``: the seconds the train net's prefetching data layers
+        waited for a batch since the last display, over the interval's ``lapse``."""
+        layers = [l for l in self.net.layers if hasattr(l, "data_wait")]
+        if not layers:
+            self.data_wait_share = None
+            return
+        waited = sum(l.data_wait()["host_wait_s"] for l in layers)
+        for l in layers:
+            l.reset_data_wait()
+        if self.iter == self.iterations_last or lapse <= 0:  # the first display: start
+            self.data_wait_share = None
+            return
+        self.data_wait_share = min(1.0, max(0.0, waited / lapse))
+
+    def _say_bottleneck(self):
+        """Once per solver: say when input holds the step back (waits over 10%)."""
+        share = self.data_wait_share
+        if share is None or share <= 0.10 or self._said_bottleneck:
+            return
+        self._said_bottleneck = True
+        from ..data.workers import ENV
+        log.info("Input is the bottleneck: the step waited for data %.0f%% of the last %d "
+                 "iterations; add data workers (minicaffe train --data_workers N, "
+                 "data_param.workers or $%s; this machine has %d cores)", 100 * share,
+                 self.iter - self.iterations_last, ENV, os.cpu_count() or 1)
 
     def _log_outputs(self, net, kind):
         index = 0
