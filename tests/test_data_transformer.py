@@ -264,3 +264,36 @@ def test_resize_matches_torch_bilinear():
                                           size=(9, 40), mode="bilinear", align_corners=False,
                                           antialias=False)[0].numpy()
     assert np.abs(got - ref).max() <= 0.5 + 1e-3
+
+
+@pytest.mark.parametrize("subsampling", [0, 2])
+def test_simplejpeg_decodes_as_pillow_does(subsampling, monkeypatch):
+    """With simplejpeg installed (pip install minicaffe[jpeg]) JPEGs decode to the same BGR
+    (and gray) pixels as through Pillow: both are libjpeg-turbo with its defaults."""
+    pytest.importorskip("simplejpeg")
+    from PIL import Image
+    import minicaffe.data.images as images
+    rs = np.random.RandomState(0)
+    x = np.linspace(0, 255, 40)
+    base = (np.add.outer(x, x[:37]) / 2)[..., None] * np.array([1, 0.7, 0.3])
+    rgb = np.clip(base + rs.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    files = []
+    for a in (rgb, rgb[..., 1]):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, "JPEG", quality=90, subsampling=subsampling)
+        files.append(buf.getvalue())
+    for data in files:
+        for color in (True, None, False):
+            monkeypatch.setattr(images, "_simplejpeg", None)
+            assert images.decoder_name() == "simplejpeg"
+            fast = decode_image(data, color)
+            monkeypatch.setattr(images, "_simplejpeg", False)
+            assert images.decoder_name() == "Pillow"
+            ref = decode_image(data, color)
+            assert fast.shape == ref.shape and fast.dtype == np.uint8
+            np.testing.assert_array_equal(fast, ref)
+    np.testing.assert_array_equal(decode_image(files[0], True)[::-1].transpose(1, 2, 0),
+                                  np.asarray(Image.open(io.BytesIO(files[0]))))  # BGR
+    monkeypatch.setattr(images, "_simplejpeg", None)
+    with pytest.raises(ImageError, match="x.jpg: cannot decode image"):
+        decode_image(files[0][:200], True, "x.jpg")

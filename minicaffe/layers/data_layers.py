@@ -19,7 +19,7 @@ import numpy as np
 from .. import backend, context, log
 from ..blob import Blob
 from ..data.db import DBError, backend_name, key_text, open_db, parse_datum
-from ..data.images import ImageError, read_image
+from ..data.images import ImageError, decoder_name, read_image
 from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer
 from ..data.workers import (SlotRing, WorkerFeed, WorkerPool, DBSource, ImageSource,
                             default_workers, mismatch_message, requested_workers)
@@ -56,8 +56,10 @@ def choose_workers(layer, batch_size, first, decodes):
     than handing it to a process) and batch_size 1 (records of any shape) are read in the
     prefetch thread.  0 = in the prefetch thread.  Logs the choice."""
     p = layer.layer_param.data_param
+    if decodes:
+        log.info("layer '%s': JPEG decoder: %s", layer.name, decoder_name())
     try:
-        n, set_by = requested_workers(p.HasField("workers"), p.workers)
+        n, _ = requested_workers(p.HasField("workers"), p.workers)
     except MinicaffeError as e:
         raise layer.error(str(e)) from None
     if batch_size == 1:
@@ -69,7 +71,6 @@ def choose_workers(layer, batch_size, first, decodes):
         if not decodes and batch_size * first.nbytes < AUTO_WORKER_BYTES:
             return 0
         n = default_workers(context.solver_count())
-        set_by = "default"
     return n
 
 
