@@ -442,10 +442,15 @@ class WorkerFeed:
     """The prefetch thread's side of a pool: keeps every slot of the ring in flight and
     hands the slots back filled in the order their records were read."""
 
-    def __init__(self, pool, ring):
+    def __init__(self, pool, ring, pin=False):
         self.pool, self.ring = pool, ring
         self.inflight = collections.deque()   # (slot, items, position after them)
         self.free = list(range(ring.n_slots))
+        self.pinned = None
+        if pin:  # GPU mode: uploads from the ring become asynchronous DMA
+            from .. import backend
+            if backend.register_host(ring.address(), ring.nbytes):
+                self.pinned = ring.address()
 
     def next(self, read_items, position):
         """(slot, items, position after them) of the next batch; ``read_items()`` reads
@@ -478,4 +483,8 @@ class WorkerFeed:
 
     def close(self):
         self.pool.close()
+        if self.pinned is not None:
+            from .. import backend
+            backend.unregister_host(self.pinned)
+            self.pinned = None
         self.ring.close()

@@ -91,7 +91,7 @@ def start_feed(layer, n, kind, source, batch_size, first):
     log.info("layer '%s': %d data worker processes, a ring of %d batch slots of %.1f MB "
              "(%.1f MB of shared memory)", layer.name, n, RING_SLOTS, ring.slot_bytes / 1e6,
              ring.nbytes / 1e6)
-    return WorkerFeed(pool, ring)
+    return WorkerFeed(pool, ring, pin=context.is_gpu())
 
 
 def stack_checked(loader, images, wheres, kind):
