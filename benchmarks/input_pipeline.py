@@ -100,10 +100,11 @@ def time_decoders(files, n=200):
 
 
 class _TorchSet:
-    """What the Data layer does per image, as a PyTorch Dataset (Pillow decode)."""
+    """What the Data layer does per image, as a PyTorch Dataset (Pillow decode); ``uint8``:
+    crop and mirror only, the mean and the cast done after the upload (as minicaffe)."""
 
-    def __init__(self, files, labels):
-        self.files, self.labels = files, labels
+    def __init__(self, files, labels, uint8=False):
+        self.files, self.labels, self.uint8 = files, labels, uint8
 
     def __len__(self):
         return len(self.files)
@@ -118,26 +119,31 @@ class _TorchSet:
         a = a[h0:h0 + 227, w0:w0 + 227]
         if rs.randint(2):
             a = a[:, ::-1]
+        if self.uint8:
+            return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1))), self.labels[i]
         x = (a.astype(np.float32) - np.asarray(MEAN, np.float32)).transpose(2, 0, 1)
         return torch.from_numpy(np.ascontiguousarray(x)), self.labels[i]
 
 
-def time_torch(files, labels, batch, workers, nbatches, gpu):
+def time_torch(files, labels, batch, workers, nbatches, gpu, uint8=False):
     import torch
+    sampler = torch.utils.data.RandomSampler(range(len(files)), replacement=True,
+                                             num_samples=batch * (nbatches + 4))
     loader = torch.utils.data.DataLoader(
-        _TorchSet(files, labels), batch_size=batch, shuffle=True, num_workers=workers,
-        pin_memory=gpu is not None, drop_last=True, persistent_workers=workers > 0,
+        _TorchSet(files, labels, uint8), batch_size=batch, sampler=sampler,
+        num_workers=workers, pin_memory=gpu is not None, drop_last=True,
         multiprocessing_context="spawn" if workers > 0 else None)
     dev = torch.device(f"cuda:{gpu}") if gpu is not None else None
+    mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1)
+    if dev is not None:
+        mean = mean.to(dev)
     n, t0, it = 0, None, iter(loader)
     for k in range(nbatches + 3):
-        try:
-            x, y = next(it)
-        except StopIteration:
-            it = iter(loader)
-            x, y = next(it)
+        x, y = next(it)
         if dev is not None:
             x = x.to(dev, non_blocking=True)
+        if uint8:
+            x = x.float() - mean
         if k == 2:
             if dev is not None:
                 torch.cuda.synchronize(dev)
@@ -204,7 +210,7 @@ def time_train(tmp, source, batch, iters, gpu, label):
         s.step(iters)
         sync()
         dt = time.perf_counter() - t0
-        waited = sum(l.data_wait()["host_wait_s"] for l in layers)
+        waited = sum(l.data_wait()["gpu_wait_ms"] for l in layers) / 1000.0
         return iters * batch / dt, 1000 * dt / iters, (waited / dt if layers else None)
     finally:
         s.close()
@@ -307,17 +313,19 @@ def main(argv=None):
                 note = f"transform on the {mode}" + (f"; ring {ring_mb:.0f} MB shared" if w else
                                                      "; prefetch thread alone")
                 rows.append((f"Data layer alone, {kind} LMDB", str(w), f"{rate:,.0f}", note))
-        torch_rate = None
         if not a.no_torch:
             try:
                 import torch  # noqa: F401
             except ImportError:
                 torch = None
             if torch is not None:
-                torch_rate = time_torch(files, labels, a.batch, workers, a.batches, a.gpu)
-                rows.append(("PyTorch DataLoader, JPEG files", str(workers),
-                             f"{torch_rate:,.0f}", "Pillow decode; float32 batches"
-                             + ("; pinned, to the GPU" if a.gpu is not None else "")))
+                for uint8 in (False, True):
+                    rate = time_torch(files, labels, a.batch, workers, a.batches, a.gpu, uint8)
+                    rows.append(("PyTorch DataLoader, JPEG files", str(workers), f"{rate:,.0f}",
+                                 "Pillow decode; " + ("uint8 batches, mean and cast after "
+                                                      "the upload" if uint8 else
+                                                      "float32 batches")
+                                 + ("; pinned, to the GPU" if a.gpu is not None else "")))
         if a.train and a.gpu is not None:
             synth = time_train(tmp, None, a.batch, a.train_iters, a.gpu, "synthetic")
             rows.append((f"AlexNet b{a.batch} training, synthetic input", "-",

@@ -191,3 +191,35 @@ def test_gpu_error_reaches_forward(tmp_path):
     layer.prefetch_thread._thread.join(5)
     assert not layer.prefetch_thread.is_alive()
     context.set_mode_cpu()
+
+
+def test_gpu_display_shows_the_compute_streams_wait_for_input(tmp_path):
+    """GPU mode: ``Solver.data_wait_share`` is the share of the interval the compute stream
+    idled for input (event-timed), in [0, 1], shown in the display line."""
+    import re
+    from minicaffe.solvers import get_solver
+    from test_solver_nets import captured_log, messages
+    src, _ = make_db(tmp_path / "db", n=40, shape=(3, 32, 32))
+    (tmp_path / "net.prototxt").write_text(f'''name: "g"
+layer {{ name: "d" type: "Data" top: "data" top: "label"
+  transform_param {{ crop_size: 28 mirror: true scale: 0.01 }}
+  data_param {{ source: "{src}" backend: LMDB batch_size: 8 workers: 2 }} }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param {{ num_output: 40 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
+''')
+    (tmp_path / "solver.prototxt").write_text(
+        f'net: "{tmp_path}/net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\ndisplay: 5\n'
+        f'max_iter: 30\nsnapshot_prefix: "{tmp_path}/s"\nsolver_mode: GPU\nrandom_seed: 3\n')
+    context.set_mode_gpu()
+    s = get_solver(str(tmp_path / "solver.prototxt"))
+    try:
+        with captured_log() as lines:
+            s.step(20)
+    finally:
+        s.close()
+        context.set_mode_cpu()
+    shown = [float(x) / 100 for x in re.findall(r"iters, data wait ([\d.]+)%\), loss = ",
+                                                "\n".join(messages(lines)))]
+    assert len(shown) == 3 and all(0.0 <= x <= 1.0 for x in shown)
+    assert s.data_wait_share is not None and abs(s.data_wait_share - shown[-1]) < 1e-3

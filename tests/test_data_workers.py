@@ -30,6 +30,12 @@ TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _env():
+    """The environment for a child python: this checkout first, then the caller's path."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+
 def shm_files():
     d = "/dev/shm" if os.path.isdir("/dev/shm") else None
     return sorted(f for f in os.listdir(d) if f.startswith(f"minicaffe-{os.getpid()}-")) if d else []
@@ -194,7 +200,7 @@ def test_spawned_workers_do_not_rerun_the_users_script(tmp_path, photos):
     src = make_db(tmp_path / "db", photos, encoded="png")
     (tmp_path / "user.py").write_text(SCRIPT.format(src=src))
     r = subprocess.run([sys.executable, str(tmp_path / "user.py")], capture_output=True,
-                       text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+                       text=True, env=_env(), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("SCRIPT RAN") == 1 and "LABELS [0, 1]" in r.stdout
 
@@ -245,7 +251,7 @@ def test_train_ends_cleanly_with_workers(tmp_path, photos, how):
     p = subprocess.Popen([sys.executable, "-m", "minicaffe", "train", "--solver",
                           str(tmp_path / "solver.prototxt"), "--data_workers", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO), cwd=str(tmp_path))
+                         env=_env(), cwd=str(tmp_path))
     lines = []
     try:
         for line in p.stdout:

@@ -28,7 +28,8 @@ def test_create_and_mean_steps_on_a_generated_folder(tmp_path, encoded):
     train, val, mean_bytes = make_image_folder(str(tmp_path / "imgs"), classes=3, per_class=4,
                                                val_per_class=1, size=48)
     assert mean_bytes > 500
-    env = dict(os.environ, PYTHONPATH=str(REPO), EXAMPLE=str(tmp_path), DATA=str(tmp_path),
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), EXAMPLE=str(tmp_path), DATA=str(tmp_path),
                LISTS=str(tmp_path / "imgs"), TRAIN_DATA_ROOT=str(tmp_path / "imgs/train") + "/",
                VAL_DATA_ROOT=str(tmp_path / "imgs/val") + "/", ENCODED=encoded)
     for script in ("create_imagenet.sh", "make_imagenet_mean.sh"):

@@ -270,7 +270,7 @@ class BasePrefetchingDataLayer(BaseDataLayer):
     source, shape the tops, and return an object with ``load_batch(batch, rng)`` that
     holds everything the thread needs (and no reference to the layer)."""
 
-    measure_wait = False   # record compute-stream wait events (benchmarks)
+    measure_wait = True    # GPU mode: time the compute stream's idling for input (events)
 
     def layer_setup(self, bottom, top):
         self.output_labels = len(top) > 1
@@ -289,6 +289,7 @@ class BasePrefetchingDataLayer(BaseDataLayer):
                 blob.mutable_cpu_data()  # pinned in GPU mode; head at the CPU
         self._current = None
         self._wait_events = []
+        self._gpu_wait_ms = 0.0
         self._loader = loader
         self._start(batches)
 
@@ -374,15 +375,18 @@ class BasePrefetchingDataLayer(BaseDataLayer):
             self._hand_over(batch.label, top[1], False)
 
     def forward_gpu(self, bottom, top):
+        stream = backend.current_stream()
+        # e0 completes when the GPU has done all the work queued before this batch; e1
+        # after the wait for the batch's upload.  Between them the GPU idles only for
+        # input: a host late with the batch, or the upload not done.
+        e0 = stream.record() if self.measure_wait else None
         batch = self._next_batch()
         if batch.ready is not None:
-            stream = backend.current_stream()
-            if self.measure_wait:
-                e0 = stream.record()
-                stream.wait_event(batch.ready)
-                self._wait_events.append((e0, stream.record()))
-            else:
-                stream.wait_event(batch.ready)
+            stream.wait_event(batch.ready)
+        if e0 is not None:
+            self._wait_events.append((e0, stream.record()))
+            if len(self._wait_events) > 32:
+                self._fold_wait_events()
         self._hand_over(batch.data, top[0], True)
         if self.output_labels:
             self._hand_over(batch.label, top[1], True)
@@ -396,18 +400,23 @@ class BasePrefetchingDataLayer(BaseDataLayer):
     def prefetch_thread(self):
         return self._prefetch
 
+    def _fold_wait_events(self, sync=False):
+        """Add the finished event pairs' times to the total (all of them with ``sync``)."""
+        if sync and self._wait_events:
+            self._wait_events[-1][1].synchronize()
+        while self._wait_events and self._wait_events[0][1].done:
+            e0, e1 = self._wait_events.pop(0)
+            self._gpu_wait_ms += backend.cp.cuda.get_elapsed_time(e0, e1)
+
     def data_wait(self):
         """{'batches', 'host_wait_s', 'gpu_wait_ms'}: how long forward waited for the thread
-        on the host and (with ``measure_wait``) how long the compute stream waited on
-        upload events.  Synchronises the recorded events."""
-        gpu_ms = 0.0
-        if self._wait_events:
-            self._wait_events[-1][1].synchronize()
-            for e0, e1 in self._wait_events:
-                gpu_ms += backend.cp.cuda.get_elapsed_time(e0, e1)
+        on the host, and in GPU mode how long the compute stream idled for input (a batch
+        late on the host or its upload not done).  Synchronises the recorded events."""
+        self._fold_wait_events(sync=True)
         return {"batches": self._prefetch.batches_loaded, "host_wait_s": self._prefetch.host_wait_s,
-                "gpu_wait_ms": gpu_ms}
+                "gpu_wait_ms": self._gpu_wait_ms}
 
     def reset_data_wait(self):
         self._wait_events = []
+        self._gpu_wait_ms = 0.0
         self._prefetch.host_wait_s = 0.0

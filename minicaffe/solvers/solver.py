@@ -434,12 +434,17 @@ class Solver:
 
     def _measure_data_wait(self, lapse):
         """Set ``data_wait_share``: the seconds the train net's prefetching data layers
-        waited for a batch since the last display, over the interval's ``lapse``."""
+        waited for a batch since the last display (CPU: the training thread's waits; GPU:
+        the compute stream's idling for input, timed by events), over the interval's
+        ``lapse``."""
         layers = [l for l in self.net.layers if hasattr(l, "data_wait")]
         if not layers:
             self.data_wait_share = None
             return
-        waited = sum(l.data_wait()["host_wait_s"] for l in layers)
+        if context.is_gpu():
+            waited = sum(l.data_wait()["gpu_wait_ms"] for l in layers) / 1000.0
+        else:
+            waited = sum(l.data_wait()["host_wait_s"] for l in layers)
         for l in layers:
             l.reset_data_wait()
         if self.iter == self.iterations_last or lapse <= 0:  # the first display: start
