@@ -18,8 +18,9 @@ Rows:
 - PyTorch's DataLoader (when torch is installed) on the same JPEG files, with the same
   workers, doing the same work per image (read, decode with Pillow, crop, mirror, mean,
   scale, float32 CHW; pinned and moved to the GPU with ``--gpu``);
-- ``--train`` (GPU): AlexNet b``--batch`` SGD steps from each LMDB, and from a constant
-  DummyData input (the engine alone), in images/s, with the step's data wait;
+- ``--train`` (GPU): AlexNet b``--batch`` (fp32) and ResNet-50 b64 (TF32, the engine's
+  fastest) SGD steps from the LMDBs, and from a constant DummyData input (the engine
+  alone), in images/s, with the share of the step the compute stream idled for input;
 - ``--cpu_nets``: LeNet b64 and CIFAR-10 quick b100 trained on the CPU from LMDBs of
   raw Datums of their shapes: the share of the step spent waiting for data.
 
@@ -157,9 +158,15 @@ def time_torch(files, labels, batch, workers, nbatches, gpu, uint8=False):
     return rate
 
 
-def alexnet_text(source, batch):
-    """BVLC's AlexNet train_val, TRAIN only, reading ``source`` (None: constant DummyData)."""
-    text = open(os.path.join(REPO, "models", "bvlc_alexnet", "train_val.prototxt")).read()
+NETS = {"alexnet": ("models/bvlc_alexnet/train_val.prototxt", 227),
+        "resnet50": ("models/resnet50/train_val.prototxt", 224)}
+
+
+def net_text(name, source, batch):
+    """``name``'s train_val (NETS), TRAIN only, reading ``source`` with mean values (None:
+    constant DummyData of the same shape)."""
+    rel, crop = NETS[name]
+    text = open(os.path.join(REPO, rel)).read()
     from minicaffe.protoio import parse_text
     net = parse_text(text, caffe_pb2.NetParameter())
     keep = []
@@ -173,13 +180,14 @@ def alexnet_text(source, batch):
             l.data_param.source = source or ""
             l.data_param.batch_size = batch
             l.transform_param.ClearField("mean_file")
+            l.transform_param.ClearField("mean_value")
             l.transform_param.mean_value.extend(MEAN)
             if source is None:
                 l.type = "DummyData"
                 l.ClearField("data_param")
                 l.ClearField("transform_param")
                 d = l.dummy_data_param
-                d.shape.add(dim=[batch, 3, 227, 227])
+                d.shape.add(dim=[batch, 3, crop, crop])
                 d.shape.add(dim=[batch])
                 d.data_filler.add(type="constant", value=0.5)
                 d.data_filler.add(type="constant", value=1)
@@ -190,15 +198,16 @@ def alexnet_text(source, batch):
     return text_format.MessageToString(net)
 
 
-def time_train(tmp, source, batch, iters, gpu, label):
+def time_train(tmp, name, source, batch, iters, gpu, label, precision="FLOAT"):
+    """(images/s, ms per iteration, compute-stream data wait share) of ``iters`` SGD steps."""
     from minicaffe.solvers import get_solver
-    path = os.path.join(tmp, f"alexnet_{label}.prototxt")
+    path = os.path.join(tmp, f"{name}_{label}.prototxt")
     with open(path, "w") as f:
-        f.write(alexnet_text(source, batch))
+        f.write(net_text(name, source, batch))
     sp = caffe_pb2.SolverParameter(net=path, base_lr=0.01, momentum=0.9, lr_policy="fixed",
                                    weight_decay=0.0005, max_iter=100000, display=0,
                                    solver_mode=caffe_pb2.SolverParameter.GPU, device_id=gpu,
-                                   random_seed=1)
+                                   random_seed=1, minicaffe_precision=precision)
     s = get_solver(sp)
     try:
         s.step(5)  # graphs captured, queues full
@@ -265,6 +274,8 @@ def main(argv=None):
     ap.add_argument("--gpu", type=int, default=None)
     ap.add_argument("--train", action="store_true", help="AlexNet training rows (GPU)")
     ap.add_argument("--train_iters", type=int, default=30)
+    ap.add_argument("--train_nets", default="alexnet,resnet50",
+                    help="alexnet (b --batch, fp32), resnet50 (b64, TF32)")
     ap.add_argument("--cpu_nets", action="store_true", help="LeNet/CIFAR-10 quick data wait")
     ap.add_argument("--cpu_iters", type=int, default=200)
     ap.add_argument("--no_torch", action="store_true")
@@ -327,14 +338,17 @@ def main(argv=None):
                                                       "float32 batches")
                                  + ("; pinned, to the GPU" if a.gpu is not None else "")))
         if a.train and a.gpu is not None:
-            synth = time_train(tmp, None, a.batch, a.train_iters, a.gpu, "synthetic")
-            rows.append((f"AlexNet b{a.batch} training, synthetic input", "-",
-                         f"{synth[0]:,.0f}", f"{synth[1]:.2f} ms/iter (the engine alone)"))
-            for kind in ("JPEG", "raw"):
-                r = time_train(tmp, dbs[kind], a.batch, a.train_iters, a.gpu, kind)
-                rows.append((f"AlexNet b{a.batch} training, {kind} LMDB", str(workers),
-                             f"{r[0]:,.0f}", f"{r[1]:.2f} ms/iter, {100 * r[0] / synth[0]:.0f}% "
-                             f"of synthetic; data wait {100 * (r[2] or 0):.1f}%"))
+            for name in a.train_nets.split(","):
+                batch, prec = (a.batch, "FLOAT") if name == "alexnet" else (64, "TF32")
+                title = f"{name} b{batch} {prec.lower()} training"
+                synth = time_train(tmp, name, None, batch, a.train_iters, a.gpu, "synthetic", prec)
+                rows.append((f"{title}, synthetic input", "-", f"{synth[0]:,.0f}",
+                             f"{synth[1]:.2f} ms/iter (the engine alone)"))
+                for kind in ("JPEG", "raw") if name == "alexnet" else ("JPEG",):
+                    r = time_train(tmp, name, dbs[kind], batch, a.train_iters, a.gpu, kind, prec)
+                    rows.append((f"{title}, {kind} LMDB", str(workers), f"{r[0]:,.0f}",
+                                 f"{r[1]:.2f} ms/iter, {100 * r[0] / synth[0]:.1f}% of "
+                                 f"synthetic; data wait {100 * (r[2] or 0):.1f}%"))
         if a.cpu_nets:
             context.set_mode_cpu()
             for name in ("lenet", "cifar10_quick"):
