@@ -160,7 +160,8 @@ def test_cli_resume_in_a_new_process_is_exact(run_dir):
     _write(run_dir, "lmdb")
     solver = run_dir / "solver.prototxt"
     solver.write_text(solver.read_text().replace("random_seed: 5\n", ""))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))  # lmdb may come from the caller's
     cmd = [sys.executable, "-m", "minicaffe", "train", "--solver", "solver.prototxt"]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     straight = _weights("snap/r_iter_12.caffemodel")

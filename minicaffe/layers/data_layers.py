@@ -53,8 +53,8 @@ def choose_workers(layer, batch_size, first, decodes):
     (``minicaffe train --data_workers``), else ``data_param.workers``, else the default
     (``workers.default_workers``: the cores less two, divided among the solvers), except
     that raw records of under 1 MiB a batch (MNIST, CIFAR-10: the work per batch is less
-    than handing it to a process) and batch_size 1 (records of any shape) are read in the
-    prefetch thread.  0 = in the prefetch thread.  Logs the choice."""
+    than handing it to a process) or with a default of one worker, and batch_size 1
+    (records of any shape), are read in the prefetch thread.  0 = in the prefetch thread.  Logs the choice."""
     p = layer.layer_param.data_param
     if decodes:
         log.info("layer '%s': JPEG decoder: %s", layer.name, decoder_name())
@@ -68,9 +68,9 @@ def choose_workers(layer, batch_size, first, decodes):
                      "prefetch thread", layer.name)
         return 0
     if n is None:
-        if not decodes and batch_size * first.nbytes < AUTO_WORKER_BYTES:
-            return 0
         n = default_workers(context.solver_count())
+        if not decodes and (batch_size * first.nbytes < AUTO_WORKER_BYTES or n < 2):
+            return 0  # raw records: one process gains little over the thread
     return n
 
 
@@ -88,9 +88,9 @@ def start_feed(layer, n, kind, source, batch_size, first):
     except BaseException:
         ring.close()
         raise
-    log.info("layer '%s': %d data worker processes, a ring of %d batch slots of %.1f MB "
-             "(%.1f MB of shared memory)", layer.name, n, RING_SLOTS, ring.slot_bytes / 1e6,
-             ring.nbytes / 1e6)
+    log.info("layer '%s': %d data worker process%s, a ring of %d batch slots of %.1f MB "
+             "(%.1f MB of shared memory)", layer.name, n, "" if n == 1 else "es", RING_SLOTS,
+             ring.slot_bytes / 1e6, ring.nbytes / 1e6)
     return WorkerFeed(pool, ring, pin=context.is_gpu())
 
 
