@@ -122,6 +122,7 @@ FLAGS = {
     "gpu_mem_limit": ("int", 0),
     "data_workers": ("int", -1),
 }
+_ENV_RESTORE = {}   # variables a flag set for one command, and their previous values
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 
 
@@ -313,6 +314,8 @@ def train(flags, stream=None):
         if flags.data_workers < 0:
             raise MinicaffeError(f"--data_workers {flags.data_workers}: expected the number "
                                  "of data worker processes (0 reads in the prefetch thread)")
+        _ENV_RESTORE.setdefault("MINICAFFE_DECODE_THREADS",
+                                os.environ.get("MINICAFFE_DECODE_THREADS"))
         os.environ["MINICAFFE_DECODE_THREADS"] = str(flags.data_workers)  # ranks inherit it
     param, path = read_solver_param(flags.solver)
     param.train_state.level = flags.level
@@ -663,6 +666,12 @@ def main(argv=None):
         warnings.showwarning = showwarning
         from .offload import set_override
         set_override()          # --offload/--gpu_mem_limit hold for this command only
+        for k, v in _ENV_RESTORE.items():  # --data_workers holds for this command only
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _ENV_RESTORE.clear()
 
 
 def _warning_to_log(message, category, filename, lineno, file=None, line=None):

@@ -316,3 +316,24 @@ def test_display_shows_the_data_wait_and_says_once_when_input_is_the_bottleneck(
     assert len(said) == (1 if max(shown) > 0.10 else 0)
     if said:
         assert "--data_workers N" in said[0] and "MINICAFFE_DECODE_THREADS" in said[0]
+
+
+def test_the_data_workers_flag(tmp_path, photos, monkeypatch, capsys):
+    """`minicaffe train --data_workers N` sets the workers of every data layer for that
+    command only; a negative count is one line and a non-zero exit."""
+    from minicaffe.cli import main
+    src = make_db(tmp_path / "db", photos, encoded="png")
+    (tmp_path / "net.prototxt").write_text(NET.format(src=src).replace("batch_size: 4",
+                                                                       "batch_size: 2"))
+    (tmp_path / "solver.prototxt").write_text(SOLVER.format(
+        net=tmp_path / "net.prototxt", max_iter=2, prefix=tmp_path / "s"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--solver", "solver.prototxt", "--data_workers", "-1"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == ("minicaffe: error: --data_workers -1: expected the "
+                                            "number of data worker processes (0 reads in the "
+                                            "prefetch thread)")
+    assert main(["train", "--solver", "solver.prototxt", "--data_workers", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "layer 'd': 3 data worker processes" in err
+    assert "MINICAFFE_DECODE_THREADS" not in os.environ  # for that command only
