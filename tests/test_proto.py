@@ -260,7 +260,8 @@ def test_caffe_field_numbers_stay_below_extension_range():
             ("SolverParameter", "reduce_buckets"),
             ("SolverParameter", "cuda_graph"),
             ("SolverParameter", "minicaffe_precision"),
-            ("SolverState", "resume")}
+            ("SolverState", "resume"),
+            ("DataParameter", "workers")}
     for name, desc in pb.DESCRIPTOR.message_types_by_name.items():
         if name in ("OffloadParameter", "ResumeState", "RNGState", "DataPosition"):
             continue

@@ -81,8 +81,9 @@ class SlotRing:
             fd = os.open(path, os.O_RDWR)
             try:
                 self._mm = mmap.mmap(fd, self.nbytes)
-            finally:
-                pass
+            except BaseException:
+                os.close(fd)
+                raise
         os.close(fd)
         self.path = path
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
@@ -167,7 +168,7 @@ def default_workers(solver_count=1):
 class DBSource:
     """What a worker needs to read Datums by key."""
 
-    def __init__(self, path, backend, color, label_source=None):
+    def __init__(self, path, backend, color):
         self.path, self.backend, self.color = path, backend, color
 
     def open(self):

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import backend, context, log
 from ..blob import Blob
-from ..data.db import DBError, backend_name, key_text, open_db, parse_datum
+from ..data.db import DBError, key_text, open_db, parse_datum
 from ..data.images import ImageError, decoder_name, read_image
 from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer
 from ..data.workers import (SlotRing, WorkerFeed, WorkerPool, DBSource, ImageSource,
