@@ -370,6 +370,8 @@ class ImageListLoader:
     def where(self):
         if self.current is None:
             return self.list_file
+        if isinstance(self.current, str):  # the first record of the batch in hand
+            return self.current
         name, _, n = self.current
         return f"{self.list_file}:{n} ({name})"
 
@@ -429,6 +431,7 @@ class ImageListLoader:
                                                self._read_position)
         else:
             items, done = self.read_entries(self.batch_size), None
+        self.current = items[0][2]
         try:
             if self.feed is not None:
                 images = self.feed.ring.data(slot)
