@@ -24,7 +24,9 @@ Rows:
 - ``--cpu_nets``: LeNet b64 and CIFAR-10 quick b100 trained on the CPU from LMDBs of
   raw Datums of their shapes: the share of the step spent waiting for data.
 
-The host memory of the workers' ring of batch slots is printed with each Data row.
+The host memory of the workers' ring of batch slots, and the workers' proportional set
+size (Linux: their own memory and their share of the ring and the libraries), is printed
+with each Data row.
 """
 import argparse
 import os
@@ -64,8 +66,23 @@ def data_layer(src, batch, workers):
                       f'workers: {workers} }} transform_param {{ {TRANSFORM} }}', caffe_pb2.TRAIN)
 
 
+def workers_pss_mb():
+    """The proportional set size of this process's worker processes, in MB (Linux; None
+    elsewhere): their own memory plus their share of the ring and of the libraries."""
+    import multiprocessing
+    total = 0
+    for p in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{p.pid}/smaps_rollup") as f:
+                total += sum(int(l.split()[1]) for l in f if l.startswith("Pss:"))
+        except OSError:
+            return None
+    return total * 1024 / 1e6
+
+
 def time_layer(src, batch, workers, nbatches):
-    """images/s of the Data layer's forward alone, after a warm-up of 3 batches."""
+    """(images/s of the Data layer's forward alone after a warm-up of 3 batches, the workers'
+    memory in MB or None)."""
     layer = data_layer(src, batch, workers)
     top = [Blob(), Blob()]
     layer.setup([], top)
@@ -77,7 +94,8 @@ def time_layer(src, batch, workers, nbatches):
         for _ in range(nbatches):
             layer.forward([], top)
         sync()
-        return nbatches * batch / (time.perf_counter() - t0)
+        rate = nbatches * batch / (time.perf_counter() - t0)
+        return rate, (workers_pss_mb() if workers else None)
     finally:
         layer.close()
 
@@ -320,9 +338,12 @@ def main(argv=None):
         mode = "GPU" if a.gpu is not None else "CPU"
         for kind in ("JPEG", "raw"):
             for w in (workers, 0):
-                rate = time_layer(dbs[kind], a.batch, w, a.batches if w else max(3, a.batches // 3))
+                rate, pss = time_layer(dbs[kind], a.batch, w,
+                                       a.batches if w else max(3, a.batches // 3))
                 note = f"transform on the {mode}" + (f"; ring {ring_mb:.0f} MB shared" if w else
                                                      "; prefetch thread alone")
+                if pss is not None:
+                    note += f"; workers' PSS {pss:.0f} MB in all"
                 rows.append((f"Data layer alone, {kind} LMDB", str(w), f"{rate:,.0f}", note))
         if not a.no_torch:
             try:
