@@ -228,6 +228,25 @@ def copy_to_host(dst, src, stream=None):
     src.get(out=dst, stream=stream)
 
 
+def register_host(address, nbytes):
+    """Page-lock host memory we did not allocate (cudaHostRegister), so copies from it are
+    asynchronous DMA; False where it cannot be (no GPU, or the driver refuses)."""
+    if cp is None or not gpu_available():
+        return False
+    try:
+        cp.cuda.runtime.hostRegister(address, nbytes, 0)
+        return True
+    except Exception:
+        return False
+
+
+def unregister_host(address):
+    try:
+        cp.cuda.runtime.hostUnregister(address)
+    except Exception:
+        pass
+
+
 def new_stream(non_blocking=True):
     return cp.cuda.Stream(non_blocking=non_blocking)
 

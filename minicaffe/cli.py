@@ -114,6 +114,9 @@ flags:
                        127.0.0.1, or of host H (then a token in the printed URL is needed)
   --tensorboard DIR    train: write TensorBoard event files into DIR (the solver's
                        minicaffe_tensorboard_dir; needs pip install ".[tensorboard]")
+  --data_workers N     train: worker processes that read and decode each Data/ImageData
+                       layer's records (0: in the prefetch thread; default: from the cores;
+                       overrides $MINICAFFE_DECODE_THREADS and data_param.workers)
   --version            print the version
 """
 
@@ -152,6 +155,7 @@ FLAGS = {
     "threads": ("int", 0),
     "quiet": ("bool", False),
     "minloglevel": ("int", 0),
+    "data_workers": ("int", -1),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 # commands with positional arguments (Caffe's separate tools), each parsing its own
@@ -168,7 +172,7 @@ COMMAND_FLAGS = {
     "train": ("solver", "snapshot", "weights", "gpu", "parallel", "rank", "world_size",
               "init_file", "level", "stage", "sigint_effect", "sighup_effect", "debug_info",
               "cuda_graph", "tf32", "offload", "gpu_mem_limit", "dashboard",
-              "tensorboard") + _EVERY,
+              "tensorboard", "data_workers") + _EVERY,
     "test": ("model", "weights", "gpu", "iterations", "level", "stage") + _EVERY,
     "time": ("model", "gpu", "iterations", "phase", "level", "stage") + _EVERY,
     "device_query": ("gpu",) + _EVERY,
@@ -1013,7 +1017,8 @@ def _run_command(command, flags, argv, stream):
     # the run's settings, handed to every solver and net this command builds (config.py)
     flags.run_config = RunConfig.from_environment(
         offload_policy=flags.offload or None,
-        offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
+        offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None,
+        **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}))
     if command == "train":
         rc = train(flags, stream)
     else:

@@ -270,7 +270,7 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
             argv += [f"--{name}", getattr(flags, name)]
     if flags.debug_info:
         argv.append("--debug_info")
-    for name in ("threads", "minloglevel"):
+    for name in ("threads", "minloglevel", "data_workers"):
         if name in flags.given:
             argv += [f"--{name}", str(getattr(flags, name))]
     if flags.quiet:
