@@ -65,7 +65,9 @@ def test_cublas_gemm_captures_in_a_cuda_graph(gpu):
     from minicaffe.gpu import cublas
     cp = gpu
     rs = np.random.RandomState(2)
-    s = cp.cuda.Stream(non_blocking=True)
+    # a stream kept for the process: the arrays allocated on it may be freed after this test
+    # (blobs in reference cycles wait for the garbage collector), on the stream they came from
+    s = context.kept_stream("test_capture")
     with s:
         a = cp.asarray(rs.randn(64, 32).astype(np.float32))
         b = cp.asarray(rs.randn(32, 16).astype(np.float32))
@@ -233,7 +235,7 @@ def test_cudnn_convolution_captures(gpu):
     x = make_blob((8, 12, 17, 15), dtype=np.float32)
     top = Blob(dtype=np.float32)
     layer.setup([x], [top])
-    s = cp.cuda.Stream(non_blocking=True)
+    s = context.kept_stream("test_capture")   # (see test_cublas_gemm_captures_in_a_cuda_graph)
     with s:
         layer.forward_gpu([x], [top])
         ref = cp.asnumpy(top.gpu_data())
