@@ -40,6 +40,17 @@ class Layer:
     # backward that reads the top data would read the later value (cuDNN's pooling does)
     top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
+    in_place = False        # set by setup: a top is one of the bottoms
+    # What backward reads of the data forward saw, declared by each layer beside its math
+    # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
+    # whose *data* the backward body reads.  None: all of them (the default, always safe).
+    # A layer whose answer depends on its parameters, its engine or on running in place
+    # makes these properties.  The memory plan and offload read them (gpu/plan.py keeps a
+    # blob's data alive until the last backward that retains it); tests/layers/
+    # test_registry.py checks each declaration against the math (the data not retained is
+    # poisoned before backward, and the gradients must not change).
+    retain_inputs = None
+    retain_outputs = None
     _config = None
 
     @property
@@ -85,7 +96,8 @@ class Layer:
     # naming the layer (MinicaffeErrors already are one).
     def setup(self, bottom, top):
         self.check_blob_counts(bottom, top)
-        if not self.allow_in_place and any(t is b for t in top for b in bottom):
+        self.in_place = any(t is b for t in top for b in bottom)
+        if not self.allow_in_place and self.in_place:
             raise self.error("cannot be computed in place (a top is also its bottom); give "
                              "its top a name of its own")
         try:
@@ -167,10 +179,6 @@ class Layer:
             raise self.failure(e) from e
 
     # -- what the memory plan needs to know (gpu/plan.py) ---------------------------------
-    def backward_reads(self, bottom, top):
-        """(bottom indices, top indices) whose data this layer's backward reads; the plan
-        keeps those alive until then.  The default, everything, is always safe."""
-        return range(len(bottom)), range(len(top))
 
     def state_bytes(self, bottom, top):
         """Device bytes this layer keeps from forward to backward beside its tops (a mask,

@@ -7,8 +7,9 @@ data or diff, counted once however many blobs share it (Split, Flatten and in-pl
 layers share) -- is live from the first step that writes it to the last that reads it:
 
 - data: written by its producers' forward; read by its consumers' forward and by the
-  backward of every layer that says it needs it (``Layer.backward_reads``: a convolution
-  reads its bottom, a ReLU its bottom, a max pooling with a mask neither...);
+  backward of every layer that declares it retains it (``Layer.retain_inputs`` and
+  ``retain_outputs``: a convolution reads its bottom, a ReLU its bottom, a max pooling
+  with a mask neither...);
 - diff: written by its consumers' backward, read by its producers' backward;
 - kept for the whole iteration: what the data layers write (the inputs), what the host
   reads after the iteration (outputs, losses), and the loss weights kept in loss diffs;
@@ -35,6 +36,13 @@ def _aligned(n):
     return (int(n) + ALIGN - 1) // ALIGN * ALIGN
 
 
+def retained(layer, bottom, top):
+    """(bottom indices, top indices) whose data ``layer``'s backward reads: its
+    declarations ``retain_inputs``/``retain_outputs`` (None: all)."""
+    rb, rt = layer.retain_inputs, layer.retain_outputs
+    return (range(len(bottom)) if rb is None else rb), (range(len(top)) if rt is None else rt)
+
+
 class Buffer:
     __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned",
                  "writes", "reads", "bwd_reads", "part", "view")
@@ -48,7 +56,7 @@ class Buffer:
         self.offset = None
         self.pinned = False   # alive for the whole iteration
         # data: the forward steps that write it (producer, in-place layers) and read it,
-        # the backward steps that read it (``Layer.backward_reads``)
+        # the backward steps that read it (``Layer.retain_inputs``/``retain_outputs``)
         self.writes, self.reads, self.bwd_reads = [], [], []
         # None, or which life of a split buffer this is ("forward", "backward": offload);
         # a part's device side is pointed at ``view`` by whoever split it, not by apply()
@@ -113,7 +121,7 @@ class MemoryPlan:
                 step = 2 * L - 1 - i
                 layer = net.layers[i]
                 bot, top = net.bottom_vecs[i], net.top_vecs[i]
-                rb, rt = layer.backward_reads(bot, top)
+                rb, rt = retained(layer, bot, top)
                 read = [bot[j].data_mem for j in rb] + [top[j].data_mem for j in rt]
                 for b in {id(m): bufs[id(m)] for m in read}.values():
                     b.touch(step)

@@ -120,8 +120,7 @@ class InnerProductLayer(Layer):
             dx = bottom[0].mutable_diff_for(xp).reshape(self.M, self.K)
             gemm(xp, dy, w, dx, trans_b=self.transpose, tf32=self.config.tf32)
 
-    def backward_reads(self, bottom, top):
-        return (0,), ()
+    retain_inputs, retain_outputs = (0,), ()
 
     def _ones(self, xp):
         o = getattr(self, "_ones_arr", None)
@@ -136,8 +135,7 @@ class SplitLayer(Layer):
     the sum of the tops' diffs."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -181,8 +179,7 @@ class SoftmaxLayer(Layer):
         self.axis = _canonical(self, bottom[0], self.layer_param.softmax_param.axis)
         top[0].reshape(bottom[0].shape)
 
-    def backward_reads(self, bottom, top):
-        return (), (0,)
+    retain_inputs, retain_outputs = (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         top[0].mutable_data_for(xp)[...] = softmax(xp, bottom[0].data_for(xp), self.axis)
@@ -275,8 +272,7 @@ class ConcatLayer(Layer):
     shares its data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     min_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -328,8 +324,7 @@ class SliceLayer(Layer):
     the bottom's data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -498,10 +493,17 @@ class EltwiseLayer(Layer):
             return
         super().backward_gpu(top, propagate_down, bottom)
 
-    def backward_reads(self, bottom, top):
+    # backward of SUM reads nothing (of the fused ReLU's pass: its top, for the mask);
+    # PROD and MAX read their inputs and top (PROD keeps copies only in place)
+    @property
+    def retain_inputs(self):
+        return () if self.op == _SUM else None
+
+    @property
+    def retain_outputs(self):
         if self.op == _SUM:
-            return ((), (0,)) if self.fuse_relu is not None else ((), ())
-        return super().backward_reads(bottom, top)
+            return (0,) if self.fuse_relu is not None else ()
+        return None
 
     def state_bytes(self, bottom, top):
         n = bottom[0].count() * bottom[0].dtype.itemsize
@@ -551,8 +553,7 @@ class FlattenLayer(Layer):
     (N, C*H*W).  The top shares the bottom's data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -583,8 +584,7 @@ class ReshapeLayer(Layer):
     at that place, one -1 is inferred.  The top shares the bottom's data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -798,8 +798,7 @@ class SilenceLayer(Layer):
     writes zero diffs."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     min_bottom_blobs = 1
     exact_num_top_blobs = 0
 

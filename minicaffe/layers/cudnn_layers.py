@@ -274,8 +274,14 @@ class CuDNNPoolingLayer(PoolingLayer):
             self._desc_key = key
         self._use = self._ok
 
-    def backward_reads(self, bottom, top):
-        return ((0,), (0,)) if getattr(self, "_use", False) else super().backward_reads(bottom, top)
+    # cuDNN's backward reads x and y; Caffe's, for MAX and AVE, neither (its own mask)
+    @property
+    def retain_inputs(self):
+        return (0,) if getattr(self, "_use", False) else super().retain_inputs
+
+    @property
+    def retain_outputs(self):
+        return (0,) if getattr(self, "_use", False) else super().retain_outputs
 
     def state_bytes(self, bottom, top):
         return 0 if getattr(self, "_use", False) else super().state_bytes(bottom, top)
@@ -375,8 +381,7 @@ class _CuDNNActivation:
     def _act_ok(self):
         return True
 
-    def backward_reads(self, bottom, top):
-        return (0,), (0,)      # cuDNN reads x and y
+    retain_inputs, retain_outputs = (0,), (0,)      # cuDNN reads x and y
 
     def forward_gpu(self, bottom, top):
         if getattr(self, "relu_done", False):  # the convolution before already applied it
@@ -534,12 +539,13 @@ class CuDNNBatchNormLayer(BatchNormLayer):
     fuse_scale = None
     _fused = None
 
-    def backward_reads(self, bottom, top):
-        if not getattr(self, "_use", False):
-            return super().backward_reads(bottom, top)
-        if self.use_global_stats or bottom[0] is top[0]:
-            return (), ()      # in place it keeps its own copy of x
-        return (0,), ()
+    # cuDNN's backward reads x (in place, or with global statistics, forward keeps its
+    # own copy of x and nothing is read); Caffe's keeps x_norm and std
+    @property
+    def retain_inputs(self):
+        if getattr(self, "_use", False) and not (self.use_global_stats or self.in_place):
+            return (0,)
+        return ()
 
     def state_bytes(self, bottom, top):
         if not getattr(self, "_use", False):

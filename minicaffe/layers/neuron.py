@@ -59,8 +59,7 @@ class ReLULayer(_SavesInput):
             return
         super().backward_gpu(top, propagate_down, bottom)
 
-    def backward_reads(self, bottom, top):
-        return (0,), ()
+    retain_inputs, retain_outputs = (0,), ()
 
     def state_bytes(self, bottom, top):
         if self.layer_param.relu_param.negative_slope < 0 and bottom[0] is top[0]:
@@ -186,8 +185,7 @@ class SigmoidLayer(NeuronLayer):
     """y = 1 / (1 + exp(-x)) (as 0.5 tanh(x/2) + 0.5);  dx = dy * y * (1 - y)."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), (0,)
+    retain_inputs, retain_outputs = (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         top[0].mutable_data_for(xp)[...] = _sigmoid(xp, bottom[0].data_for(xp))
@@ -204,8 +202,7 @@ class TanHLayer(NeuronLayer):
     """y = tanh(x);  dx = dy * (1 - y^2)."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), (0,)
+    retain_inputs, retain_outputs = (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         xp.tanh(bottom[0].data_for(xp), out=top[0].mutable_data_for(xp))
@@ -451,8 +448,7 @@ class DropoutLayer(NeuronLayer):
     def _uniform(self, xp, shape):
         return context.rng().random_sample(shape)
 
-    def backward_reads(self, bottom, top):
-        return (), ()      # the GPU redraws the mask (the plan is GPU-only)
+    retain_inputs, retain_outputs = (), ()      # the GPU redraws the mask (the plan is GPU-only)
 
     def _gpu_state(self, xp):
         if self._pass is None:
@@ -543,8 +539,7 @@ class BiasLayer(Layer):
     bottom[1]);  dx = dy."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     min_bottom_blobs = 1
     max_bottom_blobs = 2
     exact_num_top_blobs = 1
@@ -626,6 +621,7 @@ class ScaleLayer(Layer):
                 fill(b, p.bias_filler)
                 self.blobs.append(b)
         self._x_copy = None
+        self._scale_bottom = len(bottom) > 1
 
     def _scale_blob(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
@@ -649,10 +645,16 @@ class ScaleLayer(Layer):
             return
         super().backward_gpu(top, propagate_down, bottom)
 
-    def backward_reads(self, bottom, top):
-        if bottom[0] is top[0] or self.fused_into_bn:
-            return (), ()      # in place it keeps its own copy of x
-        return (0,), ()
+    # backward reads x, and the scale when it is the second bottom (in place, forward
+    # keeps its own copy of x; fused into a cuDNN BatchNorm, that layer's backward runs)
+    @property
+    def retain_inputs(self):
+        if self.fused_into_bn:
+            return ()
+        x = () if self.in_place else (0,)
+        return x + (1,) if self._scale_bottom else x
+
+    retain_outputs = ()
 
     def state_bytes(self, bottom, top):
         if bottom[0] is top[0] and not self.fused_into_bn:

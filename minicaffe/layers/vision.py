@@ -563,8 +563,7 @@ class BaseConvolutionLayer(_ConvGeometry):
                                      self.dilation, sin, sout)
         self.engine.tf32 = self.config.tf32
 
-    def backward_reads(self, bottom, top):
-        return range(len(bottom)), ()
+    retain_inputs, retain_outputs = None, ()
 
     def _add_bias(self, xp, y):
         y += self.blobs[1].data_for(xp).reshape((1, -1) + (1,) * self.num_spatial)
@@ -800,10 +799,14 @@ class PoolingLayer(Layer):
         for t in top:
             t.reshape((N, C) + self.out_shape)
 
-    def backward_reads(self, bottom, top):
-        if self.method in (_Pool.MAX, _Pool.AVE):
-            return (), ()          # MAX keeps its own mask, AVE needs nothing
-        return super().backward_reads(bottom, top)
+    # MAX keeps its own mask, AVE needs nothing; STOCHASTIC reads what it saw
+    @property
+    def retain_inputs(self):
+        return () if self.method in (_Pool.MAX, _Pool.AVE) else None
+
+    @property
+    def retain_outputs(self):
+        return () if self.method in (_Pool.MAX, _Pool.AVE) else None
 
     def state_bytes(self, bottom, top):
         if self.method == _Pool.MAX:   # the int32 argmax mask (Caffe's ceil geometry)
