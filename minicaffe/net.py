@@ -154,16 +154,14 @@ def insert_splits(param):
 
 
 def _batchnorm_out_of_place(param):
-    """GPU with cuDNN, training: a BatchNorm that runs in place on the output of the layer
-    just before it reads that output from a blob of its own instead
-    (``<bn layer>_input``): cuDNN's backward needs BatchNorm's input, which in place would
-    have to be copied aside every iteration (and its gradient copied back).  The memory is
-    the same (that copy is what the new blob holds); the two copies per layer and
-    iteration go.  Every other blob keeps its name and, after a forward, its value."""
-    if param.state.phase != TRAIN or not context.is_gpu():
-        return param
-    from .registry import cudnn_available
-    if not cudnn_available()[0]:
+    """Training: a BatchNorm that runs in place on the output of the layer just before it
+    reads that output from a blob of its own instead (``<bn layer>_input``): its backward
+    (Caffe's and cuDNN's) needs BatchNorm's input, which in place would have to be copied
+    aside every iteration (and, for cuDNN, its gradient copied back).  The memory is the
+    same (that copy is what the new blob holds); the copies go.  Every other blob keeps its
+    name and, after a forward, its value.  Done on every device and engine, so that a
+    net's blob names are the same on the CPU and the GPU."""
+    if param.state.phase != TRAIN:
         return param
     out = None
     for i, lp in enumerate(param.layer):
