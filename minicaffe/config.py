@@ -161,3 +161,11 @@ class RunConfig:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @property
+    def offloads(self):
+        """True when feature maps are offloaded: a policy other than NONE, or a budget.
+        A layer's config carries its net's settings (the Net resolves ``offload_param``
+        against the run's override), so this is the layer's net's answer (cuDNN's Find
+        takes less scratch in such a net)."""
+        return self.offload_policy not in (None, "NONE") or bool(self.offload_budget)

@@ -20,7 +20,6 @@ from .errors import LayerError, MinicaffeError, layer_failure
 
 class Layer:
     type = None
-    offloading = False   # set by the Net: its net offloads feature maps (cuDNN's Find limit)
     exact_num_bottom_blobs = -1
     min_bottom_blobs = -1
     max_bottom_blobs = -1

@@ -218,8 +218,9 @@ class Net:
         from . import offload
         self.phase = in_param.state.phase
         policy, budget = offload.settings(in_param, self.config)
-        # an offloading net's cuDNN Find may not take more scratch than its plan allows
-        offloading = policy != "NONE" or bool(budget)
+        # each layer sees its net's offload settings (``RunConfig.offloads``: an offloading
+        # net's cuDNN Find may not take more scratch than its plan allows)
+        layer_config = self.config.replace(offload_policy=policy, offload_budget=budget)
         filtered = filter_net(in_param)
         log.info("Initializing net from parameters: \n%s", _short_text(filtered))
         param = insert_splits(_batchnorm_out_of_place(filtered))
@@ -261,8 +262,7 @@ class Net:
                 raise ConfigError(f"layer '{lp.name}': propagate_down param must be specified "
                                   f"either 0 or bottom_size times ({len(lp.bottom)})")
             layer = create_layer(lp)
-            layer.offloading = offloading
-            layer.config = self.config
+            layer.config = layer_config
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             log.info("Creating Layer %s", lp.name)

@@ -101,4 +101,4 @@ def test_nets_that_offload_set_up_their_layers_under_the_offload_find_limit(
         net = Net(f.name, phase=0)
     finally:
         os.unlink(f.name)
-    assert [layer.offloading for layer in net.layers] == [expected]
+    assert [layer.config.offloads for layer in net.layers] == [expected]

@@ -49,7 +49,7 @@ OFFLOAD_FIND_LIMIT = 4 << 30
 def find_limit(offloading=False, limit=None):
     """Bytes of workspace Find may try: ``limit`` (a run's ``RunConfig.workspace_limit``;
     None: MINICAFFE_CUDNN_WORKSPACE_LIMIT) when set; ``offloading``: for a layer of a net
-    that offloads (``Layer.offloading``, set by the Net)."""
+    that offloads (``RunConfig.offloads`` of the layer's config, given by its Net)."""
     if limit is None:
         limit = config.env("MINICAFFE_CUDNN_WORKSPACE_LIMIT")
     if limit is not None:
@@ -140,7 +140,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         x = rs.standard_normal(xshape, dtype=dt)
         w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
         y = rs.standard_normal(yshape, dtype=dt)
-        lim = find_limit(self.offloading, self.config.workspace_limit)
+        lim = find_limit(self.config.offloads, self.config.workspace_limit)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
         need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
                    cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
