@@ -39,6 +39,7 @@ class Layer:
     # backward that reads the top data would read the later value (cuDNN's pooling does)
     top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
+    engine = "CAFFE"        # which engine's class this is (registry: 'CUDNN' for cuDNN's)
     in_place = False        # set by setup: a top is one of the bottoms
     # What backward reads of the data forward saw, declared by each layer beside its math
     # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
@@ -64,6 +65,12 @@ class Layer:
     @config.setter
     def config(self, value):
         self._config = value
+
+    @classmethod
+    def cudnn_refuses(cls, param):
+        """For a cuDNN class: None when cuDNN computes this LayerParameter as Caffe does,
+        else the reason (the registry then builds Caffe's class, with one log line)."""
+        return None
 
     def __init__(self, param):
         self.layer_param = param

@@ -3,9 +3,11 @@
 Each class here subclasses the Caffe-engine layer of its type and overrides only the
 GPU bodies; on the CPU it is that layer.  The registry builds it for ``engine: CUDNN``,
 and for ``engine: DEFAULT`` when cuDNN loads (``registry.choose_class``).  A layer whose
-configuration cuDNN cannot compute exactly as Caffe does (a pooling window clipped by
-Caffe's ceil-mode shape, a leaky ReLU, an even LRN window...) keeps Caffe's GPU body,
-decided at reshape time, without a message: the numbers are Caffe's either way.
+parameters cuDNN cannot compute exactly as Caffe does (a leaky ReLU, STOCHASTIC pooling,
+an LRN window over 16...: each class's ``cudnn_refuses``) is built by the registry with
+Caffe's class, once, with one log line.  What only a shape tells (a pooling window
+clipped by Caffe's ceil-mode shape, an input that is not 4-D) keeps Caffe's GPU body for
+that shape, decided at reshape: the numbers are Caffe's either way.
 
 Convolution: descriptors per input shape, algorithms chosen by cuDNN's Find (timed on
 the real shapes, once per geometry and process: ``gpu/cudnn.find_algorithms``), with one
@@ -250,6 +252,14 @@ class CuDNNPoolingLayer(PoolingLayer):
         """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
         return getattr(self, "_use", False)
 
+    @classmethod
+    def cudnn_refuses(cls, param):
+        if param.pooling_param.pool not in (_Pool.MAX, _Pool.AVE):
+            return "STOCHASTIC pooling"
+        if len(param.top) > 1:
+            return "a second top (the mask)"
+        return None
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._use = False
@@ -319,6 +329,17 @@ class CuDNNLRNLayer(LRNLayer):
     def uses_cudnn(self):
         """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
         return getattr(self, "_use", False)
+
+    @classmethod
+    def cudnn_refuses(cls, param):
+        p = param.lrn_param
+        if p.norm_region != _LRN.ACROSS_CHANNELS:
+            return "WITHIN_CHANNEL"
+        if not 1 <= p.local_size <= 16:
+            return f"local_size {p.local_size} outside 1-16"
+        if p.k < 1e-5 or p.beta < 0.01:
+            return f"k {p.k:g} < 1e-5 or beta {p.beta:g} < 0.01"
+        return None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -415,6 +436,11 @@ class CuDNNReLULayer(_CuDNNActivation, ReLULayer):
     """ReLU through cuDNN; a leaky ReLU (negative_slope != 0) keeps Caffe's body."""
     act_mode = cudnn.ACT_RELU
 
+    @classmethod
+    def cudnn_refuses(cls, param):
+        slope = param.relu_param.negative_slope
+        return f"negative_slope {slope:g}" if slope != 0 else None
+
     def _act_ok(self):
         return self.layer_param.relu_param.negative_slope == 0
 
@@ -508,6 +534,11 @@ class CuDNNBatchNormLayer(BatchNormLayer):
     def uses_cudnn(self):
         """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
         return getattr(self, "_use", False)
+
+    @classmethod
+    def cudnn_refuses(cls, param):
+        eps = param.batch_norm_param.eps
+        return f"eps {eps:g} <= 0" if eps <= 0 else None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
