@@ -39,7 +39,7 @@ class Layer:
     # backward that reads the top data would read the later value (cuDNN's pooling does)
     top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
-    engine = "CAFFE"        # which engine's class this is (registry: 'CUDNN' for cuDNN's)
+    engine_name = "CAFFE"   # which engine's class this is (registry: 'CUDNN' for cuDNN's)
     in_place = False        # set by setup: a top is one of the bottoms
     # What backward reads of the data forward saw, declared by each layer beside its math
     # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops

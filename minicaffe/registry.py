@@ -5,9 +5,9 @@ factory chooses (``engine: CUDNN``, or ``DEFAULT`` when cuDNN loads).
 The engine is chosen once, here: a cuDNN class declares what of a layer's parameters it
 cannot compute as Caffe does (``cudnn_refuses(param)``: a leaky ReLU, STOCHASTIC
 pooling...), and such a layer is built with Caffe's class and one log line saying why.
-The class's ``engine`` says which was chosen ('CAFFE' or 'CUDNN').  What only a shape can
-tell (a pooling window clipped by Caffe's ceil-mode shape, an input of 3 axes) the cuDNN
-class still checks at reshape, running Caffe's body for that shape."""
+The class's ``engine_name`` says which was chosen ('CAFFE' or 'CUDNN').  What only a
+shape can tell (a pooling window clipped by Caffe's ceil-mode shape, an input of 3 axes)
+the cuDNN class still checks at reshape, running Caffe's body for that shape."""
 import difflib
 
 from . import log
@@ -37,7 +37,7 @@ def register_cudnn(type_name):
     """Class decorator: the cuDNN engine's class for layer type ``type_name``."""
     def deco(cls):
         cls.type = type_name
-        cls.engine = "CUDNN"
+        cls.engine_name = "CUDNN"
         _CUDNN[type_name] = cls
         return cls
     return deco

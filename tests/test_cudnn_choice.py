@@ -133,7 +133,7 @@ def test_the_registry_chooses_the_engine_once_with_one_line_when_cudnn_cannot(
         with caplog.at_level(logging.INFO):
             layer = make_layer(text)
             make_layer(text)     # a second build of the same layer says nothing more
-        assert layer.engine == engine, text
+        assert layer.engine_name == engine, text
         lines = [r.getMessage() for r in caplog.records if "cuDNN cannot" in r.getMessage()]
         if why is None:
             assert lines == [], text
@@ -142,6 +142,6 @@ def test_the_registry_chooses_the_engine_once_with_one_line_when_cudnn_cannot(
             assert lines == [f"layer '{name}' ({layer.type}): cuDNN cannot compute it as Caffe "
                              f"does ({why}): using Caffe's engine"], (text, lines)
     # engine: CAFFE is Caffe's class without a word; without cuDNN, Caffe's too
-    assert make_layer('type: "ReLU" relu_param { engine: CAFFE }').engine == "CAFFE"
+    assert make_layer('type: "ReLU" relu_param { engine: CAFFE }').engine_name == "CAFFE"
     monkeypatch.setattr(registry, "cudnn_available", lambda: (False, "no GPU"))
-    assert make_layer('name: "r9" type: "ReLU"').engine == "CAFFE"
+    assert make_layer('name: "r9" type: "ReLU"').engine_name == "CAFFE"
