@@ -43,6 +43,26 @@ def retained(layer, bottom, top):
     return (range(len(bottom)) if rb is None else rb), (range(len(top)) if rt is None else rt)
 
 
+def _fusion(net, i):
+    """(fused pair, role) of layer i in ``net`` (layers/fused.py), or (None, None)."""
+    fusion_of = getattr(net, "fusion_of", None)
+    return fusion_of(i) if fusion_of is not None else (None, None)
+
+
+def _backward_reads(net, i):
+    """What the backward step of layer i reads: its declarations, as its fused pair (if
+    any) changes them (the pair's own reads added to its first layer's; nothing for a
+    second layer whose backward the pair does)."""
+    layer, bot, top = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
+    f, role = _fusion(net, i)
+    if role == 1 and not f.second_backward_runs:
+        return (), ()
+    rb, rt = retained(layer, bot, top)
+    if role == 0 and f.retain_outputs:
+        rt = sorted(set(rt) | set(f.retain_outputs))
+    return rb, rt
+
+
 class Buffer:
     __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned",
                  "writes", "reads", "bwd_reads", "part", "view")
@@ -121,7 +141,7 @@ class MemoryPlan:
                 step = 2 * L - 1 - i
                 layer = net.layers[i]
                 bot, top = net.bottom_vecs[i], net.top_vecs[i]
-                rb, rt = retained(layer, bot, top)
+                rb, rt = _backward_reads(net, i)
                 read = [bot[j].data_mem for j in rb] + [top[j].data_mem for j in rt]
                 for b in {id(m): bufs[id(m)] for m in read}.values():
                     b.touch(step)
@@ -190,11 +210,15 @@ class MemoryPlan:
         self.state_bytes = 0
         for i, layer in enumerate(net.layers):
             bot, top = net.bottom_vecs[i], net.top_vecs[i]
-            st = int(layer.state_bytes(bot, top)) if self.train else 0
+            f, role = _fusion(net, i)
+            kept = self.train and not (role == 1 and not f.second_backward_runs)
+            st = int(layer.state_bytes(bot, top)) if kept else 0
             self.state_bytes += st
             data = sum(t.data_mem.size * t.dtype.itemsize for t in top)
             params = sum(b.count() * b.dtype.itemsize for b in layer.blobs)
-            self.rows.append({"layer": net.layer_names[i], "type": layer.type, "top_data": data,
+            # a fused pair shows its type on its first layer, its second marked "fused"
+            kind = layer.type if f is None else f.type if role == 0 else f"{layer.type} (fused)"
+            self.rows.append({"layer": net.layer_names[i], "type": kind, "top_data": data,
                               "state": st, "params": params})
         self.scratch_bytes = max((int(getattr(l, "scratch_bytes", lambda b, t: 0)(
             net.bottom_vecs[i], net.top_vecs[i])) for i, l in enumerate(net.layers)), default=0)

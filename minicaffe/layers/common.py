@@ -461,49 +461,42 @@ class EltwiseLayer(Layer):
             self._argmax = arg
         top[0].mutable_data_for(xp)[...] = y
 
-    # GPU: a plain ReLU in place on the top right after a unit-coefficient SUM (set by
-    # the Net: ResNet's y = relu(a + b)) is applied here, forward (one pass) and backward
-    # (the mask applied while copying dy to the bottoms); the ReLU skips both.
-    fuse_relu = None
-
+    # The fused type Eltwise+ReLU (layers/fused.py): a plain ReLU in place on the top
+    # right after a SUM of two bottoms with unit coefficients (ResNet's y = relu(a + b)),
+    # forward in one pass, backward the mask applied while copying dy to the bottoms.
     def _fusable(self, bottom, top):
         return (self.op == _SUM and all(c == 1 for c in self.coeffs) and len(bottom) == 2
                 and not any(top[0] is b for b in bottom))
 
-    def forward_gpu(self, bottom, top):
-        if self.fuse_relu is not None and self._fusable(bottom, top):
-            _add_relu()(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data())
-            self.fuse_relu.relu_done = self.fuse_relu.relu_bwd_done = True
-            self._fused_pass = True
-            return
-        self._fused_pass = False
-        super().forward_gpu(bottom, top)
+    def forward_gpu_relu(self, bottom, top):
+        """y = relu(a + b) in one pass; False, with nothing done, where this is not a
+        SUM of two bottoms with unit coefficients, out of place."""
+        if not self._fusable(bottom, top):
+            return False
+        _add_relu()(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data())
+        return True
 
-    def backward_gpu(self, top, propagate_down, bottom):
-        if getattr(self, "_fused_pass", False):
-            y, dy = top[0].gpu_data(), top[0].gpu_diff()
-            outs = [b.mutable_gpu_diff() if propagate_down[i] else None
-                    for i, b in enumerate(bottom)]
-            if outs[0] is not None and outs[1] is not None:
-                _relu_grad2()(y, dy, outs[0], outs[1])
-            else:
-                for o in outs:
-                    if o is not None:
-                        _relu_grad1()(y, dy, o)
-            return
-        super().backward_gpu(top, propagate_down, bottom)
+    def backward_gpu_relu(self, top, propagate_down, bottom):
+        """The backward of Eltwise+ReLU: dx_i = dy where y > 0, else 0 (reads y)."""
+        y, dy = top[0].gpu_data(), top[0].gpu_diff()
+        outs = [b.mutable_gpu_diff() if propagate_down[i] else None
+                for i, b in enumerate(bottom)]
+        if outs[0] is not None and outs[1] is not None:
+            _relu_grad2()(y, dy, outs[0], outs[1])
+        else:
+            for o in outs:
+                if o is not None:
+                    _relu_grad1()(y, dy, o)
 
-    # backward of SUM reads nothing (of the fused ReLU's pass: its top, for the mask);
-    # PROD and MAX read their inputs and top (PROD keeps copies only in place)
+    # backward of SUM reads nothing (fused with a ReLU: its top, declared by the fused
+    # type); PROD and MAX read their inputs and top (PROD keeps copies only in place)
     @property
     def retain_inputs(self):
         return () if self.op == _SUM else None
 
     @property
     def retain_outputs(self):
-        if self.op == _SUM:
-            return (0,) if self.fuse_relu is not None else ()
-        return None
+        return () if self.op == _SUM else None
 
     def state_bytes(self, bottom, top):
         n = bottom[0].count() * bottom[0].dtype.itemsize

@@ -172,10 +172,26 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
             cudnn.pick(self.candidates[k], cap) for k in ("fwd", "bwd_data", "bwd_filter"))
         self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
 
-    # An in-place ReLU right after this convolution (set by the Net) is folded into the
-    # forward call: y = max(W * x + b, 0) by cudnnConvolutionBiasActivationForward, and
-    # the ReLU layer skips its forward once (its backward is unchanged: it reads y).
-    fuse_relu = None
+    def forward_gpu_relu(self, bottom, top):
+        """The fused type Convolution+ReLU (layers/fused.py): y = max(W * x + b, 0) by one
+        cudnnConvolutionBiasActivationForward.  False, with nothing done, where this shape
+        does not run through cuDNN (or there is no bias, or several bottoms)."""
+        if self._cudnn_key is None or not self.bias_term or len(bottom) != 1:
+            return False
+        h = cudnn.handle()
+        dt = bottom[0].dtype
+        ws = workspace(self.workspace_bytes)
+        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        w = self.blobs[0].gpu_data()
+        if getattr(self, "_act", None) is None:
+            self._act = cudnn.ActDesc(cudnn.ACT_RELU)
+        y = top[0].mutable_gpu_data()
+        cudnn.call("cudnnConvolutionBiasActivationForward", h, cudnn.one(dt),
+                   self.x_desc.ptr, _ptr(bottom[0].gpu_data()), self.w_desc.ptr, _ptr(w),
+                   self.conv_desc.ptr, self.fwd[0], wsp, wsn, cudnn.zero(dt),
+                   self.y_desc.ptr, _ptr(y), self.b_desc.ptr,
+                   _ptr(self.blobs[1].gpu_data()), self._act.ptr, self.y_desc.ptr, _ptr(y))
+        return True
 
     def forward_gpu(self, bottom, top):
         if self._cudnn_key is None:
@@ -185,17 +201,6 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         ws = workspace(self.workspace_bytes)
         wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
         w = self.blobs[0].gpu_data()
-        if self.fuse_relu is not None and self.bias_term and len(bottom) == 1:
-            if getattr(self, "_act", None) is None:
-                self._act = cudnn.ActDesc(cudnn.ACT_RELU)
-            y = top[0].mutable_gpu_data()
-            cudnn.call("cudnnConvolutionBiasActivationForward", h, cudnn.one(dt),
-                       self.x_desc.ptr, _ptr(bottom[0].gpu_data()), self.w_desc.ptr, _ptr(w),
-                       self.conv_desc.ptr, self.fwd[0], wsp, wsn, cudnn.zero(dt),
-                       self.y_desc.ptr, _ptr(y), self.b_desc.ptr,
-                       _ptr(self.blobs[1].gpu_data()), self._act.ptr, self.y_desc.ptr, _ptr(y))
-            self.fuse_relu.relu_done = True
-            return
         for b, t in zip(bottom, top):
             y = t.mutable_gpu_data()
             cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), self.x_desc.ptr,
@@ -405,9 +410,6 @@ class _CuDNNActivation:
     retain_inputs, retain_outputs = (0,), (0,)      # cuDNN reads x and y
 
     def forward_gpu(self, bottom, top):
-        if getattr(self, "relu_done", False):  # the convolution before already applied it
-            self.relu_done = False
-            return
         if not self._act_ready(bottom):
             return super().forward_gpu(bottom, top)
         dt = bottom[0].dtype
@@ -416,9 +418,6 @@ class _CuDNNActivation:
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
-        if getattr(self, "relu_bwd_done", False):
-            self.relu_bwd_done = False
-            return
         if not self._act_ready(bottom):
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
@@ -563,11 +562,8 @@ class CuDNNBatchNormLayer(BatchNormLayer):
             self._desc_key = b.shape
         self._x_copy_needed = bottom[0] is top[0] and not self.use_global_stats
 
-    # The Scale layer right after us, in place on our top, per channel (set by the Net):
-    # training with batch statistics applies its scale and bias in the same cuDNN call
-    # (y = gamma x_hat + beta) and its backward gives their gradients, as PyTorch's affine
-    # batch norm does; the Scale layer skips its own bodies for that pass.
-    fuse_scale = None
+    # the Scale whose parameters the last training forward applied (the fused type
+    # BatchNorm+Scale, layers/fused.py): its backward gives their gradients too
     _fused = None
 
     # cuDNN's backward reads x (in place, or with global statistics, forward keeps its
@@ -594,9 +590,23 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         from ..kernels._backend import cuda_type, raw_kernel
         return raw_kernel(_BN_FOLD, name, cuda_type(dt))
 
+    def forward_gpu_scale(self, bottom, top, scale):
+        """The fused type BatchNorm+Scale (layers/fused.py): training with batch statistics,
+        the learned per-channel Scale ``scale`` after us, in place on our top, is applied in
+        the same cuDNN call (y = gamma x_hat + beta), as PyTorch's affine batch norm does,
+        and our backward gives its parameters' gradients.  False, with nothing done, where
+        this pass cannot (Caffe's kernels for this shape, global statistics)."""
+        if not self._use or self.use_global_stats or not scale.per_channel(top):
+            return False
+        self._forward_cudnn(bottom, top, scale)
+        return True
+
     def forward_gpu(self, bottom, top):
         if not self._use:
             return super().forward_gpu(bottom, top)
+        self._forward_cudnn(bottom, top, None)
+
+    def _forward_cudnn(self, bottom, top, sc):
         dt = bottom[0].dtype
         h = cudnn.handle()
         C = self.channels
@@ -618,13 +628,10 @@ class CuDNNBatchNormLayer(BatchNormLayer):
                        _ptr(y), self.p_desc.ptr, _ptr(self._ones), _ptr(self._zeros),
                        _ptr(self._mean), _ptr(self._var), float(self.eps))
             return
-        sc = self.fuse_scale if self.fuse_scale is not None and self.fuse_scale.per_channel(
-            top) else None
         gamma, beta = self._ones, self._zeros
         if sc is not None:
             gamma = sc.blobs[0].gpu_data()
             beta = sc.blobs[1].gpu_data() if sc.bias_term else self._zeros
-            sc.scale_done = sc.scale_bwd_done = True
         self._fused = sc
         cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL, cudnn.one(dt),
                    cudnn.zero(dt), self.x_desc.ptr, _ptr(x), self.x_desc.ptr, _ptr(y),

@@ -50,27 +50,12 @@ def _sigmoid(xp, x):
 class ReLULayer(_SavesInput):
     """y = max(x, 0) + negative_slope * min(x, 0);  dx = dy * (x > 0 ? 1 : negative_slope)."""
 
-    relu_done = False   # set by a cuDNN convolution that applied this ReLU itself
-    relu_bwd_done = False   # set by an Eltwise that also applies its gradient mask
-
-    def backward_gpu(self, top, propagate_down, bottom):
-        if self.relu_bwd_done:
-            self.relu_bwd_done = False
-            return
-        super().backward_gpu(top, propagate_down, bottom)
-
     retain_inputs, retain_outputs = (0,), ()
 
     def state_bytes(self, bottom, top):
         if self.layer_param.relu_param.negative_slope < 0 and bottom[0] is top[0]:
             return bottom[0].count() * bottom[0].dtype.itemsize
         return 0
-
-    def forward_gpu(self, bottom, top):
-        if self.relu_done:
-            self.relu_done = False
-            return
-        super().forward_gpu(bottom, top)
 
     def forward_xp(self, xp, bottom, top):
         slope = self.layer_param.relu_param.negative_slope
@@ -626,38 +611,17 @@ class ScaleLayer(Layer):
     def _scale_blob(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
 
-    # A cuDNN BatchNorm right before this layer (set by the Net) may apply the scale and
-    # bias itself and compute their gradients in its backward; these flags skip this
-    # layer's bodies for that pass.
-    scale_done = False
-    scale_bwd_done = False
-    fused_into_bn = False   # set by the Net when a cuDNN BatchNorm takes this layer over
-
-    def forward_gpu(self, bottom, top):
-        if self.scale_done:
-            self.scale_done = False
-            return
-        super().forward_gpu(bottom, top)
-
-    def backward_gpu(self, top, propagate_down, bottom):
-        if self.scale_bwd_done:
-            self.scale_bwd_done = False
-            return
-        super().backward_gpu(top, propagate_down, bottom)
-
     # backward reads x, and the scale when it is the second bottom (in place, forward
-    # keeps its own copy of x; fused into a cuDNN BatchNorm, that layer's backward runs)
+    # keeps its own copy of x)
     @property
     def retain_inputs(self):
-        if self.fused_into_bn:
-            return ()
         x = () if self.in_place else (0,)
         return x + (1,) if self._scale_bottom else x
 
     retain_outputs = ()
 
     def state_bytes(self, bottom, top):
-        if bottom[0] is top[0] and not self.fused_into_bn:
+        if bottom[0] is top[0]:
             return bottom[0].count() * bottom[0].dtype.itemsize
         return 0
 
