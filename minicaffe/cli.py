@@ -4,6 +4,9 @@
                     [--level N] [--stage a,b] [--sigint_effect stop|snapshot|none]
                     [--sighup_effect ...] [--log FILE] [--debug_info]
                     [--parallel thread|process] [--rank R --world_size N --init_file F]
+                    [--dashboard [HOST:]PORT] [--tensorboard DIR]
+    minicaffe dashboard RUN [--port [HOST:]PORT]
+    minicaffe plot LOG [--out FILE] [--chart N]
     minicaffe test --model M --weights W [--iterations 50] [--gpu 0]
     minicaffe time --model M [--iterations 50] [--phase TRAIN|TEST] [--gpu 0]
     minicaffe device_query [--gpu 0]
@@ -41,6 +44,10 @@ commands:
   time            benchmark model execution time
   bench           time the training step on synthetic inputs (and its PyTorch twin)
   memory          print the memory plan of a training iteration (per layer, planned peak)
+  dashboard       serve the dashboard page of a run from its log or TensorBoard events
+                  (dashboard RUN [--port [HOST:]PORT]; docs/watching.md)
+  plot            chart a training log (plot LOG [--out FILE.png|svg] [--chart 0-7]), as
+                  Caffe's plot_training_log.py
 
 flags:
   --solver FILE        the solver definition (prototxt or .yaml)
@@ -84,6 +91,10 @@ flags:
                        or DYNAMIC (overrides the net's offload_param; docs/offload.md)
   --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
                        (overrides offload_param's gpu_memory_budget)
+  --dashboard [H:]P    train: serve a live page of the run (curves, facts) on port P of
+                       127.0.0.1, or of host H (then a token in the printed URL is needed)
+  --tensorboard DIR    train: write TensorBoard event files into DIR (the solver's
+                       minicaffe_tensorboard_dir; needs pip install "minicaffe[tensorboard]")
   --version            print the version
 """
 
@@ -117,6 +128,8 @@ FLAGS = {
     "input_shape": ("str", ""),
     "offload": ("str", ""),
     "gpu_mem_limit": ("int", 0),
+    "dashboard": ("str", ""),
+    "tensorboard": ("str", ""),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 
@@ -285,7 +298,8 @@ def _make_progress(stream_wrapper, solver):
     bar = tqdm(total=solver.param.max_iter, initial=solver.iter, file=stream_wrapper.stream,
                unit="iter", leave=False, **size)
     stream_wrapper.bar = bar
-    return bar
+    from .watch.progress import ProgressLine
+    return ProgressLine(bar, solver)   # loss, lr, images/s, data wait beside the bar
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -306,6 +320,11 @@ def train(flags, stream=None):
         if not os.path.isfile(w):
             raise MinicaffeError(f"{w}: no such file (--weights)")
     param, path = read_solver_param(flags.solver)
+    if flags.dashboard:
+        from .watch.server import parse_address
+        parse_address(flags.dashboard)   # a bad address fails before anything is built
+    if flags.tensorboard:
+        param.minicaffe_tensorboard_dir = flags.tensorboard
     param.train_state.level = flags.level
     param.train_state.stage.extend(_stages(flags))
     if flags.debug_info:
@@ -346,6 +365,10 @@ def train(flags, stream=None):
         context.set_solver_count(len(gpus))
     solver = solver_class(param.type, path or flags.solver)(param, source=path,
                                                             config=flags.run_config)
+    dash = None
+    if flags.dashboard:
+        from .watch.commands import start_train_dashboard
+        dash = start_train_dashboard(flags.dashboard, solver, gpus, stream)
     with SignalHandler(flags.sigint_effect, flags.sighup_effect) as handler:
         solver.set_action_function(handler.get_action)
         if flags.snapshot:
@@ -357,13 +380,21 @@ def train(flags, stream=None):
         bar = None
         if isinstance(stream, _TqdmStream) and stream.isatty():
             bar = solver.progress = _make_progress(stream, solver)
+        solved = False
         try:
             solver.solve()
+            solved = True
         finally:
             if bar is not None:
                 stream.bar = None
                 bar.close()
             solver.close()  # stop the prefetch threads
+            if dash is not None and not solved:
+                dash.close()
+    if dash is not None:
+        from .watch.commands import keep_serving
+        keep_serving(dash, stream)   # an interactive run's page stays up until Ctrl-C
+        dash.close()
     if handler.stopped_by:
         last_iter, state_file = solver.last_snapshot or (None, None)
         if last_iter == solver.iter:
@@ -388,8 +419,16 @@ def _train_parallel(flags, param, path, gpus, stream):
         for g in ids:
             log.info("GPU %d: %s", g, backend.gpu_name(g))
     bars = []
+    dashboards = []
+    if flags.dashboard and (flags.parallel == "process" or flags.rank >= 0):
+        raise MinicaffeError("--dashboard serves from the training process: use it with "
+                             "--parallel thread (the default), or serve the log with "
+                             "`minicaffe dashboard LOG`")
 
-    def progress(solver):
+    def progress(solver):   # called with the root solver (thread mode)
+        if flags.dashboard and not dashboards:
+            from .watch.commands import start_train_dashboard
+            dashboards.append(start_train_dashboard(flags.dashboard, solver, gpus, stream))
         if isinstance(stream, _TqdmStream) and stream.isatty():
             bars.append(_make_progress(stream, solver))
             return bars[-1]
@@ -403,6 +442,8 @@ def _train_parallel(flags, param, path, gpus, stream):
         for bar in bars:
             stream.bar = None
             bar.close()
+        for d in dashboards:
+            d.close()
     return 0
 
 
@@ -683,6 +724,9 @@ def _main(argv):
     if argv and argv[0] == "draw":  # pycaffe's draw_net.py, as a subcommand
         from .draw import main as draw_main
         return draw_main(list(argv[1:]))
+    if argv and argv[0] in ("dashboard", "plot"):  # minicaffe/watch
+        from .watch import commands
+        return getattr(commands, argv[0] + "_main")(list(argv[1:]))
     command, flags = parse_args(argv)
     if command == "help":
         print(USAGE, end="")

@@ -272,6 +272,8 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
         argv.append("--debug_info")
     if flags.log and rank == 0:
         argv += ["--log", flags.log]
+    if getattr(flags, "tensorboard", "") and rank == 0:   # only the root solver writes
+        argv += ["--tensorboard", flags.tensorboard]
     return argv
 
 

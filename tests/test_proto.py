@@ -247,6 +247,7 @@ def test_minicaffe_extensions():
     assert _field(pb.SolverParameter, "reduce_buckets").number == 10001
     assert _field(pb.SolverParameter, "cuda_graph").number == 10002
     assert _field(pb.SolverParameter, "minicaffe_precision").number == 10003
+    assert _field(pb.SolverParameter, "minicaffe_tensorboard_dir").number == 10140
     solver = pb.SolverParameter()
     assert solver.reduce_buckets == 6
     assert solver.cuda_graph is True
@@ -260,6 +261,7 @@ def test_caffe_field_numbers_stay_below_extension_range():
             ("SolverParameter", "reduce_buckets"),
             ("SolverParameter", "cuda_graph"),
             ("SolverParameter", "minicaffe_precision"),
+            ("SolverParameter", "minicaffe_tensorboard_dir"),
             ("SolverState", "resume")}
     for name, desc in pb.DESCRIPTOR.message_types_by_name.items():
         if name in ("OffloadParameter", "ResumeState", "RNGState", "DataPosition"):

@@ -12,109 +12,14 @@ reads NaN/inf values and logs that cross a new year.
 """
 import argparse
 import csv
-import datetime
 import os
-import re
 import sys
-from collections import OrderedDict
 
-# The patterns of Caffe's tools/extra/parse_log.py.
-REGEX_ITERATION = re.compile(r"Iteration (\d+)")
-REGEX_TRAIN_OUTPUT = re.compile(r"Train net output #(\d+): (\S+) = ([\.\deE+-]+|[-+]?nan|[-+]?inf)")
-REGEX_TEST_OUTPUT = re.compile(r"Test net output #(\d+): (\S+) = ([\.\deE+-]+|[-+]?nan|[-+]?inf)")
-REGEX_LEARNING_RATE = re.compile(r"lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)")
-# glog's line header: LMMDD HH:MM:SS.uuuuuu
-REGEX_GLOG_TIME = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6})\b")
-
-
-class _Clock:
-    """Line timestamps as datetimes: glog omits the year, so take the file's and
-    step it forward when the month goes backwards (a run across New Year)."""
-
-    def __init__(self, year):
-        self.year = year
-        self.last_month = None
-
-    def __call__(self, line):
-        m = REGEX_GLOG_TIME.match(line)
-        if not m:
-            return None
-        month, day, hour, minute, second, usec = (int(g) for g in m.groups())
-        if self.last_month is not None and month < self.last_month:
-            self.year += 1
-        self.last_month = month
-        return datetime.datetime(self.year, month, day, hour, minute, second, usec)
-
-
-def _log_year(path):
-    try:
-        return datetime.datetime.fromtimestamp(os.path.getmtime(path)).year
-    except OSError:
-        return datetime.datetime.now().year
-
-
-def parse_lines(lines, year=None):
-    """(train_rows, test_rows) from log lines; rows are OrderedDicts."""
-    clock = _Clock(year or datetime.datetime.now().year)
-    lines = list(lines)
-    start = None
-    for line in lines:
-        if "Solving" in line:
-            start = clock(line.strip())
-            break
-    clock = _Clock(clock.year)
-    iteration = -1
-    learning_rate = float("nan")
-    train, test = [], []
-    train_row = test_row = None
-    for raw in lines:
-        line = raw.strip()
-        m = REGEX_ITERATION.search(line)
-        if m:
-            iteration = float(m.group(1))
-        if iteration == -1:
-            continue
-        when = clock(line)
-        if when is None:
-            continue  # not a glog line (a progress bar, a stray print)
-        if start is None:
-            start = when
-        seconds = (when - start).total_seconds()
-        m = REGEX_LEARNING_RATE.search(line)
-        if m:
-            learning_rate = float(m.group(1))
-        train_row = _add_output(REGEX_TRAIN_OUTPUT, train_row, train, line, iteration, seconds,
-                                learning_rate)
-        test_row = _add_output(REGEX_TEST_OUTPUT, test_row, test, line, iteration, seconds,
-                               learning_rate)
-    for rows, row in ((train, train_row), (test, test_row)):
-        if row is not None and (not rows or len(row) == len(rows[0])):
-            rows.append(row)
-    for rows in (train, test):
-        if len(rows) > 1:  # the first lr is printed after the first outputs
-            rows[0]["LearningRate"] = rows[1]["LearningRate"]
-    return train, test
-
-
-def _add_output(regex, row, rows, line, iteration, seconds, learning_rate):
-    m = regex.search(line)
-    if m:
-        if row is None or row["NumIters"] != iteration:
-            if row is not None:
-                rows.append(row)
-            row = OrderedDict([("NumIters", iteration), ("Seconds", seconds),
-                               ("LearningRate", learning_rate)])
-        row[m.group(2)] = float(m.group(3))
-    if row is not None and rows and len(row) == len(rows[0]):
-        rows.append(row)
-        row = None
-    return row
-
-
-def parse_log(path):
-    """(train_rows, test_rows) of a log file."""
-    with open(path, errors="replace") as f:
-        return parse_lines(f, _log_year(path))
+# the parser lives in the package (``minicaffe plot`` and ``minicaffe dashboard`` read logs too)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from minicaffe.watch.logparse import (REGEX_GLOG_TIME, REGEX_ITERATION,  # noqa: E402,F401
+                                      REGEX_LEARNING_RATE, REGEX_TEST_OUTPUT,
+                                      REGEX_TRAIN_OUTPUT, parse_lines, parse_log)
 
 
 def write_csv(path, rows, delimiter=","):

@@ -73,6 +73,8 @@ class Solver:
         self.source = path or "<solver>"
         self._solver_dir = os.path.dirname(os.path.abspath(path)) if path else None
         self.callbacks = []
+        # watchers of the run (minicaffe/watch): on_display, on_test, on_snapshot, on_finish
+        self.observers = []
         self.action_request_function = None
         self.requested_early_exit = False
         self.progress = None  # an object with update(n) (the CLI's tqdm bar)
@@ -127,6 +129,9 @@ class Solver:
         if self.root:
             self.init_test_nets()
             log.info("Solver scaffolding done.")
+        if self.root and p.minicaffe_tensorboard_dir:  # only the root solver writes
+            from ..watch.tensorboard import TensorBoardWriter
+            TensorBoardWriter(p.minicaffe_tensorboard_dir, self)   # attaches itself
         self.iter = 0
         self.current_step = 0
         self.pre_solve()
@@ -439,11 +444,21 @@ class Solver:
         log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
                  _fmt(_f(per_s)), _fmt(_f(lapse)), self.param.display, _fmt(self.smoothed_loss))
         self.iterations_last = self.iter
-        self._log_outputs(self.net, "Train")
+        outputs = self._log_outputs(self.net, "Train")
+        self._notify("on_display", self.iter, float(self.smoothed_loss), float(per_s), outputs)
         return time.perf_counter()
 
+    def _notify(self, event, *args):
+        """Tell the observers (minicaffe/watch) what the solver just logged."""
+        for ob in self.observers:
+            fn = getattr(ob, event, None)
+            if fn is not None:
+                fn(self, *args)
+
     def _log_outputs(self, net, kind):
+        """Log the net's outputs; returns them as [(blob name, value)]."""
         index = 0
+        values = []
         for j, blob in enumerate(net.output_blobs):
             bid = net.output_blob_indices[j]
             name = net.blob_names[bid]
@@ -451,7 +466,9 @@ class Solver:
             for v in np.asarray(blob.cpu_data(), dtype=np.float32).reshape(-1):
                 extra = f" (* {_fmt(weight)} = {_fmt(weight * v)} loss)" if weight else ""
                 log.info("    %s net output #%d: %s = %s%s", kind, index, name, _fmt(v), extra)
+                values.append((name, float(v)))
                 index += 1
+        return values
 
     def _report_nonfinite(self, loss, iteration=None):
         where = self.net.first_nonfinite()
@@ -477,6 +494,14 @@ class Solver:
     def solve(self, resume_file=None):
         """Train to max_iter (Caffe's Solver::Solve), optionally resuming from a
         .solverstate(.h5) first."""
+        status = "failed"
+        try:
+            self._solve(resume_file)
+            status = "stopped" if self.requested_early_exit else "finished"
+        finally:
+            self._notify("on_finish", status)
+
+    def _solve(self, resume_file):
         if not self.root:
             raise MinicaffeError("solve() runs on the root solver only")
         p = self.param
@@ -549,16 +574,18 @@ class Solver:
         if p.test_compute_loss:
             loss /= n_iter
             log.info("Test loss: %s", _fmt(_f(loss)))
-        mean_scores = []
+        mean_scores, named = [], []
         for i, total in enumerate(scores):
             bid = test_net.output_blob_indices[score_output_id[i]]
             name = test_net.blob_names[bid]
             weight = _f(test_net.blob_loss_weights[bid])
             mean = _f(total / _f(n_iter))
             mean_scores.append(float(mean))
+            named.append((name, float(mean)))
             extra = f" (* {_fmt(weight)} = {_fmt(weight * mean)} loss)" if weight else ""
             log.info("    Test net output #%d: %s = %s%s", i, name, _fmt(mean), extra)
         self.mean_scores[test_net_id] = mean_scores
+        self._notify("on_test", test_net_id, named, float(loss) if p.test_compute_loss else None)
         return mean_scores
 
     def gather_test_results(self, loss, scores, n_iter):
@@ -608,6 +635,7 @@ class Solver:
             log.info("Snapshotting to binary proto file %s", model_filename)
             self.net.save(model_filename, write_diff=p.snapshot_diff)
         self.last_snapshot = (self.iter, self.snapshot_solver_state(model_filename))
+        self._notify("on_snapshot", model_filename, self.last_snapshot[1])
         return model_filename
 
     def restore(self, state_file):
