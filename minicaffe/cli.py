@@ -14,6 +14,7 @@
                     [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
                     [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
     minicaffe memory --model M | --solver S [--batch N] [--input_shape C,H,W] [--gpu 0]
+                     [--schedule]
                      [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
@@ -87,6 +88,8 @@ flags:
   --json FILE          bench: also write the results as JSON
   --num_classes K      bench: labels are integers in [0, K) (default: from the net)
   --input_shape C,H,W  bench: the data shape when the model's data cannot be read
+  --schedule           memory: also print the schedule of one training iteration (the
+                       engine's ops: forward, backward, fused pairs, offload copies, update)
   --offload POLICY     train/memory: offload feature maps to host memory: NONE, ALL, CONV
                        or DYNAMIC (overrides the net's offload_param; docs/offload.md)
   --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
@@ -130,6 +133,7 @@ FLAGS = {
     "gpu_mem_limit": ("int", 0),
     "dashboard": ("str", ""),
     "tensorboard": ("str", ""),
+    "schedule": ("bool", False),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 
@@ -656,6 +660,15 @@ def memory(flags):
     print()
     for line in offload.memory_lines(net, hist, config):   # per offload policy (offload.py)
         print(line)
+    if flags.schedule:
+        from .engine.schedule import schedule_for
+        policy, budget = offload.settings(net.net_param, config)
+        oplan = None
+        if policy != "NONE":
+            times = offload.estimate_times(net) if policy == "DYNAMIC" else None
+            oplan = offload.build(net, policy, budget, hist, times=times)
+        print()
+        print(schedule_for(net, solver.param.iter_size, oplan))
     solver.close()
     return 0
 

@@ -570,14 +570,43 @@ class Net:
         fused = self._begin_forward(start, end)
         loss = 0.0
         for i in range(start, end + 1):
-            for cb in self._before_forward:
-                cb(i)
-            loss += self._forward_layer(i, fused)
-            if self.debug_info:
-                self._forward_debug_info(i)
-            for cb in self._after_forward:
-                cb(i)
+            loss += self.forward_layer(i, fused)
         return loss
+
+    def begin_pass(self):
+        """Start a forward over every layer run layer by layer (``forward_layer``, the
+        engine's eager executor); returns the fused pairs it may run."""
+        return self._begin_forward(0, len(self.layers) - 1)
+
+    def forward_layer(self, i, fused):
+        """Layer i's forward (or its fused pair's, ``fused``: what ``begin_pass`` gave)
+        with the Net's hooks and debug info around it; its weighted loss."""
+        for cb in self._before_forward:
+            cb(i)
+        loss = self._forward_layer(i, fused)
+        if self.debug_info:
+            self._forward_debug_info(i)
+        for cb in self._after_forward:
+            cb(i)
+        return loss
+
+    def backward_layer(self, i):
+        """Layer i's backward where it needs one (or its part of its fused pair's), with
+        the Net's hooks and debug info around it (the hooks run for every layer)."""
+        for cb in self._before_backward:
+            cb(i)
+        if self.layer_need_backward[i]:
+            self._backward_layer(i)
+            if self.debug_info:
+                self._backward_debug_info(i)
+        for cb in self._after_backward:
+            cb(i)
+
+    def end_pass(self):
+        """After a backward over every layer: the debug info's norms (as
+        ``forward_backward``)."""
+        if self.debug_info:
+            self._update_norms_log()
 
     def forward_device(self, start, end=None, ring_addr=0, counter=None, ring=1):
         """GPU: run layers [start, end] without reading anything back; each loss top adds
@@ -607,14 +636,7 @@ class Net:
         if start is None:
             start = len(self.layers) - 1
         for i in range(start, end - 1, -1):
-            for cb in self._before_backward:
-                cb(i)
-            if self.layer_need_backward[i]:
-                self._backward_layer(i)
-                if self.debug_info:
-                    self._backward_debug_info(i)
-            for cb in self._after_backward:
-                cb(i)
+            self.backward_layer(i)
 
     def forward_backward(self):
         loss = self.forward_prefilled()
