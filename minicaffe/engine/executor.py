@@ -75,13 +75,6 @@ class GraphExecutor:
         self.fused = solver.param.iter_size == 1 and not any(
             getattr(cb, "on_gradients_ready", None) for cb in solver.callbacks)
 
-    @property
-    def schedule(self):
-        from .schedule import schedule_for
-        st = self.step
-        return schedule_for(self.solver.net, self.solver.param.iter_size,
-                            getattr(st.offload, "oplan", None) if st.offload else None)
-
     def before_iteration(self):
         pass
 
