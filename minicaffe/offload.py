@@ -726,17 +726,10 @@ class Offloader:
         """Each offloaded buffer's host side is its slot (newest after the step's copies),
         with no device side: what the host reads after a step is Caffe's value."""
         for e in self.oplan.entries:
-            m, h = e.buf.mem, self.host[id(e)]
-            if m._gpu is None and m._cpu is h:
-                continue
-            m.set_cpu_data(h)
-            m.release_gpu()
-            m.planned = False
+            e.buf.mem.park(self.host[id(e)])
 
     def _point(self, e, view):
-        m = e.buf.mem
-        m.set_gpu_data(view)
-        m.planned = True
+        e.buf.mem.bind_device(view, keep_contents=False)
 
     def _before(self, s):
         if not self.active:
@@ -813,9 +806,8 @@ class Offloader:
         self._use(op)
         kept = {id(e.buf.mem) for e in op.entries}
         for e in old:                # no host side may point into the old slab
-            m = e.buf.mem
-            if id(m) not in kept and not m._own_cpu:
-                m._cpu = None
+            if id(e.buf.mem) not in kept:
+                e.buf.mem.drop_host()
         self.attach()
         del old_slab
         self.pending_profile = False

@@ -126,3 +126,46 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 def test_the_rules_forbid_what_they_say(name, imported, allowed):
     hit = any(_under(imported, *f) for f, _ in _rules(name))
     assert hit != allowed
+
+
+# -- SyncedMemory's state changes only through its own methods ---------------------------------
+# its private fields; ``head`` and ``planned`` may be read anywhere but set only by it
+SYNCED_PRIVATE = ("_cpu", "_gpu", "_own_cpu", "_own_gpu", "_pinned")
+SYNCED_SET_ONLY_BY_ITSELF = ("head", "planned")
+
+
+def _private_state_uses(path):
+    """[(line, what)]: a SyncedMemory private field reached on an object other than
+    ``self`` (another class's own ``self._gpu`` is its business), or ``head``/``planned``
+    assigned on an object other than ``self``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner_is_self = isinstance(node.value, ast.Name) and node.value.id == "self"
+        if node.attr in SYNCED_PRIVATE and not owner_is_self:
+            out.append((node.lineno, f"reads or writes .{node.attr}"))
+        elif node.attr in SYNCED_SET_ONLY_BY_ITSELF and isinstance(node.ctx, ast.Store) \
+                and not owner_is_self:
+            out.append((node.lineno, f"sets .{node.attr}"))
+    return out
+
+
+def test_nothing_else_touches_synced_memorys_private_state():
+    """The memory plan, the offloader and the GPU step move a SyncedMemory through its
+    public transitions (bind_device, unbind_device, park, drop_host, device_written)."""
+    bad = []
+    for name, path in MODULES.items():
+        if name == "minicaffe.synced_memory":
+            continue
+        bad += [f"{path.relative_to(PKG.parent)}:{line}: {what} of another object "
+                f"(a SyncedMemory's state changes through its own methods)"
+                for line, what in _private_state_uses(path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_state_checker_sees_what_it_says(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(m, self):\n    m._gpu = None\n    x = m._cpu\n    m.head = 1\n"
+                   "    y = m.head\n    self._gpu = 2\n    self.head = 3\n")
+    assert [l for l, _ in _private_state_uses(src)] == [2, 3, 4]

@@ -36,7 +36,7 @@ from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
 from ..solvers.fused import FusedUpdate
-from ..synced_memory import SyncedMemory, HEAD_AT_CPU, HEAD_AT_GPU
+from ..synced_memory import SyncedMemory, HEAD_AT_CPU
 
 RING = 64
 N_SCALARS = 2   # learning rate, Adam's bias correction
@@ -286,7 +286,7 @@ class GpuStep:
                 return
         g.launch(self.stream)
         for m in self.mems:
-            m.head = HEAD_AT_GPU
+            m.device_written()
         if off is not None:
             off.park()
 

@@ -233,7 +233,6 @@ class MemoryPlan:
         """Allocate the arena on the current device and point every planned buffer at its
         place (contents that must survive are copied there: inputs written on the host,
         say)."""
-        from ..synced_memory import HEAD_AT_CPU, HEAD_AT_GPU, SYNCED
         cp = backend.cp
         free, total = cp.cuda.runtime.memGetInfo()
         if self.peak > total:
@@ -248,12 +247,7 @@ class MemoryPlan:
             if b.part is not None:
                 b.view = view      # the offload schedule points the memory here and back
                 continue
-            if m.head == HEAD_AT_CPU:
-                view.set(m._cpu[:m.size])
-            elif m.head in (HEAD_AT_GPU, SYNCED) and m._gpu is not None:
-                view[...] = m._gpu[:m.size]
-            m.set_gpu_data(view)
-            m.planned = True
+            m.bind_device(view)
         for blob in self.net._blobs:
             blob.drop_views()
 
@@ -261,23 +255,12 @@ class MemoryPlan:
         """Give the arena back (before another plan of the same net is applied): what
         lives the whole iteration (inputs written on the host, say) is brought to the
         host first, so that the next ``apply()`` puts it in its new place."""
-        from ..synced_memory import HEAD_AT_GPU, SYNCED, UNINITIALIZED
         if getattr(self, "arena", None) is None:
             return
         for b in self.buffers:
-            m = b.mem
             b.view = None
-            if b.part is not None or m._gpu is None or not m.planned:
-                continue
-            if m.head == HEAD_AT_GPU and b.start == 0 and b.end == self.steps:
-                m.to_cpu()               # SYNCED now
-            if m.head == SYNCED:
-                m.release_gpu()          # HEAD_AT_CPU: the host copy is the newest
-            else:                        # transient contents (diffs): nothing to keep
-                m._gpu, m._own_gpu = None, False
-                if m.head == HEAD_AT_GPU:
-                    m.head = UNINITIALIZED
-            m.planned = False
+            if b.part is None:     # what lives the whole iteration is kept; diffs are not
+                b.mem.unbind_device(keep=b.start == 0 and b.end == self.steps)
         for blob in self.net._blobs:
             blob.drop_views()
         self.arena = None
