@@ -242,7 +242,7 @@ class Blob:
 
     # -- math (on whichever side holds the newest data, as Caffe does) -------
     def _side(self, mem):
-        return np if mem.head in (HEAD_AT_CPU, UNINITIALIZED) else backend.cp
+        return np if mem.head in (HEAD_AT_CPU, UNINITIALIZED) else backend.gpu_module()
 
     def update(self):
         """data -= diff."""

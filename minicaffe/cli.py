@@ -593,7 +593,7 @@ def device_query(flags):
     _check_gpus(gpus)
     for g in gpus:
         context.set_device(g)
-        props = backend.cp.cuda.runtime.getDeviceProperties(g)
+        props = backend.device_properties(g)
         log.info("Device id:                     %d", g)
         for label, key in _DEVICE_FIELDS:
             v = props.get(key, "n/a")

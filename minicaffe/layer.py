@@ -161,7 +161,7 @@ class Layer:
     # -- forward/backward -------------------------------------------------------
     def forward(self, bottom, top):
         self.forward_body(bottom, top)
-        xp = backend.cp if context.is_gpu() else np
+        xp = context.xp()
         loss = 0.0
         for i, t in enumerate(top):
             if self.loss(i):
@@ -219,7 +219,7 @@ class Layer:
 
     def forward_gpu(self, bottom, top):
         if type(self).forward_xp is not Layer.forward_xp:
-            self.forward_xp(backend.cp, bottom, top)
+            self.forward_xp(backend.gpu_module(), bottom, top)
         else:
             self.forward_cpu(bottom, top)
 
@@ -230,7 +230,7 @@ class Layer:
 
     def backward_gpu(self, top, propagate_down, bottom):
         if type(self).backward_xp is not Layer.backward_xp:
-            self.backward_xp(backend.cp, top, propagate_down, bottom)
+            self.backward_xp(backend.gpu_module(), top, propagate_down, bottom)
         else:
             self.backward_cpu(top, propagate_down, bottom)
 

@@ -621,8 +621,7 @@ class Offloader:
         hist = len(step.solver.history_flat)
         if policy == "DYNAMIC":
             if not budget:
-                total = backend.cp.cuda.runtime.getDeviceProperties(
-                    backend.cp.cuda.runtime.getDevice())["totalGlobalMem"]
+                total = backend.device_properties(backend.current_device())["totalGlobalMem"]
                 budget = int(total * DEFAULT_BUDGET_SHARE)
             none = build(net, "NONE", 0, hist)
             if none.peak <= budget:
@@ -670,11 +669,10 @@ class Offloader:
         net._offloader = self
 
     def _use(self, oplan):
-        cp = backend.cp
         self.oplan = oplan
         self.table = oplan.tables()
         self.slab = HostSlab(oplan.host_bytes)
-        ev = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
+        ev = lambda: backend.new_event(timing=False)  # noqa: E731
         self.host = {}
         self.out_done, self.in_done = {}, {}
         for e in oplan.entries:
@@ -704,10 +702,10 @@ class Offloader:
     def begin(self):
         self.active = True
         self.used = [False, False]
-        self.compute = backend.cp.cuda.get_current_stream()
+        self.compute = backend.current_stream()
         if self.profiling:
             n = 2 * len(self.net.layers)
-            Ev = backend.cp.cuda.Event
+            Ev = backend.new_event
             self.marks = [(Ev(), Ev()) for _ in range(n)]
 
     def end(self):
@@ -784,12 +782,11 @@ class Offloader:
         finally:
             self.profiling = False
         self.compute.synchronize()
-        cp = backend.cp
         first = n_prologue(self.net)
         times = [0.0] * len(self.marks)
         for s, (a, b) in enumerate(self.marks):
             if s >= first and s < 2 * len(self.net.layers) - first:
-                times[s] = cp.cuda.get_elapsed_time(a, b) * 1e-3
+                times[s] = backend.elapsed_ms(a, b) * 1e-3
         self.marks = None
         self.times = times
         step = self.step
@@ -818,4 +815,4 @@ _D2H, _H2D = 2, 1   # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
 
 
 def _memcpy(dst, src, nbytes, kind, stream):
-    backend.cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+    backend.memcpy_async(dst, src, nbytes, kind, stream)

@@ -91,10 +91,10 @@ class SyncedMemory:
         self._own_gpu = True
 
     def _check_device(self):
-        if backend.cp is None:
+        if not backend.cupy_available():
             backend.check_device(0)
         if self.device is None:
-            self.device = backend.cp.cuda.runtime.getDevice()
+            self.device = backend.current_device()
 
     def to_cpu(self):
         if self.head == UNINITIALIZED:
@@ -144,7 +144,7 @@ class SyncedMemory:
 
     def set_gpu_data(self, array):
         """Use device ``array`` (not owned, never freed here) as the device side."""
-        array = self._check_shared(array, backend.cp)
+        array = self._check_shared(array, backend.gpu_module())
         self._gpu = array
         self._own_gpu = False
         self.planned = False

@@ -169,3 +169,39 @@ def test_the_private_state_checker_sees_what_it_says(tmp_path):
     src.write_text("def f(m, self):\n    m._gpu = None\n    x = m._cpu\n    m.head = 1\n"
                    "    y = m.head\n    self._gpu = 2\n    self.head = 3\n")
     assert [l for l, _ in _private_state_uses(src)] == [2, 3, 4]
+
+
+# -- the raw cupy module stays in backend.py and gpu/ -----------------------------------------
+def _raw_cupy_uses(name, path):
+    """[(line, what)]: ``backend.cp`` (the cupy module itself), ``cp.cuda`` (its runtime),
+    or ``cp`` imported from backend."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "backend" and node.attr == "cp":
+                out.append((node.lineno, "backend.cp"))
+            elif node.value.id == "cp" and node.attr == "cuda":
+                out.append((node.lineno, "cp.cuda"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("backend") \
+                and any(a.name == "cp" for a in node.names):
+            out.append((node.lineno, "imports cp from backend"))
+    return out
+
+
+def test_the_raw_cupy_module_is_used_only_in_backend_and_gpu():
+    """Outside backend.py and gpu/, the device is reached through backend's named calls
+    (gpu_module, new_stream, new_event, elapsed_ms, device_properties...)."""
+    bad = []
+    for name, path in MODULES.items():
+        if name == "minicaffe.backend" or _under(name, "minicaffe.gpu"):
+            continue
+        bad += [f"{path.relative_to(PKG.parent)}:{line}: {what} (use a named function of "
+                f"backend.py or gpu/)" for line, what in _raw_cupy_uses(name, path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_raw_cupy_checker_sees_what_it_says(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from .backend import cp\nx = backend.cp\ny = cp.cuda.Event()\n"
+                   "z = backend.gpu_module()\nw = cp.zeros(3)\n")
+    assert [l for l, _ in _raw_cupy_uses("minicaffe.m", src)] == [1, 2, 3]

@@ -446,7 +446,7 @@ class BasePrefetchingDataLayer(BaseDataLayer):
         if self._wait_events:
             self._wait_events[-1][1].synchronize()
             for e0, e1 in self._wait_events:
-                gpu_ms += backend.cp.cuda.get_elapsed_time(e0, e1)
+                gpu_ms += backend.elapsed_ms(e0, e1)
         return {"batches": self._prefetch.batches_loaded, "host_wait_s": self._prefetch.host_wait_s,
                 "gpu_wait_ms": gpu_ms}
 

@@ -57,7 +57,7 @@ class GpuStep:
     """The GPU iteration of ``solver`` (see the module docstring)."""
 
     def __init__(self, solver, graphs=True):
-        cp = backend.cp
+        cp = backend.gpu_module()
         self.solver = solver
         net = self.net = solver.net
         self.update = FusedUpdate(solver)
@@ -150,7 +150,7 @@ class GpuStep:
         self.norms.host[slot] = 0.0
         self.pending.append([None, slot, None])
         # work queued on the default stream (a test pass, user code) comes first
-        self.stream.wait_event(backend.cp.cuda.Stream.null.record())
+        self.stream.wait_event(backend.null_stream().record())
 
     def forward_backward(self, first, with_update):
         net = self.net
@@ -188,7 +188,7 @@ class GpuStep:
     def end(self, iteration):
         """Finish iteration ``iteration``: later default-stream work waits for it."""
         ev = self.stream.record()
-        backend.cp.cuda.Stream.null.wait_event(ev)
+        backend.null_stream().wait_event(ev)
         if self.pending and self.pending[-1][0] is None:
             self.pending[-1][0] = iteration
             self.pending[-1][2] = ev

@@ -56,7 +56,7 @@ def find_limit(offloading=False, limit=None):
         limit = config.env("MINICAFFE_CUDNN_WORKSPACE_LIMIT")
     if limit is not None:
         return max(0, int(limit))
-    free = int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
+    free = backend.device_memory()[0] // 2
     return min(free, OFFLOAD_FIND_LIMIT) if offloading else free
 
 
@@ -80,7 +80,7 @@ def workspace(nbytes):
     if ws is None or ws.nbytes < nbytes:
         handles.pop("cudnn_ws", None)
         del ws          # the old one goes back first: never both at once
-        ws = handles["cudnn_ws"] = backend.cp.empty(int(nbytes), dtype=np.uint8)
+        ws = handles["cudnn_ws"] = backend.gpu_module().empty(int(nbytes), dtype=np.uint8)
     return ws
 
 
@@ -97,7 +97,7 @@ def scratch(name, nbytes):
     if buf is None or buf.nbytes < nbytes:
         handles.pop(key, None)
         del buf
-        buf = handles[key] = backend.cp.empty(int(nbytes), dtype=np.uint8)
+        buf = handles[key] = backend.gpu_module().empty(int(nbytes), dtype=np.uint8)
     return buf
 
 
@@ -127,7 +127,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         self._cudnn_key = key
 
     def _setup_descriptors(self, xshape, yshape, dt, key):
-        cp = backend.cp
+        cp = backend.gpu_module()
         self.x_desc = cudnn.TensorDesc(xshape, dt)
         self.y_desc = cudnn.TensorDesc(yshape, dt)
         self.w_desc = cudnn.FilterDesc(self.blobs[0].shape, dt)
@@ -214,7 +214,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         n = partial_size(dy.shape[0], dy.shape[1])
         p = getattr(self, "_partial_buf", None)
         if p is None or p.size < n:
-            p = self._partial_buf = backend.cp.empty(n, dtype=np.float64)
+            p = self._partial_buf = backend.gpu_module().empty(n, dtype=np.float64)
         return p
 
     def backward_gpu(self, top, propagate_down, bottom):
@@ -547,7 +547,7 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         if not self._use:
             return
         if getattr(self, "_desc_key", None) != b.shape:
-            cp = backend.cp
+            cp = backend.gpu_module()
             self.x_desc = cudnn.TensorDesc(b.shape, b.dtype)
             self.p_desc = cudnn.BNParamDesc(self.x_desc, cudnn.BN_SPATIAL)
             C = self.channels
@@ -615,7 +615,7 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         if self._x_copy_needed:
             xc = getattr(self, "_x_saved", None)
             if xc is None or xc.shape != x.shape:
-                xc = self._x_saved = backend.cp.empty_like(x)
+                xc = self._x_saved = backend.gpu_module().empty_like(x)
             xc[...] = x
             x = xc
         y = top[0].mutable_gpu_data()
@@ -651,9 +651,9 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         dy = top[0].gpu_diff()
         dx = bottom[0].mutable_gpu_diff()
         if self.use_global_stats:  # dx = dy / sqrt(var + eps)
-            std = backend.cp.sqrt(self._var + dt.type(self.eps))
+            std = backend.gpu_module().sqrt(self._var + dt.type(self.eps))
             shape = (1, self.channels) + (1,) * (dy.ndim - 2)
-            backend.cp.divide(dy, std.reshape(shape), out=dx)
+            backend.gpu_module().divide(dy, std.reshape(shape), out=dx)
             return
         x = self._x_saved if self._x_copy_needed else bottom[0].gpu_data()
         out = dx

@@ -216,7 +216,7 @@ class SoftmaxWithLossLayer(LossLayer):
 
     def forward_gpu(self, bottom, top):
         from ..kernels._backend import launch
-        cp = backend.cp
+        cp = backend.gpu_module()
         x = bottom[0].gpu_data()
         C = x.shape[self.axis]
         n = self.outer * self.inner
