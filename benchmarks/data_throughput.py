@@ -141,8 +141,8 @@ def main():
     mnist_dir = a.mnist or (shared if os.path.isdir(shared) else None)
     context.set_random_seed(1)
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores; numpy {np.__version__}; "
-          f"load average {os.getloadavg()[0]:.2f}; decode threads "
-          f"{__import__('minicaffe.layers.data_layers', fromlist=['x']).decode_threads()}")
+          f"load average {os.getloadavg()[0]:.2f}; data workers (default) "
+          f"{__import__('minicaffe.data.workers', fromlist=['x']).default_workers()}")
     tmp = tempfile.mkdtemp(prefix="minicaffe-bench-")
     try:
         db, what = mnist_db(tmp, mnist_dir)

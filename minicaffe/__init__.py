@@ -9,6 +9,8 @@ one changed import line:
 - ``set_mode_cpu/gpu``, ``set_device``, ``set_random_seed``, ``solver_count``,
   ``set_solver_count``, ``solver_rank``, ``set_solver_rank``, ``set_multiprocess``;
 - ``Layer``: the base class of Python layers (``type: "Python"``);
+- ``set_num_threads(n)``/``get_num_threads()``: numpy's BLAS threads (one by default,
+  unless OPENBLAS_NUM_THREADS/OMP_NUM_THREADS/MKL_NUM_THREADS say otherwise: threads.py);
 - ``Timer``, ``init_log``, ``log`` (``caffe.log("text")`` logs a line; ``caffe.log.info``
   works too), ``has_nccl()``, ``NCCL``, ``__version__``;
 - submodules ``io``, ``draw``, ``proto.caffe_pb2``, and NetSpec's ``layers``/``params``
@@ -18,6 +20,10 @@ __version__ = "0.1.0"
 
 import sys as _sys
 import types as _types
+
+from . import threads as _threads
+_threads.apply_default()    # one BLAS thread per process unless asked (threads.py)
+from .threads import set_num_threads, get_num_threads  # noqa: E402
 
 from .context import (set_mode_cpu, set_mode_gpu, set_device, set_random_seed,
                       solver_count, set_solver_count, solver_rank, set_solver_rank,
@@ -48,10 +54,12 @@ _log_module.__class__ = _CallableLogModule
 log = _log_module
 
 
-def init_log(level=None, stderr=True, log_file=None):
+def init_log(level=None, stderr=True, log_file=None, volume="caffe"):
     """pycaffe's ``init_log()`` / ``init_log(level)`` / ``init_log(level, stderr)``: glog
     levels 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL; logs go to stderr (unless ``stderr`` is
-    False) and to ``log_file`` if given."""
+    False) and to ``log_file`` if given.  ``volume``: "caffe" (every INFO line, as Caffe),
+    "normal" (the net set-up report only with GLOG_v=1) or "quiet" (progress and results);
+    without any ``init_log`` call the Python API logs at "normal" (minicaffe/log.py)."""
     import io as _pyio
     lvl = None
     if level is not None:
@@ -59,7 +67,7 @@ def init_log(level=None, stderr=True, log_file=None):
         if lvl is None:
             raise ValueError(f"init_log: level must be 0 (INFO) .. 3 (FATAL), got {level}")
     stream = None if stderr else _pyio.StringIO()
-    _log_module.init_log(lvl, log_file=log_file, stream=stream)
+    _log_module.init_log(lvl, log_file=log_file, stream=stream, volume=volume)
 
 
 # The layer package doubles as NetSpec's ``layers`` pseudo-module (``L.Convolution(...)``):

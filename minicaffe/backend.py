@@ -49,7 +49,7 @@ def gpu_available():
 def why_no_gpu():
     if cp is None:
         return f"CuPy is not installed or failed to import ({_CUPY_ERROR}); " \
-               "install minicaffe[cuda12] or minicaffe[cuda13]"
+               "from the minicaffe checkout run pip install \".[cuda12]\" (or \".[cuda13]\")"
     return "CuPy found no CUDA device"
 
 
@@ -229,6 +229,25 @@ def copy_to_gpu(dst, src, stream=None):
 
 def copy_to_host(dst, src, stream=None):
     src.get(out=dst, stream=stream)
+
+
+def register_host(address, nbytes):
+    """Page-lock host memory we did not allocate (cudaHostRegister), so copies from it are
+    asynchronous DMA; False where it cannot be (no GPU, or the driver refuses)."""
+    if cp is None or not gpu_available():
+        return False
+    try:
+        cp.cuda.runtime.hostRegister(address, nbytes, 0)
+        return True
+    except Exception:
+        return False
+
+
+def unregister_host(address):
+    try:
+        cp.cuda.runtime.hostUnregister(address)
+    except Exception:
+        pass
 
 
 def new_stream(non_blocking=True, priority=None):

@@ -14,8 +14,12 @@
                     [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
                     [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
     minicaffe memory --model M | --solver S [--batch N] [--input_shape C,H,W] [--gpu 0]
-                     [--schedule]
-                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
+                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES] [--schedule]
+                     (CPU mode: host memory; the GPU plan with --gpu, --offload or
+                     --gpu_mem_limit)
+    minicaffe draw | extract_features | upgrade_net_proto_text | upgrade_net_proto_binary
+                   (positional arguments, as Caffe's tools; ``minicaffe draw --help``)
+    every command: [--threads N] [--quiet] [--minloglevel N]; ``minicaffe CMD --help``
 
 Flags are spelled as gflags accepts them: ``--solver S``, ``--solver=S``,
 ``-solver S``, ``-solver=S``.  A mistake in the input is one line on stderr and
@@ -44,11 +48,19 @@ commands:
                   [--phase TRAIN|TEST|ALL] [--display_lrm]), as pycaffe's draw_net.py
   time            benchmark model execution time
   bench           time the training step on synthetic inputs (and its PyTorch twin)
-  memory          print the memory plan of a training iteration (per layer, planned peak)
+  memory          print the memory of a training iteration: host memory in CPU mode; the
+                  GPU plan (per layer, planned peak) with --gpu, --offload or --gpu_mem_limit
   dashboard       serve the dashboard page of a run from its log or TensorBoard events
                   (dashboard RUN [--port [HOST:]PORT]; docs/watching.md)
   plot            chart a training log (plot LOG [--out FILE.png|svg] [--chart 0-7]), as
                   Caffe's plot_training_log.py
+  extract_features  write blobs of a trained net to LMDB/LevelDB (Caffe's extract_features:
+                  extract_features WEIGHTS MODEL BLOB[,B2] DB[,DB2] NUM_BATCHES lmdb|leveldb
+                  [CPU|GPU] [DEVICE_ID])
+  upgrade_net_proto_text    upgrade an old (V0/V1) net prototxt: IN OUT
+  upgrade_net_proto_binary  upgrade an old (V0/V1) binary net (.caffemodel): IN OUT
+
+"minicaffe COMMAND --help" prints that command's own flags.
 
 flags:
   --solver FILE        the solver definition (prototxt or .yaml)
@@ -74,6 +86,12 @@ flags:
   --sigint_effect E    train: what SIGINT does: stop (default), snapshot or none
   --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
   --log FILE           also write the log to FILE (overwritten)
+  --threads N          the CPU threads numpy's BLAS may use (default 1, or what
+                       OPENBLAS_NUM_THREADS/OMP_NUM_THREADS/MKL_NUM_THREADS say;
+                       docs/cli.md#cpu-threads)
+  --quiet              print only the progress (display lines, test scores) and the result,
+                       and warnings; a --log file still gets every line
+  --minloglevel N      glog's: 0 INFO (default), 1 WARNING, 2 ERROR (as GLOG_minloglevel)
   --debug_info         train: print per-blob data and diff norms at each display
   --cuda_graph         train (GPU): capture the iteration as CUDA graphs and replay them
                        (default on; --nocuda_graph runs it eagerly; overrides the solver's
@@ -97,7 +115,10 @@ flags:
   --dashboard [H:]P    train: serve a live page of the run (curves, facts) on port P of
                        127.0.0.1, or of host H (then a token in the printed URL is needed)
   --tensorboard DIR    train: write TensorBoard event files into DIR (the solver's
-                       minicaffe_tensorboard_dir; needs pip install "minicaffe[tensorboard]")
+                       minicaffe_tensorboard_dir; needs pip install ".[tensorboard]")
+  --data_workers N     train: worker processes that read and decode each Data/ImageData
+                       layer's records (0: in the prefetch thread; default: from the cores;
+                       overrides $MINICAFFE_DECODE_THREADS and data_param.workers)
   --version            print the version
 """
 
@@ -133,9 +154,77 @@ FLAGS = {
     "gpu_mem_limit": ("int", 0),
     "dashboard": ("str", ""),
     "tensorboard": ("str", ""),
+    "threads": ("int", 0),
+    "quiet": ("bool", False),
+    "minloglevel": ("int", 0),
+    "data_workers": ("int", -1),
     "schedule": ("bool", False),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
+# commands with positional arguments (Caffe's separate tools), each parsing its own
+TOOLS = {"draw": "minicaffe.draw", "dashboard": "minicaffe.watch.commands:dashboard_main",
+         "plot": "minicaffe.watch.commands:plot_main",
+         "extract_features": "minicaffe.tools.extract_features",
+         "upgrade_net_proto_text": "minicaffe.tools.upgrade_net_proto:main_text",
+         "upgrade_net_proto_binary": "minicaffe.tools.upgrade_net_proto:main_binary"}
+ACTIONS = COMMANDS[:4] + ("draw",) + COMMANDS[4:] + tuple(TOOLS)[1:]
+
+_EVERY = ("log", "threads", "quiet", "minloglevel")
+# each command's flags, what ``minicaffe CMD --help`` lists and what CMD accepts
+COMMAND_FLAGS = {
+    "train": ("solver", "snapshot", "weights", "gpu", "parallel", "rank", "world_size",
+              "init_file", "level", "stage", "sigint_effect", "sighup_effect", "debug_info",
+              "cuda_graph", "tf32", "offload", "gpu_mem_limit", "dashboard",
+              "tensorboard", "data_workers") + _EVERY,
+    "test": ("model", "weights", "gpu", "iterations", "level", "stage") + _EVERY,
+    "time": ("model", "gpu", "iterations", "phase", "level", "stage") + _EVERY,
+    "device_query": ("gpu",) + _EVERY,
+    "bench": ("model", "solver", "gpu", "batch", "iterations", "repeats", "warmup", "phase",
+              "compare", "tf32", "json", "num_classes", "input_shape", "level",
+              "stage") + _EVERY,
+    "memory": ("model", "solver", "gpu", "batch", "input_shape", "num_classes", "offload",
+               "gpu_mem_limit", "level", "stage", "schedule") + _EVERY,
+}
+COMMAND_USAGE = {
+    "train": ("minicaffe train --solver FILE [flags]", "train or finetune a model"),
+    "test": ("minicaffe test --model FILE --weights FILE [flags]", "score a model"),
+    "time": ("minicaffe time --model FILE [flags]",
+             "benchmark model execution time (forward and backward, per layer)"),
+    "device_query": ("minicaffe device_query [--gpu IDS]", "show GPU diagnostic information"),
+    "bench": ("minicaffe bench --model FILE[,FILE2...] | --solver FILE [flags]",
+              "time the training step on synthetic inputs (and its PyTorch twin)"),
+    "memory": ("minicaffe memory --model FILE | --solver FILE [flags]",
+               "the memory of a training iteration: host memory in CPU mode; the GPU plan "
+               "with --gpu, --offload or --gpu_mem_limit (planned on a machine without GPU)"),
+}
+# the largest batch a command accepts (Caffe's blob counts are int32)
+MAX_BATCH = 2 ** 31 - 1
+
+
+def _flag_help():
+    """{flag: its lines of USAGE's flags section}."""
+    import re
+    entries, name = {}, None
+    for line in USAGE.split("\nflags:\n", 1)[1].splitlines():
+        m = re.match(r"  --(\w+)", line)
+        if m:
+            name = m.group(1)
+            entries[name] = [line]
+        elif name and line.strip():
+            entries[name].append(line)
+    return entries
+
+
+def command_help(command):
+    """The text of ``minicaffe COMMAND --help``."""
+    usage, what = COMMAND_USAGE[command]
+    entries = _flag_help()
+    lines = [f"usage: {usage}", "", what, "", "flags:"]
+    for f in COMMAND_FLAGS[command]:
+        lines += entries.get(f, [f"  --{f}"])
+    lines += ["", "Flags are spelled as gflags accepts them: --flag V, --flag=V, -flag V; "
+              "docs/cli.md."]
+    return "\n".join(lines) + "\n"
 
 
 class Flags:
@@ -161,6 +250,8 @@ def parse_args(argv):
             body = tok.lstrip("-")
             name, eq, value = body.partition("=")
             if name in ("h", "help", "helpshort", "helpfull"):
+                flags.help_command = command or next(
+                    (t for t in argv[i:] if t in COMMANDS), None)
                 return "help", flags
             if name == "version":
                 return "version", flags
@@ -402,10 +493,10 @@ def train(flags, stream=None):
     if handler.stopped_by:
         last_iter, state_file = solver.last_snapshot or (None, None)
         if last_iter == solver.iter:
-            log.info("Stopped by %s at iteration %d; resume with --snapshot %s",
+            log.result("Stopped by %s at iteration %d; resume with --snapshot %s",
                      handler.stopped_by, solver.iter, state_file)
         else:
-            log.info("Stopped by %s at iteration %d; no snapshot was written "
+            log.result("Stopped by %s at iteration %d; no snapshot was written "
                      "(snapshot_after_train is false)", handler.stopped_by, solver.iter)
         if handler.stopped_by == "SIGTERM":
             return 128 + signal.SIGTERM  # the status of a process SIGTERM ended
@@ -484,14 +575,14 @@ def test(flags):
                 log.info("Batch %d, %s = %s", i, name, _g(v))
                 idx += 1
     loss = f32(loss / f32(flags.iterations))
-    log.info("Loss: %s", _g(loss))
+    log.result("Loss: %s", _g(loss))
     for i, total in enumerate(scores):
         bid = net.output_blob_indices[score_output_id[i]]
         name = net.blob_names[bid]
         weight = f32(net.blob_loss_weights[bid])
         mean = f32(total / f32(flags.iterations))
         extra = f" (* {_g(weight)} = {_g(weight * mean)} loss)" if weight else ""
-        log.info("%s = %s%s", name, _g(mean), extra)
+        log.result("%s = %s%s", name, _g(mean), extra)
     return 0
 
 
@@ -554,10 +645,10 @@ def time(flags):
         name = net.layer_names[i]
         log.info("%10s\tforward: %s ms.", name, _g(fwd_layer[i] / 1000 / its))
         log.info("%10s\tbackward: %s ms.", name, _g(bwd_layer[i] / 1000 / its))
-    log.info("Average Forward pass: %s ms.", _g(fwd_total / 1000 / its))
-    log.info("Average Backward pass: %s ms.", _g(bwd_total / 1000 / its))
-    log.info("Average Forward-Backward: %s ms.", _g(np.float32(total_ms) / its))
-    log.info("Total Time: %s ms.", _g(np.float32(total_ms)))
+    log.result("Average Forward pass: %s ms.", _g(fwd_total / 1000 / its))
+    log.result("Average Backward pass: %s ms.", _g(bwd_total / 1000 / its))
+    log.result("Average Forward-Backward: %s ms.", _g(np.float32(total_ms) / its))
+    log.result("Total Time: %s ms.", _g(np.float32(total_ms)))
     log.info("*** Benchmark ends ***")
     return 0
 
@@ -635,13 +726,25 @@ def memory(flags):
     from . import offload
     kw = dict(solver=flags.solver) if flags.solver else dict(model=flags.model)
     config = flags.run_config
-    # (building the solver must not warn that nothing trains: no offload while it is built)
-    solver, info = synthetic_solver(**kw, batch=flags.batch or None,
-                                    input_shape=parse_input_shape(flags.input_shape),
-                                    num_classes=flags.num_classes or None,
-                                    level=flags.level, stages=_stages(flags),
-                                    config=config.replace(offload_policy=None,
-                                                          offload_budget=None))
+    # CPU mode: its host memory, measured over set-up and a step; the GPU plan with --gpu,
+    # or on a machine without one when a GPU flag (--offload, --gpu_mem_limit) asks for it
+    cpu = not gpus and not {"offload", "gpu_mem_limit"} & flags.given
+    if cpu:
+        import tracemalloc
+        tracemalloc.start()
+    try:
+        # (building the solver must not warn that nothing trains: no offload while it is built)
+        solver, info = synthetic_solver(**kw, batch=flags.batch or None,
+                                        input_shape=parse_input_shape(flags.input_shape),
+                                        num_classes=flags.num_classes or None,
+                                        level=flags.level, stages=_stages(flags),
+                                        config=config.replace(offload_policy=None,
+                                                              offload_budget=None))
+        if cpu:
+            return _memory_cpu(solver, flags.schedule)
+    finally:
+        if cpu:
+            tracemalloc.stop()
     net = solver.net
     net._share_workspace(config)    # the workspace an offloading net would take (--offload)
     hist = len(getattr(solver, "history_flat", [])) or 1
@@ -661,20 +764,155 @@ def memory(flags):
     for line in offload.memory_lines(net, hist, config):   # per offload policy (offload.py)
         print(line)
     if flags.schedule:
-        from .engine.schedule import schedule_for
         policy, budget = offload.settings(net.net_param, config)
         oplan = None
         if policy != "NONE":
             times = offload.estimate_times(net) if policy == "DYNAMIC" else None
             oplan = offload.build(net, policy, budget, hist, times=times)
-        print()
-        print(schedule_for(net, solver.param.iter_size, oplan))
+        _print_schedule(solver, oplan)
+    solver.close()
+    return 0
+
+
+def _print_schedule(solver, oplan=None):
+    """``memory --schedule``: the engine's ops of one training iteration (engine/schedule.py)."""
+    from .engine.schedule import schedule_for
+    print()
+    print(schedule_for(solver.net, solver.param.iter_size, oplan))
+
+
+def _memory_cpu(solver, schedule=False):
+    """``minicaffe memory`` in CPU mode: each blob's host memory (numpy: one buffer per blob's
+    data and diff, no arena) and the peak numpy/Python allocations over the set-up and one
+    training step on the synthetic inputs, as tracemalloc measured them."""
+    import tracemalloc
+    net = solver.net
+    mib = 1 << 20
+    ids = net.blob_names
+    print(f"host memory of {net.name} in CPU mode: batch {net.blobs[net.inputs[0]].shape[0]}, "
+          f"training (forward, backward, {solver.type} update); numpy keeps each blob's data "
+          f"and diff in buffers of their own (the GPU plan: --gpu N)")
+    print(f"{'layer':<28} {'type':<18} {'top data+diff MiB':>18} {'params MiB':>11}")
+    seen, params_seen = set(), set()
+    tops_total = params_total = 0
+    for i, layer in enumerate(net.layers):
+        top = 0
+        for b in net.top_vecs[i]:
+            if id(b) not in seen:
+                seen.add(id(b))
+                top += 2 * b.count() * b.dtype.itemsize
+        par = 0
+        for b in layer.blobs:
+            if id(b) not in params_seen:
+                params_seen.add(id(b))
+                par += 2 * b.count() * b.dtype.itemsize
+        tops_total += top
+        params_total += par
+        print(f"{net.layer_names[i]:<28} {layer.type:<18} {top / mib:>18.2f} {par / mib:>11.2f}")
+    hist_sets = len(getattr(solver, "history_flat", []))
+    history = hist_sets * sum(b.count() * b.dtype.itemsize for b in net.learnable_params)
+    print()
+    print(f"blobs (data and diff): {tops_total / mib:.1f} MiB")
+    print(f"parameters and their diffs: {params_total / mib:.1f} MiB; solver history "
+          f"({hist_sets} set(s)): {history / mib:.1f} MiB")
+    before, _ = tracemalloc.get_traced_memory()
+    solver.step(1)
+    after, peak = tracemalloc.get_traced_memory()
+    print(f"measured (tracemalloc, numpy buffers and Python objects): {before / mib:.1f} MiB "
+          f"after set-up, {after / mib:.1f} MiB after one training step, peak {peak / mib:.1f} "
+          f"MiB (the rest of the peak is scratch: im2col columns, temporaries)")
+    if schedule:
+        _print_schedule(solver)
     solver.close()
     return 0
 
 
 def _g(x):
     return "%g" % float(x)
+
+
+# -- flags checked up front ------------------------------------------------------------------
+def _at_least(flags, name, low, why=""):
+    if name in flags.given and getattr(flags, name) < low:
+        raise MinicaffeError(f"--{name} must be at least {low}{why} (got "
+                             f"{getattr(flags, name)})")
+
+
+def _glog_env(var, low, high):
+    value = os.environ.get(var)
+    if value is None or value.strip() == "":
+        return
+    try:
+        ok = low <= int(value) <= high
+    except ValueError:
+        ok = False
+    if not ok:
+        raise MinicaffeError(f"{var}={value!r}: must be a whole number from {low} to {high}")
+
+
+def validate(command, flags):
+    """Every flag of ``command`` checked before anything runs or is written: a wrong value,
+    or a flag the command does not take, is one line naming the flag."""
+    from .solvers.signal_handler import check_effect
+    from .threads import check_threads
+    allowed = COMMAND_FLAGS[command]
+    for name in sorted(flags.given):
+        if name not in allowed:
+            raise MinicaffeError(f"--{name} is not a flag of '{command}' (its flags: "
+                                 f"minicaffe {command} --help)")
+    if "threads" in flags.given:
+        check_threads(flags.threads)
+    if "minloglevel" in flags.given and not 0 <= flags.minloglevel <= 3:
+        raise MinicaffeError(f"--minloglevel must be 0 (INFO), 1 (WARNING), 2 (ERROR) or "
+                             f"3 (FATAL) (got {flags.minloglevel})")
+    _glog_env("GLOG_minloglevel", 0, 3)
+    _glog_env("GLOG_v", 0, 9)
+    _at_least(flags, "iterations", 1)
+    _at_least(flags, "repeats", 1)
+    if "warmup" in flags.given and flags.warmup < 0:
+        raise MinicaffeError(f"--warmup must not be negative (got {flags.warmup})")
+    _at_least(flags, "num_classes", 1)
+    _at_least(flags, "world_size", 1)
+    _at_least(flags, "rank", 0)
+    _at_least(flags, "gpu_mem_limit", 0, " bytes")
+    if "batch" in flags.given:
+        _at_least(flags, "batch", 1, " (leave it out for the model's own batch)")
+        if flags.batch > MAX_BATCH:
+            raise MinicaffeError(f"--batch {flags.batch} is too large (at most {MAX_BATCH}: "
+                                 "Caffe's blob sizes are 32-bit)")
+    if flags.phase not in ("", "TRAIN", "TEST"):
+        raise MinicaffeError(f"phase must be \"TRAIN\" or \"TEST\" (got '{flags.phase}')")
+    if command == "train":
+        check_effect(flags.sigint_effect, "sigint_effect")
+        check_effect(flags.sighup_effect, "sighup_effect")
+    if "parallel" in flags.given:
+        from .parallel_launch import MODES
+        if flags.parallel not in MODES:
+            raise MinicaffeError(f"--parallel must be thread or process (got "
+                                 f"'{flags.parallel}')")
+    if flags.compare not in ("", "torch"):
+        raise MinicaffeError(f"--compare {flags.compare}: only 'torch' can be compared")
+    if flags.offload:
+        from .offload import parse_policy
+        parse_policy(flags.offload)
+    if flags.input_shape:
+        from .bench import parse_input_shape
+        parse_input_shape(flags.input_shape)
+    if command == "train" and flags.snapshot and flags.weights:
+        raise MinicaffeError("give a snapshot to resume training or weights to finetune, "
+                             "but not both")
+    if command in ("bench", "memory") and flags.model and flags.solver:
+        raise MinicaffeError("give --model or --solver, not both")
+    if flags.gpu not in (None, ""):
+        _check_gpus(get_gpus(flags.gpu))   # the spelling and the devices
+    files = [("solver", flags.solver), ("snapshot", flags.snapshot)]
+    files += [("model", m) for m in flags.model.split(",") if m] if command == "bench" else \
+        [("model", flags.model)]
+    files += [("weights", w) for w in flags.weights.split(",") if w]
+    for name, path in files:         # before the log file is opened
+        if path and name in allowed and not os.path.isfile(path):
+            raise MinicaffeError(f"{path}: no such file" + ("" if name in ("solver", "model")
+                                                            else f" (--{name})"))
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -700,6 +938,16 @@ def main(argv=None):
         if isinstance(e, OSError) and not isinstance(e, MinicaffeError):
             msg = f"{e.filename + ': ' if getattr(e, 'filename', None) else ''}" \
                   f"{e.strerror or msg}"
+        _log_error_to_files(msg)
+        _flush_log()
+        print(f"minicaffe: error: {msg}", file=sys.stderr)
+        return 1
+    except MemoryError as e:      # numpy's _ArrayMemoryError: a batch too large for the host
+        if os.environ.get("MINICAFFE_TRACEBACK"):
+            raise
+        what = str(e).replace("\n", " ").strip()
+        msg = (f"out of host memory ({what or 'MemoryError'}); "
+               f"try a smaller --batch or a smaller model")
         _log_error_to_files(msg)
         _flush_log()
         print(f"minicaffe: error: {msg}", file=sys.stderr)
@@ -732,17 +980,26 @@ def _traceback_wanted():
         return False
 
 
+def _run_tool(name, argv):
+    """A command with positional arguments (draw, dashboard, plot, extract_features, upgrade_*)."""
+    import importlib
+    module, _, func = TOOLS[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), func or "main")(list(argv))
+    except SystemExit as e:  # argparse: --help (0), or a usage error it printed (2)
+        return e.code if isinstance(e.code, int) else 1
+
+
 def _main(argv):
     config.check_environment()     # a bad MINICAFFE_* value: one line, before anything runs
-    if argv and argv[0] == "draw":  # pycaffe's draw_net.py, as a subcommand
-        from .draw import main as draw_main
-        return draw_main(list(argv[1:]))
-    if argv and argv[0] in ("dashboard", "plot"):  # minicaffe/watch
-        from .watch import commands
-        return getattr(commands, argv[0] + "_main")(list(argv[1:]))
+    if argv and argv[0] in TOOLS:  # Caffe's separate tools (and pycaffe's draw_net.py)
+        return _run_tool(argv[0], argv[1:])
     command, flags = parse_args(argv)
     if command == "help":
-        print(USAGE, end="")
+        if getattr(flags, "help_command", None):
+            print(command_help(flags.help_command), end="")
+        else:
+            print(USAGE, end="")
         return 0
     if command == "version":
         from . import __version__
@@ -752,20 +1009,35 @@ def _main(argv):
         print(USAGE, end="", file=sys.stderr)
         return 1
     if command not in COMMANDS:
-        raise MinicaffeError(f"unknown action: {command} (available: {', '.join(COMMANDS)})")
+        raise MinicaffeError(f"unknown action: {command} (available: {', '.join(ACTIONS)})")
+    validate(command, flags)
     stream = _TqdmStream(sys.stderr) if command == "train" else sys.stderr
     if flags.log:
         d = os.path.dirname(os.path.abspath(flags.log))
         if not os.path.isdir(d):
             raise MinicaffeError(f"{flags.log}: cannot write the log there (no folder {d})")
         open(flags.log, "w").close()  # a new log per run, as glog starts a new file
-    log.init_log(log_file=flags.log or None, stream=stream)
+    level = log._LEVELS[flags.minloglevel] if "minloglevel" in flags.given else None
+    log.init_log(level, log_file=flags.log or None, stream=stream,
+                 volume="quiet" if flags.quiet else "caffe")
     warnings.showwarning = _warning_to_log
+    from . import threads
+    with threads.limit(flags.threads if "threads" in flags.given else None):
+        if command in ("train", "test", "time"):
+            count, var = threads.describe()
+            log.info("CPU threads for numpy's BLAS: %s%s", count,
+                     " (--threads)" if "threads" in flags.given else
+                     f" (from {var})" if var else " (the default; --threads N to change)")
+        return _run_command(command, flags, argv, stream)
+
+
+def _run_command(command, flags, argv, stream):
     from .config import RunConfig
     # the run's settings, handed to every solver and net this command builds (config.py)
     flags.run_config = RunConfig.from_environment(
         offload_policy=flags.offload or None,
-        offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None)
+        offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None,
+        **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}))
     if command == "train":
         rc = train(flags, stream)
     else:

@@ -11,7 +11,9 @@ the Solver, which hands it to its Nets, which hand it to their layers (``Layer.c
 - ``cuda_graphs``: None keeps the solver's ``cuda_graph`` field; True/False overrides it;
 - ``workspace_limit``: bytes of workspace cuDNN's Find may try (None: the default rule);
 - ``rank``, ``world_size``: this solver's place in a data-parallel run (its data layers
-  read that shard), in place of the order-dependent ``set_solver_count`` global.
+  read that shard), in place of the order-dependent ``set_solver_count`` global;
+- ``data_workers``: worker processes per Data/ImageData layer (``--data_workers``, else
+  MINICAFFE_DECODE_THREADS; None: the layer's ``data_param.workers`` or the default).
 
 Caffe has no such object (its settings are flags and the process-wide ``Caffe`` singleton);
 PyTorch keeps them in ``torch.backends`` flags.  Unset fields take the environment's values
@@ -88,8 +90,9 @@ VARIABLES = {
                                 "the cuDNN library to load first"),
     "MINICAFFE_GPU_ALLOCATOR": (_allocator, "async or default", "async",
                                 "the GPU allocator: stream-ordered pool or CuPy's cache"),
-    "MINICAFFE_DECODE_THREADS": (_count, "an integer >= 0 (0: min(4, CPU count))", 0,
-                                 "threads decoding and transforming images per data layer"),
+    "MINICAFFE_DECODE_THREADS": (_count, "an integer >= 0 (0: read in the prefetch thread)",
+                                 None, "worker processes that read and decode each Data/"
+                                 "ImageData layer's records (unset: from the cores)"),
     "MINICAFFE_MNIST_DIR": (_folder, "an existing folder", None,
                             "a folder holding MNIST's four files, tried first when fetching"),
     "MINICAFFE_TRACEBACK": (_bool, "1/0, true/false, yes/no, on/off", False,
@@ -134,11 +137,15 @@ class RunConfig:
     workspace_limit: int = None
     rank: int = 0
     world_size: int = 1
+    data_workers: int = None
 
     def __post_init__(self):
         if self.offload_policy is not None:
             from .offload import parse_policy
             object.__setattr__(self, "offload_policy", parse_policy(self.offload_policy))
+        if self.data_workers is not None and int(self.data_workers) < 0:
+            raise ConfigError(f"--data_workers {self.data_workers}: expected the number of "
+                              "data worker processes (0 reads in the prefetch thread)")
         if self.offload_budget is not None:
             if int(self.offload_budget) < 0:
                 raise ConfigError(f"--gpu_mem_limit must be a number of bytes >= 0 (got "
@@ -157,6 +164,7 @@ class RunConfig:
         fields.setdefault("world_size", context.solver_count())
         fields.setdefault("rank", context.solver_rank())
         fields.setdefault("workspace_limit", env("MINICAFFE_CUDNN_WORKSPACE_LIMIT"))
+        fields.setdefault("data_workers", env("MINICAFFE_DECODE_THREADS"))
         return cls(**fields)
 
     def replace(self, **changes):

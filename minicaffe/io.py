@@ -220,7 +220,7 @@ def load_image(filename, color=True):
     try:
         from PIL import Image
     except ImportError:
-        raise MinicaffeError("load_image needs Pillow (pip install minicaffe[data])") from None
+        raise MinicaffeError("load_image needs Pillow (pip install \".[data]\")") from None
     try:
         im = Image.open(filename)
         im.load()

@@ -3,6 +3,19 @@
 Lines look like Caffe's: ``I1122 09:10:11.123456 12345 solver.py:123] message``.
 ``init_log`` attaches a stderr handler (and optionally a file); the level
 follows ``GLOG_minloglevel`` (0 INFO, 1 WARNING, 2 ERROR) unless given.
+
+Three volumes on the terminal (warnings and errors always show):
+
+- ``"caffe"``: every INFO line, as Caffe prints them (the ``minicaffe`` command's default,
+  and ``caffe.init_log()``'s): the solver and net definitions, each layer's set-up, progress.
+- ``"normal"``: the Python API's default (a first log call without ``init_log``): INFO
+  lines, the solver's progress among them, as pycaffe prints them, but the net set-up report
+  (the solver and net definitions, each layer's set-up lines: Caffe's ``Net::Init``) only at
+  verbose level 1 (``GLOG_v=1``, glog's variable, or ``init_log(verbose=1)``).
+- ``"quiet"`` (``minicaffe train --quiet``): the lines Caffe's ``parse_log.py`` reads (each
+  display line: iteration, loss, lr, train/test net outputs, "Testing net") and the result
+  (``Optimization Done.``, snapshots, ``minicaffe test``'s scores, ``time``'s averages).
+  A ``--log`` file still gets every line.
 """
 import logging
 import os
@@ -34,6 +47,51 @@ class _ThreadFilter(logging.Filter):
 
 
 _logger.addFilter(_ThreadFilter())
+
+VOLUMES = ("quiet", "normal", "caffe")
+# the start of the INFO lines that quiet mode keeps (parse_log.py's lines and the result)
+_QUIET_KEEP = ("Iteration ", "    Train net output", "    Test net output", "Test loss:",
+               "Optimization Done.", "Optimization stopped early.", "Snapshotting",
+               "Stopped by ", "Resuming from ")
+_SOLVER_SETUP = ("Initializing solver from parameters", "Creating training net",
+                 "Creating test net", "Solver scaffolding done.")
+
+
+def _is_result(record):
+    return getattr(record, "result", False) or record.getMessage().startswith(_QUIET_KEEP)
+
+
+def _is_net_setup(record):
+    """Caffe's ``Net::Init`` report (net.py's INFO lines but debug_info's, which start with
+    ``"    ["``) and the solver's definition dump."""
+    if record.filename == "net.py":
+        return not record.getMessage().startswith("    [")
+    return record.filename == "solver.py" and record.getMessage().startswith(_SOLVER_SETUP)
+
+
+class VolumeFilter(logging.Filter):
+    """Keeps the INFO lines of a volume (see the module docstring) on one handler."""
+
+    def __init__(self, volume="caffe", verbose=0):
+        super().__init__()
+        if volume not in VOLUMES:
+            raise ValueError(f"log volume must be one of {', '.join(VOLUMES)} (got {volume!r})")
+        self.volume, self.verbose = volume, verbose
+
+    def filter(self, record):
+        if record.levelno >= logging.WARNING or self.volume == "caffe":
+            return True
+        if self.volume == "quiet":
+            return _is_result(record)
+        return self.verbose >= 1 or not _is_net_setup(record)
+
+
+def glog_verbose():
+    """glog's verbose level from ``GLOG_v`` (0 when unset or not a number)."""
+    try:
+        return int(os.environ.get("GLOG_v", "0") or 0)
+    except ValueError:
+        return 0
 
 
 class LogFile(logging.FileHandler):
@@ -84,19 +142,36 @@ def log_file_failure():
 _default_handler = None
 
 
+def _minloglevel(default):
+    try:
+        return _LEVELS.get(int(os.environ.get("GLOG_minloglevel", default)), logging.WARNING)
+    except ValueError:
+        return _LEVELS[default]
+
+
 def _ensure_handler():
+    """The Python API's logging when nothing called ``init_log``: INFO at the "normal"
+    volume, as pycaffe logs (its net set-up report behind ``GLOG_v=1``)."""
     global _default_handler
     if _default_handler is None and not _logger.handlers:
         _default_handler = logging.StreamHandler(sys.stderr)
         _default_handler.setFormatter(GlogFormatter())
+        _default_handler.addFilter(VolumeFilter("normal", glog_verbose()))
         _logger.addHandler(_default_handler)
-        lvl = int(os.environ.get("GLOG_minloglevel", "1"))
-        _logger.setLevel(_LEVELS.get(lvl, logging.WARNING))
+        _logger.setLevel(_minloglevel(0))
 
 
-def init_log(level=None, log_file=None, stream=None):
+def result(msg, *args):
+    """An INFO line that is a command's result: quiet mode keeps it."""
+    _ensure_handler()
+    _logger.info(msg, *args, stacklevel=2, extra={"result": True})
+
+
+def init_log(level=None, log_file=None, stream=None, volume="caffe", verbose=None):
     """Log to ``stream`` (stderr) at ``level`` (default from GLOG_minloglevel, else INFO)
-    and, if given, also to ``log_file``."""
+    and, if given, also to ``log_file``.  ``volume`` ("caffe", "normal" or "quiet") and
+    ``verbose`` (default ``GLOG_v``) choose the INFO lines the stream shows; the file gets
+    every line of the level."""
     global _default_handler
     for h in list(_logger.handlers):
         _logger.removeHandler(h)
@@ -104,13 +179,15 @@ def init_log(level=None, log_file=None, stream=None):
             h.close()
     _default_handler = logging.StreamHandler(stream or sys.stderr)
     _default_handler.setFormatter(GlogFormatter())
+    _default_handler.addFilter(VolumeFilter(volume, glog_verbose() if verbose is None
+                                            else int(verbose)))
     _logger.addHandler(_default_handler)
     if log_file:
         fh = LogFile(log_file)
         fh.setFormatter(GlogFormatter())
         _logger.addHandler(fh)
     if level is None:
-        level = _LEVELS.get(int(os.environ.get("GLOG_minloglevel", "0")), logging.INFO)
+        level = _minloglevel(0)
     _logger.setLevel(level)
 
 

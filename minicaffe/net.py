@@ -867,7 +867,7 @@ class Net:
             import h5py
         except ImportError:
             raise MinicaffeError(f"{path}: reading HDF5 weights needs h5py "
-                                 "(pip install minicaffe[data])") from None
+                                 "(pip install \".[data]\")") from None
         if not os.path.exists(path):
             raise MinicaffeError(f"{path}: no such file")
         try:

@@ -6,7 +6,7 @@ Three ways to start it, all running :func:`train_rank` in each process:
   child process per GPU (``--rank r --world_size N --init_file F``, each in a session of
   its own), forwards SIGINT/SIGHUP to them, and ends them all when one fails;
 - ``mpirun -np N minicaffe train --solver S --gpu all``: ranks from MPI (mpi4py, the
-  optional ``minicaffe[mpi]`` extra), the NCCL id by MPI broadcast, the GPU from the local
+  optional ``.[mpi]`` extra), the NCCL id by MPI broadcast, the GPU from the local
   rank; a failing rank prints its error and calls MPI_Abort, which ends the job;
 - by hand: ``minicaffe train --solver S --gpu G --rank R --world_size N --init_file F`` in
   each process (F on a file system every process sees; it must not exist yet).
@@ -270,6 +270,11 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
             argv += [f"--{name}", getattr(flags, name)]
     if flags.debug_info:
         argv.append("--debug_info")
+    for name in ("threads", "minloglevel", "data_workers"):
+        if name in flags.given:
+            argv += [f"--{name}", str(getattr(flags, name))]
+    if flags.quiet:
+        argv.append("--quiet")
     if flags.log and rank == 0:
         argv += ["--log", flags.log]
     if getattr(flags, "tensorboard", "") and rank == 0:   # only the root solver writes
@@ -308,7 +313,7 @@ def train_parallel(flags, param, source, gpus, progress=None, describe=None):
             world = mpi_world()
             if world is None:
                 raise MinicaffeError(f"mpirun started {mpi_size} processes but mpi4py is "
-                                     "missing (pip install minicaffe[mpi])")
+                                     "missing (pip install \".[mpi]\")")
             world, rank, size, local = world
             channel, share = MpiAbortChannel(world), mpi_uid(world)
         if len(gpus) > 1 and local >= len(gpus):

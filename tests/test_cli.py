@@ -573,7 +573,7 @@ def test_minicaffe_precision_sets_the_gpu_math_and_rejects_nonsense(cli, tmp_pat
 
 def test_memory_prints_the_plan_before_running_anything(cli):
     rc, out, err = cli("memory", "--model", str(REPO / "models/lenet/train_val.prototxt"),
-                       "--batch", "32")
+                       "--batch", "32", "--offload", "NONE")   # a GPU flag: the GPU plan
     assert rc == 0, err
     assert "memory plan of LeNet: batch 32" in out
     assert "planned peak" in out and "conv1" in out and "sharing memory too" in out

@@ -75,10 +75,11 @@ def test_good_values_are_parsed(monkeypatch):
     assert config.env("MINICAFFE_CUDNN_WORKSPACE_LIMIT") == 10 ** 9
     assert config.env("MINICAFFE_TF32") is True
     assert config.env("MINICAFFE_GPU_ALLOCATOR") == "default"
-    from minicaffe.layers.data_layers import decode_threads
-    assert decode_threads() == 3
-    monkeypatch.setenv("MINICAFFE_DECODE_THREADS", "0")      # 0: the default, as before
-    assert decode_threads() >= 1
+    assert RunConfig.from_environment().data_workers == 3
+    monkeypatch.setenv("MINICAFFE_DECODE_THREADS", "0")      # 0: in the prefetch thread
+    assert RunConfig.from_environment().data_workers == 0
+    monkeypatch.delenv("MINICAFFE_DECODE_THREADS")           # unset: the layer's default
+    assert RunConfig.from_environment().data_workers is None
     monkeypatch.setenv("MINICAFFE_TF32", "")                 # empty: unset
     assert config.env("MINICAFFE_TF32") is False
     config.check_environment()

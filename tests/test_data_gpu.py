@@ -33,10 +33,11 @@ def make_db(path, n=37, shape=(3, 9, 10), values=None):
     return str(path), imgs
 
 
-def data_layer(src, batch=8, transform="crop_size: 7 mirror: true scale: 0.5", prefetch=4):
+def data_layer(src, batch=8, transform="crop_size: 7 mirror: true scale: 0.5", prefetch=4,
+               extra=""):
     return make_layer(f'name: "d" type: "Data" top: "data" top: "label" '
                       f'data_param {{ source: "{src}" batch_size: {batch} backend: LMDB '
-                      f'prefetch: {prefetch} }} transform_param {{ {transform} }}', TRAIN)
+                      f'prefetch: {prefetch} {extra} }} transform_param {{ {transform} }}', TRAIN)
 
 
 def batches(src, n, gpu, **kw):
@@ -68,6 +69,50 @@ def test_gpu_batches_equal_cpu_batches(tmp_path):
     for (a, la), (b, lb) in zip(cpu, gpu):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(la, lb)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("transform", ["crop_size: 7 mirror: true mean_value: 104 "
+                                       "mean_value: 117 mean_value: 123 scale: 0.017",
+                                       "mirror: true mean_file: MEAN scale: 0.5"])
+def test_gpu_transform_gives_cpu_batches_with_workers(tmp_path, workers, transform):
+    """The uint8 batch uploaded and transformed by one kernel (kernels/transform.py) equals
+    CPU mode's numpy transform bit for bit, read by the thread or by worker processes."""
+    from minicaffe import protoio
+    src, _ = make_db(tmp_path / "db")
+    mean = caffe_pb2.BlobProto(num=1, channels=3, height=9, width=10)
+    mean.data.extend(np.random.RandomState(1).uniform(0, 255, 270).astype(np.float32).tolist())
+    protoio.write_binary(str(tmp_path / "m.binaryproto"), mean)
+    transform = transform.replace("MEAN", f'"{tmp_path}/m.binaryproto"')
+    kw = dict(transform=transform, extra=f"workers: {workers}")
+    cpu, _ = batches(src, 10, False, **kw)
+    gpu, _ = batches(src, 10, True, **kw)
+    for (a, la), (b, lb) in zip(cpu, gpu):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(la, lb)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("crop,mean", [(0, None), (5, "file"), (6, "values"), (5, "value")])
+def test_transform_kernel_equals_the_numpy_transform(dtype, crop, mean):
+    from minicaffe.data.transformer import DataTransformer
+    cp = backend.cp
+    rs = np.random.RandomState(3)
+    p = caffe_pb2.TransformationParameter(crop_size=crop, mirror=True, scale=0.37)
+    t = DataTransformer(p, TRAIN)
+    if mean == "file":
+        t.mean = rs.uniform(0, 255, (3, 8, 9)).astype(np.float32)
+    elif mean == "values":
+        t.mean_values = np.asarray([104, 117, 123], np.float32)
+    elif mean == "value":
+        t.mean_values = np.asarray([100.5], np.float32)
+    images = rs.randint(0, 256, (16, 3, 8, 9)).astype(dtype)
+    mirror, hoff, woff = t.draw(16, (8, 9), np.random.RandomState(5))
+    assert 0 < mirror.sum() < 16
+    oshape = t.output_shape((3, 8, 9))
+    a = t.apply(images, np.empty((16,) + oshape, np.float32), mirror, hoff, woff)
+    b = t.apply(cp.asarray(images), cp.empty((16,) + oshape, cp.float32), mirror, hoff, woff)
+    np.testing.assert_array_equal(a, cp.asnumpy(b))
 
 
 def test_host_buffers_are_pinned_and_uploads_use_events(tmp_path):
@@ -146,3 +191,35 @@ def test_gpu_error_reaches_forward(tmp_path):
     layer.prefetch_thread.join(60)
     assert not layer.prefetch_thread.is_alive()
     context.set_mode_cpu()
+
+
+def test_gpu_display_shows_the_compute_streams_wait_for_input(tmp_path):
+    """GPU mode: ``Solver.data_wait_share`` is the share of the interval the compute stream
+    idled for input (event-timed), in [0, 1], shown in the display line."""
+    import re
+    from minicaffe.solvers import get_solver
+    from test_solver_nets import captured_log, messages
+    src, _ = make_db(tmp_path / "db", n=40, shape=(3, 32, 32))
+    (tmp_path / "net.prototxt").write_text(f'''name: "g"
+layer {{ name: "d" type: "Data" top: "data" top: "label"
+  transform_param {{ crop_size: 28 mirror: true scale: 0.01 }}
+  data_param {{ source: "{src}" backend: LMDB batch_size: 8 workers: 2 }} }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param {{ num_output: 40 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
+''')
+    (tmp_path / "solver.prototxt").write_text(
+        f'net: "{tmp_path}/net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\ndisplay: 5\n'
+        f'max_iter: 30\nsnapshot_prefix: "{tmp_path}/s"\nsolver_mode: GPU\nrandom_seed: 3\n')
+    context.set_mode_gpu()
+    s = get_solver(str(tmp_path / "solver.prototxt"))
+    try:
+        with captured_log() as lines:
+            s.step(20)
+    finally:
+        s.close()
+        context.set_mode_cpu()
+    shown = [float(x) / 100 for x in re.findall(r"iters, data wait ([\d.]+)%\), loss = ",
+                                                "\n".join(messages(lines)))]
+    assert len(shown) == 3 and all(0.0 <= x <= 1.0 for x in shown)
+    assert s.data_wait_share is not None and abs(s.data_wait_share - shown[-1]) < 1e-3

@@ -102,6 +102,20 @@ def test_transform_matches_caffe_reference(case, phase, dtype, tmp_path):
     np.testing.assert_array_equal(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_vectorised_batch_of_mixed_mirrors_matches_the_reference(dtype, tmp_path):
+    """A batch of 32 (mirrored and not, random crops, a mean file): the one-gather-per-batch
+    path equals Caffe's pixel loop image by image."""
+    rng = np.random.RandomState(9)
+    images = rng.randint(0, 256, size=(32, 3, 11, 12)).astype(dtype)
+    mean = rng.uniform(0, 255, size=(3, 11, 12)).astype(np.float32)
+    write_mean(tmp_path / "mean.binaryproto", mean)
+    p = tparam(crop_size=6, mirror=True, scale=0.25, mean_file=str(tmp_path / "mean.binaryproto"))
+    t = DataTransformer(p, TRAIN)
+    out = t.transform(images, np.empty((32, 3, 6, 6), np.float32), np.random.RandomState(1))
+    np.testing.assert_array_equal(out, caffe_reference(images, p, TRAIN, mean, seed=1))
+
+
 def test_random_draws_cover_offsets_and_mirror():
     t = DataTransformer(tparam(crop_size=2, mirror=True), TRAIN)
     mirror, hoff, woff = t.draw(400, (4, 5), np.random.RandomState(0))
@@ -250,3 +264,36 @@ def test_resize_matches_torch_bilinear():
                                           size=(9, 40), mode="bilinear", align_corners=False,
                                           antialias=False)[0].numpy()
     assert np.abs(got - ref).max() <= 0.5 + 1e-3
+
+
+@pytest.mark.parametrize("subsampling", [0, 2])
+def test_simplejpeg_decodes_as_pillow_does(subsampling, monkeypatch):
+    """With simplejpeg installed (pip install minicaffe[jpeg]) JPEGs decode to the same BGR
+    (and gray) pixels as through Pillow: both are libjpeg-turbo with its defaults."""
+    pytest.importorskip("simplejpeg")
+    from PIL import Image
+    import minicaffe.data.images as images
+    rs = np.random.RandomState(0)
+    x = np.linspace(0, 255, 40)
+    base = (np.add.outer(x, x[:37]) / 2)[..., None] * np.array([1, 0.7, 0.3])
+    rgb = np.clip(base + rs.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    files = []
+    for a in (rgb, rgb[..., 1]):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, "JPEG", quality=90, subsampling=subsampling)
+        files.append(buf.getvalue())
+    for data in files:
+        for color in (True, None, False):
+            monkeypatch.setattr(images, "_simplejpeg", None)
+            assert images.decoder_name() == "simplejpeg"
+            fast = decode_image(data, color)
+            monkeypatch.setattr(images, "_simplejpeg", False)
+            assert images.decoder_name() == "Pillow"
+            ref = decode_image(data, color)
+            assert fast.shape == ref.shape and fast.dtype == np.uint8
+            np.testing.assert_array_equal(fast, ref)
+    np.testing.assert_array_equal(decode_image(files[0], True)[::-1].transpose(1, 2, 0),
+                                  np.asarray(Image.open(io.BytesIO(files[0]))))  # BGR
+    monkeypatch.setattr(images, "_simplejpeg", None)
+    with pytest.raises(ImageError, match="x.jpg: cannot decode image"):
+        decode_image(files[0][:200], True, "x.jpg")

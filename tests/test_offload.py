@@ -387,7 +387,7 @@ def cli(capsys, tmp_path, monkeypatch):
 
 def test_memory_command(cli, tmp_path):
     (tmp_path / "net.prototxt").write_text(CHAIN)
-    rc, out, err = cli("memory", "--model", "net.prototxt")
+    rc, out, err = cli("memory", "--model", "net.prototxt", "--offload", "NONE")
     assert rc == 0, err
     for p in offload.POLICIES:
         assert any(l.startswith(p + " ") for l in out.splitlines()), out

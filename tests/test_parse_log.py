@@ -248,7 +248,7 @@ def test_plot_training_log(minicaffe_log, tmp_path):
     if importlib.util.find_spec("matplotlib") is None:
         assert r.returncode == 1
         assert r.stderr.strip() == ("plot_training_log.py: error: matplotlib is not installed "
-                                    "(pip install matplotlib, or pip install minicaffe[plot])")
+                                    "(pip install matplotlib, or pip install \".[plot]\")")
     else:
         assert r.returncode == 0, r.stderr
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -262,7 +262,8 @@ def test_caffe_field_numbers_stay_below_extension_range():
             ("SolverParameter", "cuda_graph"),
             ("SolverParameter", "minicaffe_precision"),
             ("SolverParameter", "minicaffe_tensorboard_dir"),
-            ("SolverState", "resume")}
+            ("SolverState", "resume"),
+            ("DataParameter", "workers")}
     for name, desc in pb.DESCRIPTOR.message_types_by_name.items():
         if name in ("OffloadParameter", "ResumeState", "RNGState", "DataPosition"):
             continue

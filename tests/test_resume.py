@@ -129,8 +129,11 @@ def _solve(resume_file=None):
             net.close()
 
 
-@pytest.mark.parametrize("source", ["lmdb", "images", "hdf5", "dummy"])
-def test_resumed_run_ends_with_the_uninterrupted_weights(run_dir, source):
+@pytest.mark.parametrize("source", ["lmdb", "lmdb-2-workers", "images", "hdf5", "dummy"])
+def test_resumed_run_ends_with_the_uninterrupted_weights(run_dir, source, monkeypatch):
+    if source == "lmdb-2-workers":  # decoded by worker processes (data/workers.py)
+        monkeypatch.setenv("MINICAFFE_DECODE_THREADS", "2")
+        source = "lmdb"
     if source == "images":
         pytest.importorskip("PIL")
     if source == "hdf5":
@@ -157,7 +160,8 @@ def test_cli_resume_in_a_new_process_is_exact(run_dir):
     _write(run_dir, "lmdb")
     solver = run_dir / "solver.prototxt"
     solver.write_text(solver.read_text().replace("random_seed: 5\n", ""))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))  # lmdb may come from the caller's
     cmd = [sys.executable, "-m", "minicaffe", "train", "--solver", "solver.prototxt"]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     straight = _weights("snap/r_iter_12.caffemodel")

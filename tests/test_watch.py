@@ -338,7 +338,7 @@ def test_tensorboard_corrupt_file_and_missing_writer(tmp_path, monkeypatch):
     with pytest.raises(MinicaffeError, match="corrupt event file"):
         tensorboard.read_events(f)
     monkeypatch.setitem(sys.modules, "tensorboardX", None)
-    with pytest.raises(MinicaffeError, match=r"minicaffe\[tensorboard\]"):
+    with pytest.raises(MinicaffeError, match=r"pip install \"\.\[tensorboard\]\""):
         tensorboard.TensorBoardWriter(tmp_path / "x")
 
 

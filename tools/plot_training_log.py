@@ -4,7 +4,7 @@
 
     python tools/plot_training_log.py LOGFILE [OUT.png] [--x iters|seconds]
 
-Needs matplotlib (pip install matplotlib, or minicaffe[plot]); without it the script
+Needs matplotlib (pip install matplotlib, or pip install ".[plot]" in the minicaffe checkout); without it the script
 says so in one line and exits 1.  The log is read by tools/parse_log.py.
 """
 import argparse
@@ -56,7 +56,7 @@ def main(argv=None):
         import matplotlib  # noqa: F401
     except ImportError:
         print("plot_training_log.py: error: matplotlib is not installed "
-              "(pip install matplotlib, or pip install minicaffe[plot])", file=sys.stderr)
+              "(pip install matplotlib, or pip install \".[plot]\")", file=sys.stderr)
         return 1
     try:
         out = plot(args.logfile, args.out or args.logfile + ".png", args.x)

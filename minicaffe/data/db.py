@@ -64,7 +64,7 @@ def _import_lmdb():
         import lmdb
     except ImportError:
         raise DBError("reading or writing LMDB needs the 'lmdb' package "
-                      "(pip install lmdb, or pip install minicaffe[data])") from None
+                      "(pip install lmdb, or pip install \".[data]\")") from None
     return lmdb
 
 

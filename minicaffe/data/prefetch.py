@@ -28,7 +28,6 @@ import threading
 import time
 import traceback
 import weakref
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -37,6 +36,7 @@ from ..blob import Blob
 from ..errors import MinicaffeError, WaitInterrupted
 from ..layer import Layer
 from ..proto import caffe_pb2
+from ..synced_memory import HEAD_AT_CPU
 from .transformer import DataTransformer, TransformError
 
 
@@ -64,45 +64,6 @@ _STOP = object()
 STOP_TIMEOUT = 2.0   # seconds ``stop`` waits for a thread (a stalled read may never end)
 
 
-class DaemonPool:
-    """``map(fn, *iterables)`` over ``n`` daemon threads: the decode pool of a loader.
-    (concurrent.futures joins its workers at interpreter exit, so one stuck in a hung
-    read would keep the process from exiting; daemon threads never do.)"""
-
-    def __init__(self, n, name="prefetch-decode"):
-        self._tasks = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def _work(self):
-        while True:
-            item = self._tasks.get()
-            if item is None:
-                return
-            future, fn, args = item
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:
-                future.set_exception(e)
-
-    def map(self, fn, *iterables):
-        """[fn(*args) for args in zip(*iterables)], computed on the pool's threads."""
-        futures = []
-        for args in zip(*iterables):
-            futures.append(Future())
-            self._tasks.put((futures[-1], fn, args))
-        return [f.result() for f in futures]
-
-    def shutdown(self, timeout=STOP_TIMEOUT):
-        for _ in self._threads:
-            self._tasks.put(None)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout)
-
-
 def _position(loader, rng_state):
     """Where ``loader`` is (its ``position()``, if it has one) and the thread's generator."""
     position = getattr(loader, "position", None)
@@ -115,7 +76,8 @@ class PrefetchThread:
     """Fills batches on a background thread with ``loader.load_batch(batch, rng)``.
 
     ``loader`` must not reference the layer (the layer's finalizer stops the thread);
-    it may define ``close()``, called on the thread when it ends, and ``position()``, a
+    it may define ``close()``, called on the thread when it ends, ``interrupt()``, called
+    by ``stop`` to end a wait inside ``load_batch``, and ``position()``, a
     dict of where it is (see ``BasePrefetchingDataLayer.data_position``).  Each batch
     records the position after it was loaded (``batch.position``), so the consumer knows
     where the records it has used end, however far the thread has read ahead.  A thread
@@ -180,11 +142,16 @@ class PrefetchThread:
                 if batch.consumed is not None:
                     batch.consumed.synchronize()
                     batch.consumed = None
-                self.loader.load_batch(batch, rng)
+                if stream is not None:
+                    with stream:  # a GPU transform runs on this thread's stream
+                        self.loader.load_batch(batch, rng)
+                else:
+                    self.loader.load_batch(batch, rng)
                 batch.position = _position(self.loader, rng.get_state())
                 if stream is not None:
                     for b in batch.blobs():
-                        b.data_mem.async_gpu_data(stream)
+                        if b.data_mem.head == HEAD_AT_CPU:  # not already written there
+                            b.data_mem.async_gpu_data(stream)
                     batch.ready = stream.record()
                 self.batches_loaded += 1
                 self.full.put(batch)
@@ -256,6 +223,9 @@ class PrefetchThread:
         loader is closed unless ``close_loader`` is False (a new thread will use it)."""
         self.close_loader = close_loader
         self._stop.set()
+        interrupt = getattr(self.loader, "interrupt", None)
+        if interrupt is not None:  # a wait for worker processes ends too
+            interrupt()
         self.free.put(_STOP)
         t = self._thread
         if t.is_alive() and t is not threading.current_thread():
@@ -306,7 +276,7 @@ class BasePrefetchingDataLayer(BaseDataLayer):
     source, shape the tops, and return an object with ``load_batch(batch, rng)`` that
     holds everything the thread needs (and no reference to the layer)."""
 
-    measure_wait = False   # record compute-stream wait events (benchmarks)
+    measure_wait = True    # GPU mode: time the compute stream's idling for input (events)
 
     def layer_setup(self, bottom, top):
         self.output_labels = len(top) > 1
@@ -325,6 +295,7 @@ class BasePrefetchingDataLayer(BaseDataLayer):
                 blob.mutable_cpu_data()  # pinned in GPU mode; head at the CPU
         self._current = None
         self._wait_events = []
+        self._gpu_wait_ms = 0.0
         self._loader = loader
         self._start(batches)
 
@@ -410,15 +381,18 @@ class BasePrefetchingDataLayer(BaseDataLayer):
             self._hand_over(batch.label, top[1], False)
 
     def forward_gpu(self, bottom, top):
+        stream = backend.current_stream()
+        # e0 completes when the GPU has done all the work queued before this batch; e1
+        # after the wait for the batch's upload.  Between them the GPU idles only for
+        # input: a host late with the batch, or the upload not done.
+        e0 = stream.record() if self.measure_wait else None
         batch = self._next_batch()
         if batch.ready is not None:
-            stream = backend.current_stream()
-            if self.measure_wait:
-                e0 = stream.record()
-                stream.wait_event(batch.ready)
-                self._wait_events.append((e0, stream.record()))
-            else:
-                stream.wait_event(batch.ready)
+            stream.wait_event(batch.ready)
+        if e0 is not None:
+            self._wait_events.append((e0, stream.record()))
+            if len(self._wait_events) > 32:
+                self._fold_wait_events()
         self._hand_over(batch.data, top[0], True)
         if self.output_labels:
             self._hand_over(batch.label, top[1], True)
@@ -438,18 +412,23 @@ class BasePrefetchingDataLayer(BaseDataLayer):
         ``label`` Blobs; the tops share their memory, no copy is made), or None."""
         return self._current
 
+    def _fold_wait_events(self, sync=False):
+        """Add the finished event pairs' times to the total (all of them with ``sync``)."""
+        if sync and self._wait_events:
+            self._wait_events[-1][1].synchronize()
+        while self._wait_events and self._wait_events[0][1].done:
+            e0, e1 = self._wait_events.pop(0)
+            self._gpu_wait_ms += backend.elapsed_ms(e0, e1)
+
     def data_wait(self):
         """{'batches', 'host_wait_s', 'gpu_wait_ms'}: how long forward waited for the thread
-        on the host and (with ``measure_wait``) how long the compute stream waited on
-        upload events.  Synchronises the recorded events."""
-        gpu_ms = 0.0
-        if self._wait_events:
-            self._wait_events[-1][1].synchronize()
-            for e0, e1 in self._wait_events:
-                gpu_ms += backend.elapsed_ms(e0, e1)
+        on the host, and in GPU mode how long the compute stream idled for input (a batch
+        late on the host or its upload not done).  Synchronises the recorded events."""
+        self._fold_wait_events(sync=True)
         return {"batches": self._prefetch.batches_loaded, "host_wait_s": self._prefetch.host_wait_s,
-                "gpu_wait_ms": gpu_ms}
+                "gpu_wait_ms": self._gpu_wait_ms}
 
     def reset_data_wait(self):
         self._wait_events = []
+        self._gpu_wait_ms = 0.0
         self._prefetch.host_wait_s = 0.0

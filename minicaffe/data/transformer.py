@@ -1,4 +1,5 @@
-"""DataTransformer: Caffe's data_transformer.cpp, vectorised over a batch.
+"""DataTransformer: Caffe's data_transformer.cpp, vectorised over a batch (numpy), or one
+CUDA kernel for CuPy batches (``apply``; kernels/transform.py).
 
 For each image (C, H, W), in Caffe's order:
 
@@ -29,6 +30,25 @@ from ..proto import caffe_pb2
 from .db import datum_to_array
 
 TRAIN = caffe_pb2.TRAIN
+
+
+def _windows(images, h, w, mirror, hoff, woff, shared=False):
+    """(N, C, h, w): image n's (h, w) window at (hoff[n], woff[n]), reversed left-right where
+    ``mirror[n]`` (a mirrored window reads the reversed image at W - w - woff).  With
+    ``shared`` one image (the mean) serves every n.  One strided gather per batch."""
+    from numpy.lib.stride_tricks import sliding_window_view
+    n = len(mirror)
+    W = images.shape[3]
+    idx = np.zeros(n, dtype=np.int64) if shared else np.arange(n)
+    out = np.empty((n, images.shape[1], h, w), dtype=images.dtype)
+    plain = ~mirror
+    if plain.any():
+        win = sliding_window_view(images, (h, w), axis=(2, 3))
+        out[plain] = win[idx[plain], :, hoff[plain], woff[plain]]
+    if mirror.any():
+        win = sliding_window_view(images[..., ::-1], (h, w), axis=(2, 3))
+        out[mirror] = win[idx[mirror], :, hoff[mirror], (W - w) - woff[mirror]]
+    return out
 
 
 class TransformError(MinicaffeError):
@@ -147,64 +167,54 @@ class DataTransformer:
         return mirror, hoff, woff
 
     def transform(self, images, out, rng=None, where=None, pool=None):
-        """Transform ``images`` (a list of (C, H, W) arrays of one shape, or an (N, C, H, W)
-        array; uint8 or float) into ``out`` (N, C, h, w) float array.  With ``pool`` (an
-        object with ``map``: prefetch.DaemonPool) the per-image work is spread over its
-        threads (numpy releases the GIL); the random draws are made first, in Caffe's order."""
+        """Transform ``images`` (an (N, C, H, W) array, or a list of (C, H, W) arrays of one
+        shape; uint8 or float) into ``out`` (N, C, h, w) float array: the random draws first,
+        for the whole batch in Caffe's order, then ``apply``.  ``pool`` is accepted for
+        compatibility and unused (the transform is vectorised over the batch)."""
         n = len(images)
         if n == 0:
             return out
-        in_shape = tuple(images[0].shape)
+        if not isinstance(images, np.ndarray):
+            images = np.stack(images)
+        in_shape = tuple(images.shape[1:])
         oshape = self.output_shape(in_shape, where)
-        if out.shape != (n,) + oshape:
+        if tuple(out.shape) != (n,) + oshape:
             raise ValueError(f"transform: out has shape {out.shape}, expected {(n,) + oshape}")
         mirror, hoff, woff = self.draw(n, in_shape[1:], rng)
-        if not self.crop_size and not mirror.any():
-            # whole-batch path (small images such as MNIST): copy, then one pass per op
-            if isinstance(images, np.ndarray):
-                out[...] = images
-            else:
-                for i in range(n):
-                    out[i] = images[i]
-            if self.mean is not None:
-                out -= self.mean
-            if self.mean_values is not None:
-                mv = self.mean_values
-                out -= mv[0] if len(mv) == 1 else mv[:, None, None]
-            if self.scale != 1:
-                out *= np.asarray(self.scale, dtype=out.dtype)
-            return out
-        if self.mean_values is not None:
+        return self.apply(images, out, mirror, hoff, woff)
+
+    def apply(self, images, out, mirror, hoff, woff):
+        """Caffe's transform of a batch with given draws: ``out[n]`` = (``images[n]``
+        cropped at (``hoff[n]``, ``woff[n]``), minus the mean (the file's at the same
+        unmirrored window, or the values), times ``scale``), mirrored where ``mirror[n]``.
+        numpy arrays: vectorised over the batch; CuPy arrays (uint8 or float32 in, float32
+        out): one kernel (kernels/transform.py), bit-identical in fp32."""
+        from .. import backend
+        if backend.is_gpu_array(images):
+            from ..kernels.transform import transform_batch
+            return transform_batch(images, out, mirror, hoff, woff, self.mean,
+                                   self.mean_values, self.scale)
+        n, c_, H, W = images.shape
+        h, w = out.shape[2:]
+        mirror = np.asarray(mirror, dtype=bool)
+        hoff, woff = np.asarray(hoff, dtype=np.int64), np.asarray(woff, dtype=np.int64)
+        cropped = (h, w) != (H, W)
+        if cropped or mirror.any():
+            src = _windows(images, h, w, mirror, hoff, woff)
+        else:
+            src = images
+        if self.mean is not None:
+            m = self.mean if not (cropped or mirror.any()) else \
+                _windows(self.mean[None], h, w, mirror, hoff, woff, shared=True)
+            np.subtract(src, m, out=out)
+        elif self.mean_values is not None:
             mv = self.mean_values
-            mv = mv.reshape(-1, 1, 1) if len(mv) > 1 else mv[:1].reshape(1, 1, 1)
+            mv = mv.reshape(1, -1, 1, 1) if len(mv) > 1 else mv[:1].reshape(1, 1, 1, 1)
+            np.subtract(src, mv, out=out)
         else:
-            mv = None
-        scale = np.asarray(self.scale, dtype=out.dtype)
-        c = self.crop_size
-
-        def one(i):
-            h0, w0 = int(hoff[i]), int(woff[i])
-            hh = c or in_shape[1]
-            ww = c or in_shape[2]
-            cols = slice(w0, w0 + ww) if not mirror[i] else \
-                slice(w0 + ww - 1, w0 - 1 if w0 > 0 else None, -1)
-            src = images[i][:, h0:h0 + hh, cols]
-            o = out[i]
-            if self.mean is not None:  # the mean at the unmirrored position, as Caffe
-                np.subtract(src, self.mean[:, h0:h0 + hh, cols], out=o)
-            elif mv is not None:
-                np.subtract(src, mv, out=o)
-            else:
-                o[...] = src
-            if self.scale != 1:
-                o *= scale
-
-        if pool is not None and n > 1:
-            for _ in pool.map(one, range(n)):
-                pass
-        else:
-            for i in range(n):
-                one(i)
+            out[...] = src
+        if self.scale != 1:
+            out *= np.asarray(self.scale, dtype=out.dtype)
         return out
 
     def transform_one(self, image, rng=None, dtype=np.float32):

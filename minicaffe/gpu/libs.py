@@ -87,6 +87,6 @@ def load_cudnn():
     r = _try(cands, tried)
     if r is None:
         raise OSError("libcudnn not found (tried: " + ", ".join(tried) + "); install "
-                      "minicaffe[cuda12] or [cuda13], which bring pip's nvidia-cudnn wheel")
+                      "pip's nvidia-cudnn wheel (pip install nvidia-cudnn-cu12, or -cu13)")
     _cache["cudnn"] = r
     return r

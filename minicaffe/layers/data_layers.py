@@ -16,11 +16,13 @@ import os
 
 import numpy as np
 
-from .. import config, context, log
+from .. import backend, context, log
 from ..blob import Blob
 from ..data.db import DBError, key_text, open_db, parse_datum
-from ..data.images import ImageError, read_image
-from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer, DaemonPool
+from ..data.images import ImageError, decoder_name, read_image
+from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer
+from ..data.workers import (SlotRing, WorkerFeed, WorkerPool, DBSource, ImageSource,
+                            default_workers, mismatch_message, requested_workers)
 from ..data.transformer import TransformError
 from ..errors import MinicaffeError
 from ..layer import Layer
@@ -28,6 +30,7 @@ from ..proto import caffe_pb2
 from ..registry import register_layer
 
 TRAIN = caffe_pb2.TRAIN
+RING_SLOTS = 3   # batches the workers fill ahead of the prefetch thread
 
 
 def _fmt(shape):
@@ -43,49 +46,94 @@ def shard_of(phase, config=None):
     return n, (config.rank if config is not None else context.solver_rank())
 
 
-def decode_threads():
-    """Threads that decode images and transform them for one loader
-    ($MINICAFFE_DECODE_THREADS, default min(4, CPU count)); 1 = on the prefetch thread."""
-    n = config.env("MINICAFFE_DECODE_THREADS")
-    return n if n > 0 else min(4, os.cpu_count() or 1)
+AUTO_WORKER_BYTES = 1 << 20   # raw batches smaller than this are read in the prefetch thread
 
 
-def _decode_check_transform(loader, batch, rng, pool, decode, items, wheres, mismatch):
-    """Decode ``items`` (in ``pool`` when there is one), check that every image has one
-    shape (and, unless batch_size is 1, the first batch's shape), then transform them into
-    ``batch.data``.  ``mismatch(where, shape, expected, vs_first_batch)`` makes the error."""
-    if pool is not None:
-        images = list(pool.map(decode, items, wheres))
-    else:
-        images = [decode(x, w) for x, w in zip(items, wheres)]
+def choose_workers(layer, batch_size, first, decodes):
+    """How many worker processes read this layer's records: $MINICAFFE_DECODE_THREADS
+    (``minicaffe train --data_workers``), else ``data_param.workers``, else the default
+    (``workers.default_workers``: the cores less two, divided among the solvers), except
+    that raw records of under 1 MiB a batch (MNIST, CIFAR-10: the work per batch is less
+    than handing it to a process) or with a default of one worker, and batch_size 1
+    (records of any shape), are read in the prefetch thread.  0 = in the prefetch thread.  Logs the choice."""
+    p = layer.layer_param.data_param
+    if decodes:
+        log.info("layer '%s': JPEG decoder: %s", layer.name, decoder_name())
+    try:
+        n, _ = requested_workers(p.HasField("workers"), p.workers, layer.config)
+    except MinicaffeError as e:
+        raise layer.error(str(e)) from None
+    if batch_size == 1:
+        if n:
+            log.info("layer '%s': batch_size 1 (records of any shape): reading in the "
+                     "prefetch thread", layer.name)
+        return 0
+    if n is None:
+        n = default_workers(layer.config.world_size)
+        if not decodes and (batch_size * first.nbytes < AUTO_WORKER_BYTES or n < 2):
+            return 0  # raw records: one process gains little over the thread
+    return n
+
+
+def start_feed(layer, n, kind, source, batch_size, first):
+    """The worker pool and its ring of batch slots (None for ``n`` = 0)."""
+    if n <= 0:
+        return None
+    dtype = np.uint8 if first.dtype == np.uint8 else np.float32
+    ring = SlotRing(RING_SLOTS, batch_size, first.shape, dtype)
+    try:
+        pool = WorkerPool(n, kind, source, ring, f"layer '{layer.name}' ({layer.type})")
+    except MinicaffeError as e:
+        ring.close()
+        raise layer.error(str(e)) from None
+    except BaseException:
+        ring.close()
+        raise
+    log.info("layer '%s': %d data worker process%s, a ring of %d batch slots of %.1f MB "
+             "(%.1f MB of shared memory)", layer.name, n, "" if n == 1 else "es", RING_SLOTS,
+             ring.slot_bytes / 1e6, ring.nbytes / 1e6)
+    return WorkerFeed(pool, ring, pin=context.is_gpu())
+
+
+def stack_checked(loader, images, wheres, kind):
+    """The decoded images of a batch as one (N, C, H, W) array, after Caffe's shape rules:
+    one shape in a batch and, unless batch_size is 1, the first record's."""
+    err = DBError if kind == "db" else ImageError
     shape0 = images[0].shape
     if loader.batch_size > 1 and shape0 != loader.first_shape:
-        raise mismatch(wheres[0], shape0, loader.first_shape, True)
+        raise err(mismatch_message(kind, wheres[0], shape0, loader.first_shape, True))
     for img, w in zip(images, wheres):
         if img.shape != shape0:
-            raise mismatch(w, img.shape, shape0, False)
-    oshape = loader.transformer.output_shape(shape0, wheres[0])
-    batch.data.reshape((loader.batch_size,) + oshape)
-    loader.transformer.transform(images, batch.data.mutable_cpu_data(), rng, wheres[0], pool)
+            raise err(mismatch_message(kind, w, img.shape, shape0, False))
+    return np.stack(images)
 
 
-def decode_pool(loader):
-    """The loader's thread pool for decoding (Pillow and numpy release the GIL), made on
-    first use; None when one thread is asked for."""
-    pool = getattr(loader, "_pool", None)
-    if pool is None:
-        n = decode_threads()
-        if n <= 1:
-            return None
-        pool = loader._pool = DaemonPool(n)
-    return pool
+class BatchTransform:
+    """Transforms a loaded (N, C, H, W) batch into a Batch's data blob, drawing the crop
+    offsets and mirror flags first with the prefetch thread's generator (Caffe's order).
+    CPU: the vectorised numpy transform.  GPU mode: the raw batch (uint8 for images: a
+    quarter of the float bytes) is uploaded on the prefetch thread's stream and one kernel
+    writes the blob's device memory; it returns once the upload is done, so the caller
+    may reuse ``images``."""
 
+    def __init__(self, transformer):
+        self.t = transformer
+        self.dev = None
 
-def close_decode_pool(loader):
-    pool = getattr(loader, "_pool", None)
-    if pool is not None:
-        pool.shutdown()
-        loader._pool = None
+    def __call__(self, batch, images, rng, where):
+        n = len(images)
+        oshape = self.t.output_shape(tuple(images.shape[1:]), where)
+        batch.data.reshape((n,) + oshape)
+        mirror, hoff, woff = self.t.draw(n, images.shape[2:], rng)
+        if not context.is_gpu():
+            self.t.apply(images, batch.data.mutable_cpu_data(), mirror, hoff, woff)
+            return
+        if self.dev is None or self.dev.shape != images.shape or self.dev.dtype != images.dtype:
+            self.dev = backend.gpu_module().empty(images.shape, images.dtype)
+        stream = backend.current_stream()
+        self.dev.set(images, stream=stream)
+        self.t.apply(self.dev, batch.data.mutable_gpu_data(), mirror, hoff, woff)
+        stream.synchronize()
 
 
 def _log_output_size(shape):
@@ -96,18 +144,22 @@ def _log_output_size(shape):
 
 # -- Data: LMDB / LevelDB ----------------------------------------------------------------------
 class DBLoader:
-    """Reads Datum records from a database cursor, in key order, wrapping around."""
+    """Reads Datum records from a database cursor, in key order, wrapping around; with a
+    WorkerFeed the cursor reads keys only and the workers read, parse and decode."""
 
     def __init__(self, db, source, batch_size, transformer, output_labels, shard, skip,
-                 first_shape):
+                 first_shape, feed=None):
         self.db = db
         self.source = source
         self.batch_size = batch_size
         self.transformer = transformer
+        self.transform = BatchTransform(transformer)
         self.output_labels = output_labels
         self.count, self.rank = shard
         self.skip = skip
         self.first_shape = first_shape
+        self.feed = feed
+        self.done = None      # with a feed: the position after the last batch handed on
         self.cursor = None
         self.pos = 0
         self.key = None
@@ -115,16 +167,26 @@ class DBLoader:
     def where(self):
         return f"{self.source}: key {key_text(self.key)}" if self.key is not None else self.source
 
+    def _read_position(self):
+        return {"record": self.pos if self.cursor is not None else self.skip}
+
     def position(self):
         """The next record to read (its index in key order)."""
-        return {"record": self.pos if self.cursor is not None else self.skip}
+        return dict(self.done) if self.done is not None else self._read_position()
 
     def set_position(self, position):
         """Read on from ``position`` (the next read reopens the cursor there)."""
+        if self.feed is not None:
+            self.feed.reset()
+        self.done = None
         if self.cursor is not None:
             self.cursor.close()
             self.cursor = None
         self.skip = int(position.get("record", 0))
+
+    def interrupt(self):
+        if self.feed is not None:
+            self.feed.interrupt()
 
     def _open(self):
         self.cursor = self.db.new_cursor()
@@ -142,6 +204,19 @@ class DBLoader:
             self.cursor.seek_to_first()
             self.pos = 0
 
+    def read_keys(self, n):
+        """The next ``n`` (key, where) of this shard (the values are not read)."""
+        if self.cursor is None:
+            self._open()
+        out = []
+        for _ in range(n):
+            while self.pos % self.count != self.rank:
+                self._next()
+            key = self.cursor.key()
+            out.append((key, f"{self.source}: key {key_text(key)}"))
+            self._next()
+        return out
+
     def read(self, n):
         """The next ``n`` (key, Datum) records of this shard."""
         if self.cursor is None:
@@ -156,20 +231,30 @@ class DBLoader:
         return out
 
     def load_batch(self, batch, rng):
+        if self.feed is not None:
+            slot, items, done = self.feed.next(lambda: self.read_keys(self.batch_size),
+                                               self._read_position)
+            try:
+                self.key = items[0][0]
+                ring = self.feed.ring
+                self.transform(batch, ring.data(slot), rng, items[0][1])
+                if self.output_labels:
+                    batch.label.mutable_cpu_data()[...] = ring.labels(slot)
+            finally:
+                self.feed.release(slot)
+            self.done = done
+            return
         records = self.read(self.batch_size)
         wheres = [f"{self.source}: key {key_text(k)}" for k, _ in records]
-        pool = decode_pool(self) if records[0][1].encoded else None
-        _decode_check_transform(
-            self, batch, rng, pool, self.transformer.decode, [d for _, d in records], wheres,
-            lambda w, s, ref, first: DBError(
-                f"{w}: Datum shape {_fmt(s)} differs from the first datum's {_fmt(ref)}"
-                + (" (records of one shape are needed unless batch_size is 1)" if first else "")))
+        images = [self.transformer.decode(d, w) for (_, d), w in zip(records, wheres)]
+        self.transform(batch, stack_checked(self, images, wheres, "db"), rng, wheres[0])
         self.key = records[0][0]
         if self.output_labels:
             batch.label.mutable_cpu_data()[...] = [d.label for _, d in records]
 
     def close(self):
-        close_decode_pool(self)
+        if self.feed is not None:
+            self.feed.close()
         if self.cursor is not None:
             self.cursor.close()
             self.cursor = None
@@ -220,8 +305,17 @@ class DataLayer(BasePrefetchingDataLayer):
         if p.rand_skip:
             skip = int(context.rng().randint(0, 2 ** 32, dtype=np.uint32)) % p.rand_skip
             log.info("Skipping first %d data points.", skip)
+        n = choose_workers(self, batch_size, first, bool(datum.encoded))
+        color = True if self.transformer.force_color else \
+            (False if self.transformer.force_gray else None)
+        try:
+            feed = start_feed(self, n, "db", DBSource(p.source, db.backend, color), batch_size,
+                              first)
+        except BaseException:
+            db.close()
+            raise
         return DBLoader(db, p.source, batch_size, self.transformer, self.output_labels,
-                        shard, skip, tuple(first.shape))
+                        shard, skip, tuple(first.shape), feed)
 
 
 # -- ImageData: a list file of images ----------------------------------------------------------------
@@ -261,6 +355,7 @@ class ImageListLoader:
         self.is_color = is_color
         self.batch_size = batch_size
         self.transformer = transformer
+        self.transform = BatchTransform(transformer)
         self.output_labels = output_labels
         self.shuffle = shuffle
         self.rng = np.random.RandomState(shuffle_seed)
@@ -270,22 +365,32 @@ class ImageListLoader:
         self.pos = start
         self.first_shape = first_shape
         self.current = None
+        self.feed = None
+        self.done = None
 
     def where(self):
         if self.current is None:
             return self.list_file
+        if isinstance(self.current, str):  # the first record of the batch in hand
+            return self.current
         name, _, n = self.current
         return f"{self.list_file}:{n} ({name})"
 
-    def position(self):
-        """The next entry and, when shuffling, the order and its generator (``order`` is
-        replaced, never changed in place, so it needs no copy here)."""
+    def _read_position(self):
         out = {"record": self.pos}
         if self.shuffle:
             out.update(order=self.order, shuffle_rng=self.rng.get_state())
         return out
 
+    def position(self):
+        """The next entry and, when shuffling, the order and its generator (``order`` is
+        replaced, never changed in place, so it needs no copy here)."""
+        return dict(self.done) if self.done is not None else self._read_position()
+
     def set_position(self, position):
+        if self.feed is not None:
+            self.feed.reset()
+        self.done = None
         if "order" in position:
             if len(position["order"]) != len(self.lines):
                 raise MinicaffeError(f"{self.list_file}: the saved position is for a list of "
@@ -296,14 +401,19 @@ class ImageListLoader:
             self.rng.set_state(position["shuffle_rng"])
         self.pos = int(position.get("record", 0)) % len(self.lines)
 
+    def interrupt(self):
+        if self.feed is not None:
+            self.feed.interrupt()
+
     def _read(self, entry):
         self.current = entry
         return read_image(self.root + entry[0], self.new_h, self.new_w, self.is_color,
                           where=self.where())
 
-    def load_batch(self, batch, rng):
+    def read_entries(self, n):
+        """The next ``n`` (path, label, where) of the list, reshuffling at each wrap."""
         entries = []
-        for _ in range(self.batch_size):
+        for _ in range(n):
             entries.append(self.lines[self.order[self.pos]])
             self.pos += 1
             if self.pos >= len(self.lines):
@@ -313,23 +423,36 @@ class ImageListLoader:
                 if self.shuffle:
                     self.order = self.order.copy()  # position() handed out the old one
                     self.rng.shuffle(self.order)
-        wheres = [f"{self.list_file}:{n} ({name})" for name, _, n in entries]
-        _decode_check_transform(
-            self, batch, rng, decode_pool(self), self._read_path,
-            [self.root + name for name, _, _ in entries], wheres,
-            lambda w, s, ref, first: ImageError(
-                f"{w}: image of shape {_fmt(s)} differs from the "
-                + (f"first image's {_fmt(ref)}; set new_height/new_width or use batch_size 1"
-                   if first else f"batch's first {_fmt(ref)}; set new_height/new_width")))
-        self.current = entries[0]
-        if self.output_labels:
-            batch.label.mutable_cpu_data()[...] = [e[1] for e in entries]
+        return [(self.root + name, label, f"{self.list_file}:{n} ({name})")
+                for name, label, n in entries]
 
-    def _read_path(self, path, where):
-        return read_image(path, self.new_h, self.new_w, self.is_color, where=where)
+    def load_batch(self, batch, rng):
+        if self.feed is not None:
+            slot, items, done = self.feed.next(lambda: self.read_entries(self.batch_size),
+                                               self._read_position)
+        else:
+            items, done = self.read_entries(self.batch_size), None
+        self.current = items[0][2]
+        try:
+            if self.feed is not None:
+                images = self.feed.ring.data(slot)
+                labels = self.feed.ring.labels(slot)
+            else:
+                images = stack_checked(
+                    self, [read_image(path, self.new_h, self.new_w, self.is_color, where=w)
+                           for path, _, w in items], [w for _, _, w in items], "image")
+                labels = [label for _, label, _ in items]
+            self.transform(batch, images, rng, items[0][2])
+            if self.output_labels:
+                batch.label.mutable_cpu_data()[...] = labels
+        finally:
+            if self.feed is not None:
+                self.feed.release(slot)
+        self.done = done
 
     def close(self):
-        close_decode_pool(self)
+        if self.feed is not None:
+            self.feed.close()
 
 
 @register_layer("ImageData")
@@ -381,6 +504,9 @@ class ImageDataLayer(BasePrefetchingDataLayer):
             raise self.error(str(e)) from None
         loader.first_shape = tuple(first.shape)
         loader.current = None
+        n = choose_workers(self, batch_size, first, True)
+        loader.feed = start_feed(self, n, "image", ImageSource(new_h, new_w, p.is_color),
+                                 batch_size, first)
         top[0].reshape((batch_size,) + shape)
         _log_output_size(top[0].shape)
         if self.output_labels:
@@ -394,7 +520,7 @@ def _import_h5py(what):
         import h5py
     except ImportError:
         raise MinicaffeError(f"{what} needs the 'h5py' package (pip install h5py, or "
-                             "pip install minicaffe[data])") from None
+                             "pip install \".[data]\")") from None
     return h5py
 
 

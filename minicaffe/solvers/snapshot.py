@@ -90,7 +90,7 @@ def _h5py(path):
         import h5py
     except ImportError:
         raise MinicaffeError(f"{path}: HDF5 snapshots need h5py "
-                             "(pip install minicaffe[data])") from None
+                             "(pip install \".[data]\")") from None
     return h5py
 
 

@@ -83,6 +83,10 @@ class Solver:
         self.losses = []
         self.smoothed_loss = _f(0)
         self.iterations_last = 0
+        # share of the last display interval the training thread waited for input (data
+        # layers with a prefetch thread); None when unknown (no such layer, no interval yet)
+        self.data_wait_share = None
+        self._said_bottleneck = False
         self.last_snapshot = None  # (iter, solver state file) of the last snapshot
         self.net = None
         self.test_nets = []
@@ -120,7 +124,7 @@ class Solver:
                 import h5py  # noqa: F401
             except ImportError:
                 raise ConfigError(f"{self.source}: snapshot_format HDF5 needs h5py "
-                                  "(pip install minicaffe[data])") from None
+                                  "(pip install \".[data]\")") from None
         self.check_params()
         self.check_snapshot_write_permissions()
         if p.random_seed >= 0:
@@ -405,8 +409,13 @@ class Solver:
         the new start of the display timer."""
         lapse = time.perf_counter() - timer_start
         per_s = (self.iter - self.iterations_last) / (lapse if lapse else 1.0)
-        log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter,
-                 _fmt(_f(per_s)), _fmt(_f(lapse)), self.param.display, _fmt(self.smoothed_loss))
+        self._measure_data_wait(lapse)
+        wait = "" if self.data_wait_share is None else \
+            f", data wait {100 * self.data_wait_share:.1f}%"
+        log.info("Iteration %d (%s iter/s, %ss/%d iters%s), loss = %s", self.iter,
+                 _fmt(_f(per_s)), _fmt(_f(lapse)), self.param.display, wait,
+                 _fmt(self.smoothed_loss))
+        self._say_bottleneck()
         self.iterations_last = self.iter
         outputs = self._log_outputs(self.net, "Train")
         self._notify("on_display", self.iter, float(self.smoothed_loss), float(per_s), outputs)
@@ -418,6 +427,38 @@ class Solver:
             fn = getattr(ob, event, None)
             if fn is not None:
                 fn(self, *args)
+
+    def _measure_data_wait(self, lapse):
+        """Set ``data_wait_share``: the seconds the train net's prefetching data layers
+        waited for a batch since the last display (CPU: the training thread's waits; GPU:
+        the compute stream's idling for input, timed by events), over the interval's
+        ``lapse``."""
+        layers = [l for l in self.net.layers if hasattr(l, "data_wait")]
+        if not layers:
+            self.data_wait_share = None
+            return
+        if context.is_gpu():
+            waited = sum(l.data_wait()["gpu_wait_ms"] for l in layers) / 1000.0
+        else:
+            waited = sum(l.data_wait()["host_wait_s"] for l in layers)
+        for l in layers:
+            l.reset_data_wait()
+        if self.iter == self.iterations_last or lapse <= 0:  # the first display: start
+            self.data_wait_share = None
+            return
+        self.data_wait_share = min(1.0, max(0.0, waited / lapse))
+
+    def _say_bottleneck(self):
+        """Once per solver: say when input holds the step back (waits over 10%)."""
+        share = self.data_wait_share
+        if share is None or share <= 0.10 or self._said_bottleneck:
+            return
+        self._said_bottleneck = True
+        from ..data.workers import ENV
+        log.info("Input is the bottleneck: the step waited for data %.0f%% of the last %d "
+                 "iterations; add data workers (minicaffe train --data_workers N, "
+                 "data_param.workers or $%s; this machine has %d cores)", 100 * share,
+                 self.iter - self.iterations_last, ENV, os.cpu_count() or 1)
 
     def _log_outputs(self, net, kind):
         """Log the net's outputs; returns them as [(blob name, value)]."""
@@ -577,8 +618,11 @@ class Solver:
                 pass
             os.remove(probe)
         except OSError:
-            raise MinicaffeError(f"cannot write to snapshot prefix '{p.snapshot_prefix}'; make "
-                                 "sure that the directory exists and is writeable") from None
+            where = "" if os.path.isabs(p.snapshot_prefix) else \
+                f" (relative to the working directory {os.getcwd()}, as in Caffe)"
+            raise MinicaffeError(f"cannot write to snapshot prefix '{p.snapshot_prefix}'"
+                                 f"{where}; make sure that the directory exists and is "
+                                 "writeable") from None
 
     def snapshot_filename(self, extension):
         """Caffe's Solver::SnapshotFilename: PREFIX_iter_N + extension."""

@@ -24,7 +24,7 @@ CHARTS = {0: ("Test accuracy", "Iters"), 1: ("Test accuracy", "Seconds"),
           4: ("Train learning rate", "Iters"), 5: ("Train learning rate", "Seconds"),
           6: ("Train loss", "Iters"), 7: ("Train loss", "Seconds")}
 FORMATS = ("png", "svg", "pdf")
-INSTALL = 'pip install ".[plot]" (or pip install "minicaffe[plot]"): matplotlib'
+INSTALL = 'pip install ".[plot]" (matplotlib)'
 
 
 def _matplotlib():

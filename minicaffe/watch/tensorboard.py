@@ -20,7 +20,7 @@ import struct
 from ..errors import ConfigError, MinicaffeError
 from .record import Recorder, RunRecord
 
-INSTALL = 'pip install "minicaffe[tensorboard]" (tensorboardX)'
+INSTALL = 'pip install ".[tensorboard]" (tensorboardX)'
 
 
 def _summary_writer():

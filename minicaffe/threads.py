@@ -1,0 +1,138 @@
+"""CPU threads: how many threads numpy's BLAS (which runs minicaffe's CPU GEMMs) may use.
+
+No Caffe counterpart (Caffe leaves it to OpenBLAS/MKL and their environment variables).
+
+The default is **one BLAS thread per process**, unless the user asked for something else:
+one of ``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``,
+``BLIS_NUM_THREADS`` set in the environment (then minicaffe leaves the BLAS as it is), the
+``--threads N`` flag of ``minicaffe train/test/time/bench``, or ``minicaffe.set_num_threads(n)``
+in Python.  Why one: minicaffe's CPU step is a chain of small GEMMs and numpy element-wise
+work; a second BLAS thread bought 0-10% on a quiet 2-core machine (CIFAR-10 quick 139 -> 124
+ms per step), and under outside load the spinning BLAS threads burned 4.7x the CPU for the
+same work and ran the LeNet example 3x slower (docs/cli.md, "CPU threads").
+
+The count is set at run time through threadpoolctl (a core dependency: a small pure-Python
+package), which works whether or not numpy was imported first.  Without threadpoolctl the
+default still holds when minicaffe is imported before numpy (the environment variable is set
+then), and ``set_num_threads`` says in one line that it needs threadpoolctl.
+"""
+import os
+import sys
+
+DEFAULT_THREADS = 1
+ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+
+_limits = []        # threadpoolctl limiters applied so far, newest last
+_OURS = {}          # environment variables minicaffe set itself (the fallback), and values
+
+
+def asked_by_environment():
+    """The environment variable the user set to choose the BLAS threads, else None."""
+    for var in ENV_VARS:
+        value = os.environ.get(var, "").strip()
+        if value and _OURS.get(var) != value:
+            return var
+    return None
+
+
+def _threadpoolctl():
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    return threadpoolctl
+
+
+def apply_default():
+    """At ``import minicaffe``: one BLAS thread unless the environment chose a count."""
+    if asked_by_environment():
+        return
+    tpc = _threadpoolctl()
+    if tpc is not None:
+        import numpy  # noqa: F401  (its BLAS must be loaded to be found)
+        _limits.append(tpc.threadpool_limits(limits=DEFAULT_THREADS, user_api="blas"))
+    elif "numpy" not in sys.modules:
+        # no threadpoolctl: before numpy loads OpenBLAS, its variable does the same
+        os.environ["OPENBLAS_NUM_THREADS"] = _OURS["OPENBLAS_NUM_THREADS"] = \
+            str(DEFAULT_THREADS)
+
+
+def check_threads(n, what="--threads"):
+    """``n`` as a positive int, or a MinicaffeError naming ``what``."""
+    from .errors import MinicaffeError
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise MinicaffeError(f"{what} must be a whole number of threads, at least 1 "
+                             f"(got {n!r})")
+    limit = os.cpu_count() or 1
+    if n > 4 * limit:
+        raise MinicaffeError(f"{what} {n} is more than 4x this machine's {limit} CPU(s)")
+    return n
+
+
+def set_num_threads(n):
+    """Let numpy's BLAS use ``n`` threads from now on (as ``torch.set_num_threads``)."""
+    from .errors import MinicaffeError
+    n = check_threads(n, "set_num_threads")
+    tpc = _threadpoolctl()
+    if tpc is None:
+        raise MinicaffeError("setting the CPU threads needs threadpoolctl (pip install "
+                             "threadpoolctl); or set OPENBLAS_NUM_THREADS before starting "
+                             "Python")
+    import numpy  # noqa: F401  (its BLAS must be loaded to be found)
+    _limits.append(tpc.threadpool_limits(limits=n, user_api="blas"))
+
+
+def get_num_threads():
+    """The threads numpy's BLAS uses now (threadpoolctl's report), or None when it cannot
+    be read (no threadpoolctl: then the environment variable's value, if any)."""
+    tpc = _threadpoolctl()
+    if tpc is None:
+        var = asked_by_environment() or ("OPENBLAS_NUM_THREADS"
+                                         if "OPENBLAS_NUM_THREADS" in os.environ else None)
+        try:
+            return int(os.environ[var]) if var else None
+        except ValueError:
+            return None
+    import numpy  # noqa: F401
+    counts = [p["num_threads"] for p in tpc.threadpool_info() if p["user_api"] == "blas"]
+    return max(counts) if counts else None
+
+
+def describe():
+    """One line for the log: the BLAS, its thread count and who chose it."""
+    n = get_num_threads()
+    var = asked_by_environment()
+    tpc = _threadpoolctl()
+    lib = ""
+    if tpc is not None:
+        libs = [p for p in tpc.threadpool_info() if p["user_api"] == "blas"]
+        if libs:
+            lib = f" ({libs[0]['internal_api']} {libs[0].get('version') or ''})".replace(" )",
+                                                                                       ")")
+    return f"{n if n is not None else 'unknown'}{lib}", var
+
+
+class limit:
+    """``with limit(n):`` n BLAS threads inside the block, the previous count after it
+    (the CLI holds ``--threads`` for one command this way)."""
+
+    def __init__(self, n):
+        self.n = n
+        self._ctl = None
+
+    def __enter__(self):
+        tpc = _threadpoolctl()
+        if self.n is None:
+            return self
+        if tpc is None:
+            from .errors import MinicaffeError
+            raise MinicaffeError("--threads needs threadpoolctl (pip install threadpoolctl); "
+                                 "or set OPENBLAS_NUM_THREADS instead")
+        import numpy  # noqa: F401
+        self._ctl = tpc.threadpool_limits(limits=self.n, user_api="blas")
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctl is not None:
+            self._ctl.restore_original_limits()
+        return False
