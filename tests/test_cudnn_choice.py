@@ -80,7 +80,7 @@ def test_workspace_limit_caps_every_convolution(monkeypatch):
 def test_find_limit_half_the_free_memory_less_for_offloading_nets(monkeypatch):
     from types import SimpleNamespace as NS
     from minicaffe.layers import cudnn_layers
-    fake = NS(cp=NS(cuda=NS(runtime=NS(memGetInfo=lambda: (64 * GiB, 80 * GiB)))))
+    fake = NS(device_memory=lambda: (64 * GiB, 80 * GiB))   # backend's (free, total)
     monkeypatch.setattr(cudnn_layers, "backend", fake)
     monkeypatch.delenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", raising=False)
     assert cudnn_layers.find_limit() == 32 * GiB
