@@ -612,21 +612,26 @@ class Net:
         """GPU: run layers [start, end] without reading anything back; each loss top adds
         sum(data * loss weight) into ``ring[counter % ring]`` (a float64 ring in mapped
         host memory at ``ring_addr``) on the device (engine/step.py)."""
-        from .kernels.step import loss_accumulate
         if end is None:
             end = len(self.layers) - 1
         fused = self._begin_forward(start, end)
         for i in range(start, end + 1):
-            for cb in self._before_forward:
-                cb(i)
-            layer = self.layers[i]
-            self._forward_layer(i, fused, body_only=True)
-            if ring_addr:
-                for j, t in enumerate(self.top_vecs[i]):
-                    if layer.loss(j):
-                        loss_accumulate(t.gpu_data(), t.gpu_diff(), ring_addr, counter, ring)
-            for cb in self._after_forward:
-                cb(i)
+            self.forward_layer_device(i, fused, ring_addr, counter, ring)
+
+    def forward_layer_device(self, i, fused, ring_addr=0, counter=None, ring=1):
+        """GPU: layer i's forward (or its fused pair's) with the hooks around it, nothing
+        read back; its loss tops add into the ring (see ``forward_device``)."""
+        from .kernels.step import loss_accumulate
+        for cb in self._before_forward:
+            cb(i)
+        layer = self.layers[i]
+        self._forward_layer(i, fused, body_only=True)
+        if ring_addr:
+            for j, t in enumerate(self.top_vecs[i]):
+                if layer.loss(j):
+                    loss_accumulate(t.gpu_data(), t.gpu_diff(), ring_addr, counter, ring)
+        for cb in self._after_forward:
+            cb(i)
 
     def forward_prefilled(self):
         """Run every layer; return the total weighted loss (Caffe's ``Forward(&loss)``)."""

@@ -5,7 +5,7 @@ import numpy as np
 
 from minicaffe import Net, parallel, registry
 from minicaffe.engine.schedule import (allreduce_pass, compile_iteration, fusion_pass,
-                                       run_eager, schedule_for)
+                                       run_device, run_eager, schedule_for)
 from minicaffe.proto import caffe_pb2
 
 from test_cli import REPO, cli  # noqa: F401  (the cli fixture)
@@ -83,6 +83,34 @@ def test_the_eager_executor_runs_the_schedule_in_order_through_the_net_hooks():
     # each pass's loss is the net's loss for those inputs
     assert len(losses) == 2 and losses[0] == losses[1]
     np.testing.assert_allclose(losses[0], net.forward()["loss"], rtol=1e-6)
+
+
+def test_the_gpu_steps_body_runs_the_same_ops_without_reading_the_loss():
+    """``run_device`` (the GPU step's body) walks the same ops as the eager executor from
+    the first layer after the data prologue, through the same hooks, to the same
+    gradients; here on the CPU with no loss ring (the step adds losses on the device)."""
+    grads, orders = [], []
+    for runner in ("eager", "device"):
+        net = _net()
+        for a, b in zip(net.learnable_params, grads[0][1] if grads else []):
+            a.data[...] = b
+        seen = []
+        net.add_hook("before_forward", lambda i: seen.append(("forward", i)))
+        net.add_hook("before_backward", lambda i: seen.append(("backward", i)))
+        rng = np.random.RandomState(0)
+        net.blobs["data"].data[...] = rng.randn(*net.blobs["data"].shape)
+        net.blobs["label"].data[...] = rng.randint(0, 5, net.blobs["label"].shape)
+        s = schedule_for(net)
+        if runner == "eager":
+            run_eager(s, net)
+        else:
+            run_device(s, net, 1, 0, None, 1)
+        grads.append((runner, [p.data.copy() for p in net.learnable_params],
+                      [p.diff.copy() for p in net.learnable_params]))
+        orders.append([x for x in seen if x != ("forward", 0)])
+    assert orders[0] == orders[1]
+    for a, b in zip(grads[0][2], grads[1][2]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_memory_prints_the_schedule_with_the_offload_copies(cli):  # noqa: F811

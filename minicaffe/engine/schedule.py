@@ -28,10 +28,10 @@ Passes rewrite the list, each a plain function of a schedule and what it reads:
 it one op per line (``minicaffe memory --schedule``).  ``run_eager(schedule, net)``
 executes its forward and backward ops in order, layer by layer through the Net's hooks:
 it is the iteration of the CPU and of a GPU without the GPU step (engine/executor.py).
-The GPU step (engine/step.py) runs the same layer ops in the same order through the Net
-(``forward_device``, ``backward_from_to``), eagerly or captured as CUDA graphs, its
-copies and all-reduces made by the same plans from the Net's hooks; it does not walk this
-list itself yet.
+``run_device(schedule, net, ...)`` is the GPU step's body (engine/step.py): the same ops
+with the losses added on the device, run eagerly or captured once as a CUDA graph and
+replayed; its copies and all-reduces are made from the Net's hooks by the same plans
+the passes print.
 """
 import dataclasses
 
@@ -217,6 +217,23 @@ def schedule_for(net, iter_size=1, oplan=None, buckets=None):
     s = fusion_pass(s, net)
     s = offload_pass(s, net, oplan)
     return allreduce_pass(s, net, buckets)
+
+
+def run_device(schedule, net, first, ring_addr, counter, ring):
+    """The GPU step's body (engine/step.py), one pass: the forward ops of layers ``first``
+    on (the data prologue ran before, outside any graph) with nothing read back, each loss
+    added into the mapped ring at ``ring_addr`` (``Net.forward_layer_device``), then the
+    backward ops (``Net.backward_layer``).  Captured as a CUDA graph or run eagerly by the
+    step; the copy and all-reduce ops are the hooks'."""
+    fused = net.begin_pass()
+    for op in schedule.ops:
+        if op.kind == "forward":
+            for i in op.layers:
+                if i >= first:
+                    net.forward_layer_device(i, fused, ring_addr, counter, ring)
+        elif op.kind == "backward":
+            for i in reversed(op.layers):
+                net.backward_layer(i)
 
 
 def run_eager(schedule, net):

@@ -35,6 +35,7 @@ from ..blob import Blob
 from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
+from .schedule import run_device, schedule_for
 from ..solvers.fused import FusedUpdate
 from ..synced_memory import SyncedMemory, HEAD_AT_CPU
 
@@ -90,6 +91,7 @@ class GpuStep:
             for t in net.top_vecs[i]:
                 produced.add(id(t))
         self.input_blobs = inputs
+        self.schedule = schedule_for(net)     # one pass: the solver loops over iter_size
         reason = why_not_capturable(net, n)
         if reason is None and self.iter_size > 1 and solver.config.world_size > 1:
             # the all-reduce runs in the last of iter_size passes only: a pass's graph
@@ -235,8 +237,9 @@ class GpuStep:
             off = self.offload
             if off is not None:          # the offload copies run from the layer hooks
                 off.begin()
-            net.forward_device(self.first_body, None, self.losses.ptr, self.counter, RING)
-            net.backward_from_to()
+            # the schedule's forward and backward ops (engine/schedule.py)
+            run_device(self.schedule, net, self.first_body, self.losses.ptr, self.counter,
+                       RING)
             if off is not None:
                 off.end()
             if with_update:
