@@ -215,9 +215,9 @@ class Net:
 
     # -- construction ------------------------------------------------------------
     def _init(self, in_param):
-        from . import offload
+        from .config import offload_settings
         self.phase = in_param.state.phase
-        policy, budget = offload.settings(in_param, self.config)
+        policy, budget = offload_settings(in_param, self.config)
         # each layer sees its net's offload settings (``RunConfig.offloads``: an offloading
         # net's cuDNN Find may not take more scratch than its plan allows)
         layer_config = self.config.replace(offload_policy=policy, offload_budget=budget)
@@ -349,9 +349,9 @@ class Net:
         ``layers/cudnn_layers.share_workspace``; ``config``: a RunConfig to price it by
         (``minicaffe memory --offload``), else the net's own."""
         if any(getattr(l, "candidates", None) for l in self.layers):
-            from . import offload
+            from .config import offload_settings
             from .layers import cudnn_layers
-            policy, budget = offload.settings(self.net_param, config or self.config)
+            policy, budget = offload_settings(self.net_param, config or self.config)
             price = (cudnn_layers.OFFLOAD_PRICE_PER_GIB if policy != "NONE" or budget else
                      cudnn_layers.PRICE_PER_GIB)
             cap = cudnn_layers.share_workspace(self.layers, price)

@@ -44,6 +44,7 @@ import collections
 import numpy as np
 
 from . import backend, context, log
+from .config import offload_settings
 from .errors import ConfigError
 from .gpu.host import HostMemory
 from .proto import caffe_pb2
@@ -82,14 +83,9 @@ def parse_policy(text):
 
 
 def settings(net_param, config=None):
-    """(policy name, budget bytes) for a NetParameter; a run's ``config`` (RunConfig: the
-    command line's ``--offload`` and ``--gpu_mem_limit``) overrides each field it sets."""
-    p = net_param.offload_param
-    over_policy = config.offload_policy if config is not None else None
-    over_budget = config.offload_budget if config is not None else None
-    policy = over_policy or _P.Policy.Name(p.policy)
-    budget = over_budget if over_budget is not None else int(p.gpu_memory_budget)
-    return policy, budget
+    """(policy name, budget bytes) for a NetParameter under a run's ``config`` (see
+    ``config.offload_settings``, where the Net reads them too)."""
+    return offload_settings(net_param, config)
 
 
 def check_solver(solver):

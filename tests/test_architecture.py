@@ -9,7 +9,8 @@ module, the line and the rule it breaks:
 - ``gpu/`` holds bindings: it imports nothing of layers, solvers, engine, offload, net,
   parallel;
 - layers know nothing of the engine, other GPUs or offload;
-- the Net does not import ``gpu/``;
+- the Net does not import ``gpu/``, nor the engine above it (offload, engine, solvers,
+  parallel);
 - backend and context (the core) do not import ``gpu/``.
 """
 import ast
@@ -81,6 +82,9 @@ def _rules(name):
                       "layers know nothing of the engine, other GPUs or offload"))
     if name == m + "net":
         rules.append(((m + "gpu",), "the Net does not import gpu/"))
+        rules.append(((m + "offload", m + "engine", m + "solvers", m + "parallel"),
+                      "the Net knows nothing of the engine above it (offload, engine, "
+                      "solvers, parallel)"))
     if name in (m + "backend", m + "context"):
         rules.append(((m + "gpu",), "the core (backend, context) does not import gpu/"))
     return rules
@@ -114,6 +118,8 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 
 @pytest.mark.parametrize("name,imported,allowed", [
     ("minicaffe.net", "minicaffe.gpu.cudnn", False),
+    ("minicaffe.net", "minicaffe.offload", False),
+    ("minicaffe.net", "minicaffe.engine.schedule", False),
     ("minicaffe.gpu.plan", "minicaffe.layers.cudnn_layers", False),
     ("minicaffe.layers.vision", "minicaffe.offload", False),
     ("minicaffe.context", "minicaffe.gpu.pool", False),
