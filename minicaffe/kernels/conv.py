@@ -20,7 +20,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..blas import gemm_batched
-from .im2col import col2im, col2im_nd, im2col, im2col_nd
+from .im2col import (col2im, col2im_nd, col2im_padded_into, im2col, im2col_nd,
+                     im2col_padded_into)
 
 # Largest column buffer one chunk of the batch may use.  On the CPU a column
 # matrix that stays in the core's cache (L2 1.25 MiB, L3 48 MiB on the
@@ -270,33 +271,21 @@ class ConvEngine:
         return xpad
 
     def _cn_im2col(self, ws, x, n):
-        """col (C*kh*kw, n*OH*OW) of the n images ``x``, one strided copy."""
+        """col (C*kh*kw, n*OH*OW) of the n images ``x``: kernels/im2col.py's numpy
+        im2col, into this layer's workspace."""
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
-        OH, OW = self.out_spatial
         xpad = self._cn_padded(ws, x, n)
-        st = xpad.strides
-        view = as_strided(xpad, (self.C, kh, kw, n, OH, OW),
-                          (st[0], dh * st[2], dw * st[3], st[1], sh * st[2], sw * st[3]),
-                          writeable=False)
         size = self.C * self.ksize * self.P
         col = self._buffer(ws, "col", ws["key"][1] * size, x.dtype)[:n * size]
-        np.copyto(col.reshape(self.C, kh, kw, n, OH, OW), view)
-        return col.reshape(self.C * self.ksize, n * self.P)
+        return im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
 
     def _cn_col2im(self, ws, col, dx, n):
-        """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW))."""
+        """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW)): kernels/im2col.py's."""
         (H, W), (ph, pw) = self.in_spatial, self.pad
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
-        OH, OW = self.out_spatial
         dpad = self._buffer(ws, "cn_dpad", (self.C, ws["key"][1], H + 2 * ph, W + 2 * pw),
                             col.dtype)[:, :n]
-        dpad[...] = 0
-        col6 = col.reshape(self.C, kh, kw, n, OH, OW)
-        for i in range(kh):
-            hs = slice(i * dh, i * dh + sh * (OH - 1) + 1, sh)
-            for j in range(kw):
-                wsl = slice(j * dw, j * dw + sw * (OW - 1) + 1, sw)
-                dpad[:, :, hs, wsl] += col6[:, i, j]
+        col2im_padded_into(col, dpad, kh, kw, sh, sw, dh, dw, *self.out_spatial)
         dx[...] = dpad[:, :, ph:ph + H, pw:pw + W].transpose(1, 0, 2, 3)
 
     # The GEMMs run per image on the image's columns (a strided (C*kh*kw, OH*OW)
