@@ -103,6 +103,26 @@ def alloc_gpu(size, dtype):
     return cp.zeros(size, dtype=dtype)
 
 
+def alloc_kept(nbytes):
+    """An uninitialised device buffer of ``nbytes`` that outlives the stream current now
+    (a library workspace cached for a thread: cuBLAS's, cuDNN's, a shared scratch).
+
+    The stream-ordered pool frees a buffer on the stream that allocated it, whoever lets it
+    go and whenever: a buffer allocated while a user's stream was current, kept after that
+    stream was destroyed, fails to free (``freeAsync: cudaErrorInvalidValue``).  So it is
+    allocated on the legacy default stream, which is never destroyed, and the current
+    stream waits for the allocation.  While the current stream captures a graph (the
+    capture allocates from its own pool), it is allocated as any other array."""
+    cur = cp.cuda.get_current_stream()
+    if cur.ptr == 0 or cur.is_capturing():
+        return cp.empty(int(nbytes), dtype=np.uint8)
+    null = cp.cuda.Stream.null
+    with null:
+        buf = cp.empty(int(nbytes), dtype=np.uint8)
+    cur.wait_event(null.record())
+    return buf
+
+
 # -- the GPU allocator (named API: gpu/pool.py) -------------------------------------------
 # ``use_allocator("async")`` installs CuPy's ``MemoryAsyncPool`` (the seed's cudaMallocAsync)
 # on the current device, with the pool's release threshold raised to "never", so memory

@@ -201,6 +201,32 @@ def test_cudnn_pooling_falls_back_where_caffe_ceil_shape_differs(gpu):
     layer.forward([x], [top])
 
 
+def test_a_thread_workspace_outlives_the_stream_it_grew_on(gpu):
+    """cuDNN's workspace and scratch and cuBLAS's workspace are cached for the thread; one
+    grown while a user's stream was current is freed, when it grows again after that stream
+    is gone, without a stream-ordered free on the dead stream (which pytest would report as
+    an unraisable ``freeAsync: cudaErrorInvalidValue``)."""
+    import gc
+    from minicaffe.gpu import cublas
+    from minicaffe.layers import cudnn_layers
+    cp = gpu
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        small = cudnn_layers.workspace(1 << 10)
+        cudnn_layers.scratch("test", 1 << 10)
+        cublas.handle()
+        small.fill(1)
+    s.synchronize()
+    del s, small
+    gc.collect()
+    big = cudnn_layers.workspace(1 << 22)          # the small one is freed here
+    cudnn_layers.scratch("test", 1 << 22)
+    big.fill(2)
+    cp.cuda.Device().synchronize()
+    gc.collect()
+    assert int(big[-1]) == 2
+
+
 def test_cudnn_convolution_captures(gpu):
     cp = gpu
     layer = make_layer(_engine(CUDNN_CASES[0][0], "CUDNN"))

@@ -132,7 +132,9 @@ class PrefetchThread:
             if self.gpu:
                 context.set_device(self.device_id)
                 context.set_mode_gpu()
-                stream = backend.new_stream(non_blocking=True)
+                # kept for the process: what the transform allocates on it is freed on it
+                # later, after this thread has ended (context.kept_stream)
+                stream = context.kept_stream("prefetch")
             rng = context.rng()
             rng.set_state(self.rng_state)
             while not self._stop.is_set():

@@ -63,7 +63,7 @@ class _Handle:
         h = _c_void_p()
         _check(l.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
         self.ptr = h
-        self.workspace = backend.cp.empty(WORKSPACE_BYTES, dtype=np.uint8)
+        self.workspace = backend.alloc_kept(WORKSPACE_BYTES)
         _check(l.cublasSetWorkspace_v2(h, self.workspace.data.ptr, WORKSPACE_BYTES),
                "cublasSetWorkspace")
         self.stream = None

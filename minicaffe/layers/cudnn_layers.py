@@ -80,7 +80,7 @@ def workspace(nbytes):
     if ws is None or ws.nbytes < nbytes:
         handles.pop("cudnn_ws", None)
         del ws          # the old one goes back first: never both at once
-        ws = handles["cudnn_ws"] = backend.gpu_module().empty(int(nbytes), dtype=np.uint8)
+        ws = handles["cudnn_ws"] = backend.alloc_kept(nbytes)
     return ws
 
 
@@ -97,7 +97,7 @@ def scratch(name, nbytes):
     if buf is None or buf.nbytes < nbytes:
         handles.pop(key, None)
         del buf
-        buf = handles[key] = backend.gpu_module().empty(int(nbytes), dtype=np.uint8)
+        buf = handles[key] = backend.alloc_kept(nbytes)
     return buf
 
 
