@@ -1,8 +1,11 @@
 """numpy/CuPy choice, GPU discovery, streams and allocation.
 
 This is the only module of minicaffe that imports CuPy.  Everything else asks
-here: ``backend.cp`` is the cupy module or None, ``gpu_count()`` says how many
-devices there are, ``get_array_module`` picks numpy or cupy for some arrays.
+here, through named functions (``backend.cp``, the module itself, is used only here and
+in gpu/: tests/test_architecture.py checks it): ``gpu_module()`` is the array module of
+the device (cupy, the ``xp`` of a layer's GPU body) or None, ``gpu_count()`` says how
+many devices there are, ``get_array_module`` picks numpy or cupy for some arrays;
+devices, streams, events and the runtime's figures below.
 Allocation of device and pinned host memory goes through :func:`alloc_gpu`
 and :func:`alloc_host`, so a stream-ordered pool can be switched in later at
 one place.
@@ -267,12 +270,87 @@ def unregister_host(address):
         pass
 
 
-def new_stream(non_blocking=True):
+def new_stream(non_blocking=True, priority=None):
+    """A new stream; ``priority``: 'highest' for the device's greatest priority (where the
+    runtime tells it), else the default."""
+    if priority == "highest":
+        try:
+            _, greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()
+            return cp.cuda.Stream(non_blocking=non_blocking, priority=greatest)
+        except Exception:   # pragma: no cover - depends on the runtime
+            pass
     return cp.cuda.Stream(non_blocking=non_blocking)
 
 
 def current_stream():
     return cp.cuda.get_current_stream()
+
+
+# -- the device, its runtime, events (named calls, so nothing else reaches cupy.cuda) -------
+def gpu_module():
+    """The array module of the device (cupy: a layer's ``xp`` in GPU mode), or None."""
+    return cp
+
+
+def null_stream():
+    """The device's legacy default stream."""
+    return cp.cuda.Stream.null
+
+
+def new_event(timing=True, block=False):
+    """A CUDA event (``timing``: it can time, ``block``: a wait on it blocks the thread)."""
+    return cp.cuda.Event(block=block, disable_timing=not timing)
+
+
+def elapsed_ms(start, end):
+    """Milliseconds between two recorded events."""
+    return cp.cuda.get_elapsed_time(start, end)
+
+
+def current_device():
+    """The id of this thread's current device."""
+    return cp.cuda.runtime.getDevice()
+
+
+def use_device(device_id):
+    """Make ``device_id`` this thread's current device."""
+    cp.cuda.Device(device_id).use()
+
+
+def on_device(device_id):
+    """A context manager: ``device_id`` current inside it."""
+    return cp.cuda.Device(device_id)
+
+
+def device_properties(device_id):
+    """The runtime's property dictionary of a device."""
+    return cp.cuda.runtime.getDeviceProperties(device_id)
+
+
+def device_memory():
+    """(free bytes, total bytes) of the current device."""
+    free, total = cp.cuda.runtime.memGetInfo()
+    return int(free), int(total)
+
+
+def runtime_version():
+    return cp.cuda.runtime.runtimeGetVersion()
+
+
+def cupy_version():
+    """CuPy's version, or None without CuPy."""
+    return cp.__version__ if cp is not None else None
+
+
+def gpu_random_state(seed):
+    """A CuPy generator seeded with ``seed`` on the current device."""
+    return cp.random.RandomState(seed)
+
+
+def memcpy_async(dst, src, nbytes, kind, stream):
+    """cudaMemcpyAsync of ``nbytes`` between raw pointers (``kind``: cudaMemcpyKind, 1
+    host to device, 2 device to host) on ``stream``."""
+    cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
 
 
 def synchronize():

@@ -337,10 +337,10 @@ def machine_info(gpu, torch_mod=None):
         info["device"] = f"gpu:{gpu}"
     versions = {"python": platform.python_version(), "minicaffe": __version__,
                 "numpy": np.__version__, "cupy": None, "torch": None}
-    if backend.cp is not None:
-        versions["cupy"] = backend.cp.__version__
+    if backend.cupy_available():
+        versions["cupy"] = backend.cupy_version()
         try:
-            versions["cuda_runtime"] = backend.cp.cuda.runtime.runtimeGetVersion()
+            versions["cuda_runtime"] = backend.runtime_version()
         except Exception:  # pragma: no cover - depends on the driver
             pass
     if torch_mod is not None:

@@ -242,7 +242,7 @@ class Blob:
 
     # -- math (on whichever side holds the newest data, as Caffe does) -------
     def _side(self, mem):
-        return np if mem.head in (HEAD_AT_CPU, UNINITIALIZED) else backend.cp
+        return np if mem.head in (HEAD_AT_CPU, UNINITIALIZED) else backend.gpu_module()
 
     def update(self):
         """data -= diff."""
@@ -284,8 +284,8 @@ class Blob:
         """Give the data memory of its own back to a blob whose data was pointed at
         another buffer (``set_cpu_data``/``set_gpu_data``); a no-op when it owns it."""
         m = self._data
-        if isinstance(m, SyncedMemory) and (m._cpu is None or m._own_cpu) and \
-                (m._gpu is None or m._own_gpu or m.planned):
+        if isinstance(m, SyncedMemory) and (m.host_array is None or m.owns_cpu_data) and \
+                (m.device_array is None or m.owns_gpu_data or m.planned):
             return
         self._data = SyncedMemory(self._capacity, self.dtype)
         self.drop_views()

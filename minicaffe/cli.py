@@ -14,7 +14,7 @@
                     [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
                     [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
     minicaffe memory --model M | --solver S [--batch N] [--input_shape C,H,W] [--gpu 0]
-                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES]
+                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES] [--schedule]
                      (CPU mode: host memory; the GPU plan with --gpu, --offload or
                      --gpu_mem_limit)
     minicaffe draw | extract_features | upgrade_net_proto_text | upgrade_net_proto_binary
@@ -106,6 +106,8 @@ flags:
   --json FILE          bench: also write the results as JSON
   --num_classes K      bench: labels are integers in [0, K) (default: from the net)
   --input_shape C,H,W  bench: the data shape when the model's data cannot be read
+  --schedule           memory: also print the schedule of one training iteration (the
+                       engine's ops: forward, backward, fused pairs, offload copies, update)
   --offload POLICY     train/memory: offload feature maps to host memory: NONE, ALL, CONV
                        or DYNAMIC (overrides the net's offload_param; docs/offload.md)
   --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
@@ -156,6 +158,7 @@ FLAGS = {
     "quiet": ("bool", False),
     "minloglevel": ("int", 0),
     "data_workers": ("int", -1),
+    "schedule": ("bool", False),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 # commands with positional arguments (Caffe's separate tools), each parsing its own
@@ -180,7 +183,7 @@ COMMAND_FLAGS = {
               "compare", "tf32", "json", "num_classes", "input_shape", "level",
               "stage") + _EVERY,
     "memory": ("model", "solver", "gpu", "batch", "input_shape", "num_classes", "offload",
-               "gpu_mem_limit", "level", "stage") + _EVERY,
+               "gpu_mem_limit", "level", "stage", "schedule") + _EVERY,
 }
 COMMAND_USAGE = {
     "train": ("minicaffe train --solver FILE [flags]", "train or finetune a model"),
@@ -681,7 +684,7 @@ def device_query(flags):
     _check_gpus(gpus)
     for g in gpus:
         context.set_device(g)
-        props = backend.cp.cuda.runtime.getDeviceProperties(g)
+        props = backend.device_properties(g)
         log.info("Device id:                     %d", g)
         for label, key in _DEVICE_FIELDS:
             v = props.get(key, "n/a")
@@ -738,7 +741,7 @@ def memory(flags):
                                         config=config.replace(offload_policy=None,
                                                               offload_budget=None))
         if cpu:
-            return _memory_cpu(solver)
+            return _memory_cpu(solver, flags.schedule)
     finally:
         if cpu:
             tracemalloc.stop()
@@ -760,11 +763,25 @@ def memory(flags):
     print()
     for line in offload.memory_lines(net, hist, config):   # per offload policy (offload.py)
         print(line)
+    if flags.schedule:
+        policy, budget = offload.settings(net.net_param, config)
+        oplan = None
+        if policy != "NONE":
+            times = offload.estimate_times(net) if policy == "DYNAMIC" else None
+            oplan = offload.build(net, policy, budget, hist, times=times)
+        _print_schedule(solver, oplan)
     solver.close()
     return 0
 
 
-def _memory_cpu(solver):
+def _print_schedule(solver, oplan=None):
+    """``memory --schedule``: the engine's ops of one training iteration (engine/schedule.py)."""
+    from .engine.schedule import schedule_for
+    print()
+    print(schedule_for(solver.net, solver.param.iter_size, oplan))
+
+
+def _memory_cpu(solver, schedule=False):
     """``minicaffe memory`` in CPU mode: each blob's host memory (numpy: one buffer per blob's
     data and diff, no arena) and the peak numpy/Python allocations over the set-up and one
     training step on the synthetic inputs, as tracemalloc measured them."""
@@ -804,6 +821,8 @@ def _memory_cpu(solver):
     print(f"measured (tracemalloc, numpy buffers and Python objects): {before / mib:.1f} MiB "
           f"after set-up, {after / mib:.1f} MiB after one training step, peak {peak / mib:.1f} "
           f"MiB (the rest of the peak is scratch: im2col columns, temporaries)")
+    if schedule:
+        _print_schedule(solver)
     solver.close()
     return 0
 

@@ -183,7 +183,7 @@ class NcclComm(Comm):
         self._comm.bcast(array, root, self._stream(stream))
 
     def allreduce_host(self, values):
-        cp = backend.cp
+        cp = backend.gpu_module()
         stream = backend.current_stream()
         a = cp.asarray(np.array(values, dtype=np.float64).reshape(-1))
         self.allreduce(a, stream)

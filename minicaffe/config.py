@@ -127,6 +127,20 @@ def check_environment():
         env(name)
 
 
+def offload_settings(net_param, config=None):
+    """(policy name, budget bytes) of a NetParameter's ``offload_param`` under a run's
+    ``config`` (``offload_policy``/``offload_budget``: the command line's ``--offload`` and
+    ``--gpu_mem_limit``), which overrides each field it sets.  Here, not in offload.py, so
+    that the Net reads its settings without importing the offload engine."""
+    from .proto import caffe_pb2
+    p = net_param.offload_param
+    over_policy = config.offload_policy if config is not None else None
+    over_budget = config.offload_budget if config is not None else None
+    policy = over_policy or caffe_pb2.OffloadParameter.Policy.Name(p.policy)
+    budget = over_budget if over_budget is not None else int(p.gpu_memory_budget)
+    return policy, budget
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A run's settings (see the module docstring); ``replace(**changes)`` makes a copy."""
@@ -169,3 +183,11 @@ class RunConfig:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @property
+    def offloads(self):
+        """True when feature maps are offloaded: a policy other than NONE, or a budget.
+        A layer's config carries its net's settings (the Net resolves ``offload_param``
+        against the run's override), so this is the layer's net's answer (cuDNN's Find
+        takes less scratch in such a net)."""
+        return self.offload_policy not in (None, "NONE") or bool(self.offload_budget)

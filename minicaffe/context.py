@@ -48,8 +48,8 @@ class _State:
     def gpu_rng(self):
         if self._gpu_rng is None:
             seed = self.seed if self.seed is not None else cluster_seedgen()
-            with backend.cp.cuda.Device(self.device_id):
-                self._gpu_rng = backend.cp.random.RandomState(seed)
+            with backend.on_device(self.device_id):
+                self._gpu_rng = backend.gpu_random_state(seed)
         return self._gpu_rng
 
 
@@ -76,7 +76,7 @@ def set_mode_cpu():
 def set_mode_gpu():
     st = get()
     backend.check_device(st.device_id)
-    backend.cp.cuda.Device(st.device_id).use()
+    backend.use_device(st.device_id)
     backend.ensure_allocator()
     st.mode = GPU
 
@@ -91,7 +91,7 @@ def set_device(device_id):
     backend.check_device(device_id)
     st = get()
     st.device_id = device_id
-    backend.cp.cuda.Device(device_id).use()
+    backend.use_device(device_id)
     st.handles = {}
     st._gpu_rng = None
 
@@ -119,7 +119,7 @@ def gpu_rng():
 
 def xp():
     """The array module of this thread's mode."""
-    return backend.cp if get().mode == GPU else np
+    return backend.gpu_module() if get().mode == GPU else np
 
 
 def solver_count():
@@ -182,5 +182,5 @@ def kept_stream(name):
     key = (name, threading.get_ident(), device_id())
     s = _kept_streams.get(key)
     if s is None:
-        s = _kept_streams[key] = backend.cp.cuda.Stream(non_blocking=True)
+        s = _kept_streams[key] = backend.new_stream(non_blocking=True)
     return s

@@ -7,7 +7,9 @@ extensions ``.dot``, ``.gv`` and ``.raw`` write the dot text itself.
 
 Layers are boxes (coloured by type as pycaffe: convolution red, pooling orange, inner
 product purple, in-place layers green), blobs octagons; a layer's label gives its name,
-type, kernel/stride/pad for spatial layers and, with ``display_lrm``, its lr multipliers.
+type, kernel/stride/pad for spatial layers and, with ``display_lrm``, its lr multipliers;
+the two layers of a pair the GPU engine computes as one (layers/fused.py, with cuDNN
+unless a layer asks for ``engine: CAFFE``) each carry a line ``fused on the GPU: <type>``.
 Command line (pycaffe's flags)::
 
     python tools/draw_net.py net.prototxt net.png [--rankdir LR] [--phase TRAIN|TEST|ALL]
@@ -119,15 +121,37 @@ def _attrs(d):
     return ", ".join(f"{k}={_quote(v)}" for k, v in d.items())
 
 
+def fused_types(layers, phase=None):
+    """{layer name: fused type} for the pairs of ``layers`` (LayerParameters, in order) that
+    the GPU engine computes as one, with cuDNN (unless a layer asks for engine CAFFE)."""
+    from .layers.fused import find_fusions
+    from .registry import engine_name
+
+    def engine_of(i):
+        return "CAFFE" if engine_name(layers[i]) == "CAFFE" else "CUDNN"
+
+    def use_global_stats(i):
+        p = layers[i].batch_norm_param
+        return p.use_global_stats if p.HasField("use_global_stats") else phase == caffe_pb2.TEST
+
+    out = {}
+    for i, kind in find_fusions(layers, engine_of, use_global_stats):
+        out[layers[i].name] = out[layers[i + 1].name] = kind.type
+    return out
+
+
 def get_graph(caffe_net, rankdir="LR", label_edges=True, phase=None, display_lrm=False):
     """(nodes, edges) of the drawing: nodes {id: attrs} in first-seen order, edges
     [(src id, dst id, label)]."""
     nodes, edges = {}, []
-    for layer in caffe_net.layer:
-        if not layer_included(layer, phase):
-            continue
+    included = [layer for layer in caffe_net.layer if layer_included(layer, phase)]
+    fused = fused_types(included, phase)
+    separator = " " if rankdir in ("TB", "BT") else "\n"
+    for layer in included:
         node_id = f"{layer.name}_{layer.type}"
         label = get_layer_label(layer, rankdir, display_lrm=display_lrm)
+        if layer.name in fused:
+            label += f"{separator}fused on the GPU: {fused[layer.name]}"
         if len(layer.bottom) == 1 and len(layer.top) == 1 and layer.bottom[0] == layer.top[0]:
             style = dict(NEURON_LAYER_STYLE)
         else:

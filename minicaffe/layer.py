@@ -20,7 +20,6 @@ from .errors import LayerError, MinicaffeError, layer_failure
 
 class Layer:
     type = None
-    offloading = False   # set by the Net: its net offloads feature maps (cuDNN's Find limit)
     exact_num_bottom_blobs = -1
     min_bottom_blobs = -1
     max_bottom_blobs = -1
@@ -40,6 +39,18 @@ class Layer:
     # backward that reads the top data would read the later value (cuDNN's pooling does)
     top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
+    engine_name = "CAFFE"   # which engine's class this is (registry: 'CUDNN' for cuDNN's)
+    in_place = False        # set by setup: a top is one of the bottoms
+    # What backward reads of the data forward saw, declared by each layer beside its math
+    # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
+    # whose *data* the backward body reads.  None: all of them (the default, always safe).
+    # A layer whose answer depends on its parameters, its engine or on running in place
+    # makes these properties.  The memory plan and offload read them (gpu/plan.py keeps a
+    # blob's data alive until the last backward that retains it); tests/layers/
+    # test_registry.py checks each declaration against the math (the data not retained is
+    # poisoned before backward, and the gradients must not change).
+    retain_inputs = None
+    retain_outputs = None
     _config = None
 
     @property
@@ -54,6 +65,12 @@ class Layer:
     @config.setter
     def config(self, value):
         self._config = value
+
+    @classmethod
+    def cudnn_refuses(cls, param):
+        """For a cuDNN class: None when cuDNN computes this LayerParameter as Caffe does,
+        else the reason (the registry then builds Caffe's class, with one log line)."""
+        return None
 
     def __init__(self, param):
         self.layer_param = param
@@ -85,7 +102,8 @@ class Layer:
     # naming the layer (MinicaffeErrors already are one).
     def setup(self, bottom, top):
         self.check_blob_counts(bottom, top)
-        if not self.allow_in_place and any(t is b for t in top for b in bottom):
+        self.in_place = any(t is b for t in top for b in bottom)
+        if not self.allow_in_place and self.in_place:
             raise self.error("cannot be computed in place (a top is also its bottom); give "
                              "its top a name of its own")
         try:
@@ -143,7 +161,7 @@ class Layer:
     # -- forward/backward -------------------------------------------------------
     def forward(self, bottom, top):
         self.forward_body(bottom, top)
-        xp = backend.cp if context.is_gpu() else np
+        xp = context.xp()
         loss = 0.0
         for i, t in enumerate(top):
             if self.loss(i):
@@ -167,10 +185,6 @@ class Layer:
             raise self.failure(e) from e
 
     # -- what the memory plan needs to know (gpu/plan.py) ---------------------------------
-    def backward_reads(self, bottom, top):
-        """(bottom indices, top indices) whose data this layer's backward reads; the plan
-        keeps those alive until then.  The default, everything, is always safe."""
-        return range(len(bottom)), range(len(top))
 
     def state_bytes(self, bottom, top):
         """Device bytes this layer keeps from forward to backward beside its tops (a mask,
@@ -205,7 +219,7 @@ class Layer:
 
     def forward_gpu(self, bottom, top):
         if type(self).forward_xp is not Layer.forward_xp:
-            self.forward_xp(backend.cp, bottom, top)
+            self.forward_xp(backend.gpu_module(), bottom, top)
         else:
             self.forward_cpu(bottom, top)
 
@@ -216,7 +230,7 @@ class Layer:
 
     def backward_gpu(self, top, propagate_down, bottom):
         if type(self).backward_xp is not Layer.backward_xp:
-            self.backward_xp(backend.cp, top, propagate_down, bottom)
+            self.backward_xp(backend.gpu_module(), top, propagate_down, bottom)
         else:
             self.backward_cpu(top, propagate_down, bottom)
 

@@ -154,16 +154,14 @@ def insert_splits(param):
 
 
 def _batchnorm_out_of_place(param):
-    """GPU with cuDNN, training: a BatchNorm that runs in place on the output of the layer
-    just before it reads that output from a blob of its own instead
-    (``<bn layer>_input``): cuDNN's backward needs BatchNorm's input, which in place would
-    have to be copied aside every iteration (and its gradient copied back).  The memory is
-    the same (that copy is what the new blob holds); the two copies per layer and
-    iteration go.  Every other blob keeps its name and, after a forward, its value."""
-    if param.state.phase != TRAIN or not context.is_gpu():
-        return param
-    from .registry import cudnn_available
-    if not cudnn_available()[0]:
+    """Training: a BatchNorm that runs in place on the output of the layer just before it
+    reads that output from a blob of its own instead (``<bn layer>_input``): its backward
+    (Caffe's and cuDNN's) needs BatchNorm's input, which in place would have to be copied
+    aside every iteration (and, for cuDNN, its gradient copied back).  The memory is the
+    same (that copy is what the new blob holds); the copies go.  Every other blob keeps its
+    name and, after a forward, its value.  Done on every device and engine, so that a
+    net's blob names are the same on the CPU and the GPU."""
+    if param.state.phase != TRAIN:
         return param
     out = None
     for i, lp in enumerate(param.layer):
@@ -217,11 +215,12 @@ class Net:
 
     # -- construction ------------------------------------------------------------
     def _init(self, in_param):
-        from . import offload
+        from .config import offload_settings
         self.phase = in_param.state.phase
-        policy, budget = offload.settings(in_param, self.config)
-        # an offloading net's cuDNN Find may not take more scratch than its plan allows
-        offloading = policy != "NONE" or bool(budget)
+        policy, budget = offload_settings(in_param, self.config)
+        # each layer sees its net's offload settings (``RunConfig.offloads``: an offloading
+        # net's cuDNN Find may not take more scratch than its plan allows)
+        layer_config = self.config.replace(offload_policy=policy, offload_budget=budget)
         filtered = filter_net(in_param)
         log.info("Initializing net from parameters: \n%s", _short_text(filtered))
         param = insert_splits(_batchnorm_out_of_place(filtered))
@@ -263,8 +262,7 @@ class Net:
                 raise ConfigError(f"layer '{lp.name}': propagate_down param must be specified "
                                   f"either 0 or bottom_size times ({len(lp.bottom)})")
             layer = create_layer(lp)
-            layer.offloading = offloading
-            layer.config = self.config
+            layer.config = layer_config
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             log.info("Creating Layer %s", lp.name)
@@ -335,7 +333,7 @@ class Net:
         for lid in range(len(self.layers) - 1, -1, -1):
             self.layers[lid].top_rewritten = any(b in rewritten for b in self.top_id_vecs[lid])
             rewritten.update(b for b in self.top_id_vecs[lid] if b in self.bottom_id_vecs[lid])
-        self._find_fused_pairs()
+        self._find_fusions()
         self.output_blob_indices = [name_to_idx[n] for n in sorted(available)]
         for i in self.output_blob_indices:
             log.info("This network produces output %s", self.blob_names[i])
@@ -351,9 +349,9 @@ class Net:
         ``layers/cudnn_layers.share_workspace``; ``config``: a RunConfig to price it by
         (``minicaffe memory --offload``), else the net's own."""
         if any(getattr(l, "candidates", None) for l in self.layers):
-            from . import offload
+            from .config import offload_settings
             from .layers import cudnn_layers
-            policy, budget = offload.settings(self.net_param, config or self.config)
+            policy, budget = offload_settings(self.net_param, config or self.config)
             price = (cudnn_layers.OFFLOAD_PRICE_PER_GIB if policy != "NONE" or budget else
                      cudnn_layers.PRICE_PER_GIB)
             cap = cudnn_layers.share_workspace(self.layers, price)
@@ -443,35 +441,70 @@ class Net:
             self.has_params_decay[lid] = True
             self.params_weight_decay[lid] = spec.decay_mult
 
-    def _find_fused_pairs(self):
-        """Pairs a GPU engine layer may compute as one: a cuDNN convolution and the plain
-        ReLU after it in place on its only top (``fuse_relu``); a cuDNN BatchNorm and the
-        learned Scale after it in place (``fuse_scale``)."""
-        self._fused = []
-        for lid in range(len(self.layers) - 1):
-            a, b = self.layers[lid], self.layers[lid + 1]
-            in_place_next = (len(self.top_id_vecs[lid]) == 1
-                             and self.bottom_id_vecs[lid + 1] == self.top_id_vecs[lid]
-                             and self.top_id_vecs[lid + 1] == self.top_id_vecs[lid])
-            if not in_place_next:
-                continue
-            if (hasattr(a, "fuse_relu") and b.type == "ReLU"
-                    and b.layer_param.relu_param.negative_slope == 0
-                    and (a.type != "Eltwise" or a._fusable(self.bottom_vecs[lid],
-                                                             self.top_vecs[lid]))):
-                a.fuse_relu = b
-                self._fused.append((lid, a, b, "fuse_relu"))
-            elif (hasattr(a, "fuse_scale") and b.type == "Scale" and not a.use_global_stats
-                    and len(b.blobs) >= 1 and b.per_channel(self.bottom_vecs[lid + 1])):
-                a.fuse_scale = b
-                b.fused_into_bn = True
-                self._fused.append((lid, a, b, "fuse_scale"))
+    def _find_fusions(self):
+        """The fused layer types of this net (layers/fused.py): pairs of adjacent layers the
+        GPU engine computes as one, each logged once here.  The layers stay in the net."""
+        from .layers.fused import BatchNormScale, find_fusions
+        layers = self.layers
 
-    def _plan_fusion(self, start, end):
-        """Fuse a pair only when this pass runs both of its layers."""
-        for lid, a, b, attr in self._fused:
-            setattr(a, attr, b if start <= lid and lid + 1 <= end else None)
-            b.relu_done = b.relu_bwd_done = b.scale_done = b.scale_bwd_done = False
+        def per_channel(i):
+            return len(layers[i].blobs) >= 1 and layers[i].per_channel(self.bottom_vecs[i])
+
+        self.fusions = []
+        for i, kind in find_fusions(self.net_param.layer, lambda i: layers[i].engine_name,
+                                    lambda i: layers[i].use_global_stats, per_channel):
+            if kind is BatchNormScale and self.layer_need_backward[i + 1] and not (
+                    self.layer_need_backward[i] and self.bottom_need_backward[i][0]):
+                continue    # the Scale's gradients come from a BatchNorm backward that runs
+            pair = kind(i, layers[i], layers[i + 1])
+            self.fusions.append(pair)
+            log.info("Fused layer type %s: %s and %s", pair.type, *pair.names)
+        self._fusion_at = {f.index: f for f in self.fusions}
+        self._fused_pass = set()
+
+    def fusion_of(self, i):
+        """(the fused pair layer ``i`` belongs to, 0 for its first layer or 1 for its
+        second), or (None, None)."""
+        f = self._fusion_at.get(i)
+        if f is not None:
+            return f, 0
+        f = self._fusion_at.get(i - 1)
+        return (f, 1) if f is not None else (None, None)
+
+    def _begin_forward(self, start, end):
+        """The pairs a forward over layers [start, end] may fuse (GPU only, both layers in
+        the pass), by first index; which did is recorded for the backward."""
+        self._fused_pass = set()
+        if not self.fusions or not context.is_gpu():
+            return {}
+        return {i: f for i, f in self._fusion_at.items() if start <= i and i + 1 <= end}
+
+    def _forward_layer(self, i, fused, body_only=False):
+        """Layer i's forward, or its fused pair's; the weighted loss (0 for ``body_only``)."""
+        layer, bottom, top = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
+        if i - 1 in self._fused_pass:
+            layer.reshape(bottom, top)      # its body ran in its pair's fused call
+            return 0.0
+        pair = fused.get(i)
+        if pair is not None:
+            if pair.forward_body(bottom, top) if body_only else pair.forward(bottom, top):
+                self._fused_pass.add(i)
+            return 0.0
+        if body_only:
+            layer.forward_body(bottom, top)
+            return 0.0
+        return layer.forward(bottom, top)
+
+    def _backward_layer(self, i):
+        f, role = self.fusion_of(i)
+        if f is not None and f.index in self._fused_pass:
+            if role == 1 and f.fuses_backward:
+                return                      # part of its pair's fused backward
+            if role == 0:
+                f.backward(self.top_vecs[i], self.bottom_need_backward[i], self.bottom_vecs[i])
+                return
+        self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
+                                self.bottom_vecs[i])
 
     def _analyse_backward(self, param):
         under_loss, skip_backp = set(), set()
@@ -534,37 +567,71 @@ class Net:
     def forward_from_to(self, start=0, end=None):
         if end is None:
             end = len(self.layers) - 1
-        self._plan_fusion(start, end)
+        fused = self._begin_forward(start, end)
         loss = 0.0
         for i in range(start, end + 1):
-            for cb in self._before_forward:
-                cb(i)
-            loss += self.layers[i].forward(self.bottom_vecs[i], self.top_vecs[i])
-            if self.debug_info:
-                self._forward_debug_info(i)
-            for cb in self._after_forward:
-                cb(i)
+            loss += self.forward_layer(i, fused)
         return loss
+
+    def begin_pass(self):
+        """Start a forward over every layer run layer by layer (``forward_layer``, the
+        engine's eager executor); returns the fused pairs it may run."""
+        return self._begin_forward(0, len(self.layers) - 1)
+
+    def forward_layer(self, i, fused):
+        """Layer i's forward (or its fused pair's, ``fused``: what ``begin_pass`` gave)
+        with the Net's hooks and debug info around it; its weighted loss."""
+        for cb in self._before_forward:
+            cb(i)
+        loss = self._forward_layer(i, fused)
+        if self.debug_info:
+            self._forward_debug_info(i)
+        for cb in self._after_forward:
+            cb(i)
+        return loss
+
+    def backward_layer(self, i):
+        """Layer i's backward where it needs one (or its part of its fused pair's), with
+        the Net's hooks and debug info around it (the hooks run for every layer)."""
+        for cb in self._before_backward:
+            cb(i)
+        if self.layer_need_backward[i]:
+            self._backward_layer(i)
+            if self.debug_info:
+                self._backward_debug_info(i)
+        for cb in self._after_backward:
+            cb(i)
+
+    def end_pass(self):
+        """After a backward over every layer: the debug info's norms (as
+        ``forward_backward``)."""
+        if self.debug_info:
+            self._update_norms_log()
 
     def forward_device(self, start, end=None, ring_addr=0, counter=None, ring=1):
         """GPU: run layers [start, end] without reading anything back; each loss top adds
         sum(data * loss weight) into ``ring[counter % ring]`` (a float64 ring in mapped
         host memory at ``ring_addr``) on the device (engine/step.py)."""
-        from .kernels.step import loss_accumulate
         if end is None:
             end = len(self.layers) - 1
-        self._plan_fusion(start, end)
+        fused = self._begin_forward(start, end)
         for i in range(start, end + 1):
-            for cb in self._before_forward:
-                cb(i)
-            layer = self.layers[i]
-            layer.forward_body(self.bottom_vecs[i], self.top_vecs[i])
-            if ring_addr:
-                for j, t in enumerate(self.top_vecs[i]):
-                    if layer.loss(j):
-                        loss_accumulate(t.gpu_data(), t.gpu_diff(), ring_addr, counter, ring)
-            for cb in self._after_forward:
-                cb(i)
+            self.forward_layer_device(i, fused, ring_addr, counter, ring)
+
+    def forward_layer_device(self, i, fused, ring_addr=0, counter=None, ring=1):
+        """GPU: layer i's forward (or its fused pair's) with the hooks around it, nothing
+        read back; its loss tops add into the ring (see ``forward_device``)."""
+        from .kernels.step import loss_accumulate
+        for cb in self._before_forward:
+            cb(i)
+        layer = self.layers[i]
+        self._forward_layer(i, fused, body_only=True)
+        if ring_addr:
+            for j, t in enumerate(self.top_vecs[i]):
+                if layer.loss(j):
+                    loss_accumulate(t.gpu_data(), t.gpu_diff(), ring_addr, counter, ring)
+        for cb in self._after_forward:
+            cb(i)
 
     def forward_prefilled(self):
         """Run every layer; return the total weighted loss (Caffe's ``Forward(&loss)``)."""
@@ -574,15 +641,7 @@ class Net:
         if start is None:
             start = len(self.layers) - 1
         for i in range(start, end - 1, -1):
-            for cb in self._before_backward:
-                cb(i)
-            if self.layer_need_backward[i]:
-                self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
-                                        self.bottom_vecs[i])
-                if self.debug_info:
-                    self._backward_debug_info(i)
-            for cb in self._after_backward:
-                cb(i)
+            self.backward_layer(i)
 
     def forward_backward(self):
         loss = self.forward_prefilled()

@@ -44,6 +44,7 @@ import collections
 import numpy as np
 
 from . import backend, context, log
+from .config import offload_settings
 from .errors import ConfigError
 from .gpu.host import HostMemory
 from .proto import caffe_pb2
@@ -82,14 +83,9 @@ def parse_policy(text):
 
 
 def settings(net_param, config=None):
-    """(policy name, budget bytes) for a NetParameter; a run's ``config`` (RunConfig: the
-    command line's ``--offload`` and ``--gpu_mem_limit``) overrides each field it sets."""
-    p = net_param.offload_param
-    over_policy = config.offload_policy if config is not None else None
-    over_budget = config.offload_budget if config is not None else None
-    policy = over_policy or _P.Policy.Name(p.policy)
-    budget = over_budget if over_budget is not None else int(p.gpu_memory_budget)
-    return policy, budget
+    """(policy name, budget bytes) for a NetParameter under a run's ``config`` (see
+    ``config.offload_settings``, where the Net reads them too)."""
+    return offload_settings(net_param, config)
 
 
 def check_solver(solver):
@@ -621,8 +617,7 @@ class Offloader:
         hist = len(step.solver.history_flat)
         if policy == "DYNAMIC":
             if not budget:
-                total = backend.cp.cuda.runtime.getDeviceProperties(
-                    backend.cp.cuda.runtime.getDevice())["totalGlobalMem"]
+                total = backend.device_properties(backend.current_device())["totalGlobalMem"]
                 budget = int(total * DEFAULT_BUDGET_SHARE)
             none = build(net, "NONE", 0, hist)
             if none.peak <= budget:
@@ -670,11 +665,10 @@ class Offloader:
         net._offloader = self
 
     def _use(self, oplan):
-        cp = backend.cp
         self.oplan = oplan
         self.table = oplan.tables()
         self.slab = HostSlab(oplan.host_bytes)
-        ev = lambda: cp.cuda.Event(block=False, disable_timing=True)  # noqa: E731
+        ev = lambda: backend.new_event(timing=False)  # noqa: E731
         self.host = {}
         self.out_done, self.in_done = {}, {}
         for e in oplan.entries:
@@ -704,10 +698,10 @@ class Offloader:
     def begin(self):
         self.active = True
         self.used = [False, False]
-        self.compute = backend.cp.cuda.get_current_stream()
+        self.compute = backend.current_stream()
         if self.profiling:
             n = 2 * len(self.net.layers)
-            Ev = backend.cp.cuda.Event
+            Ev = backend.new_event
             self.marks = [(Ev(), Ev()) for _ in range(n)]
 
     def end(self):
@@ -726,17 +720,10 @@ class Offloader:
         """Each offloaded buffer's host side is its slot (newest after the step's copies),
         with no device side: what the host reads after a step is Caffe's value."""
         for e in self.oplan.entries:
-            m, h = e.buf.mem, self.host[id(e)]
-            if m._gpu is None and m._cpu is h:
-                continue
-            m.set_cpu_data(h)
-            m.release_gpu()
-            m.planned = False
+            e.buf.mem.park(self.host[id(e)])
 
     def _point(self, e, view):
-        m = e.buf.mem
-        m.set_gpu_data(view)
-        m.planned = True
+        e.buf.mem.bind_device(view, keep_contents=False)
 
     def _before(self, s):
         if not self.active:
@@ -791,12 +778,11 @@ class Offloader:
         finally:
             self.profiling = False
         self.compute.synchronize()
-        cp = backend.cp
         first = n_prologue(self.net)
         times = [0.0] * len(self.marks)
         for s, (a, b) in enumerate(self.marks):
             if s >= first and s < 2 * len(self.net.layers) - first:
-                times[s] = cp.cuda.get_elapsed_time(a, b) * 1e-3
+                times[s] = backend.elapsed_ms(a, b) * 1e-3
         self.marks = None
         self.times = times
         step = self.step
@@ -813,9 +799,8 @@ class Offloader:
         self._use(op)
         kept = {id(e.buf.mem) for e in op.entries}
         for e in old:                # no host side may point into the old slab
-            m = e.buf.mem
-            if id(m) not in kept and not m._own_cpu:
-                m._cpu = None
+            if id(e.buf.mem) not in kept:
+                e.buf.mem.drop_host()
         self.attach()
         del old_slab
         self.pending_profile = False
@@ -826,4 +811,4 @@ _D2H, _H2D = 2, 1   # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
 
 
 def _memcpy(dst, src, nbytes, kind, stream):
-    backend.cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+    backend.memcpy_async(dst, src, nbytes, kind, stream)

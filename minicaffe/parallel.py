@@ -216,12 +216,7 @@ def root_only_logging():
 
 # -- one rank ----------------------------------------------------------------------------------------
 def _high_priority_stream():
-    cp = backend.cp
-    try:
-        _, greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()
-        return cp.cuda.Stream(non_blocking=True, priority=greatest)
-    except (TypeError, AttributeError):  # pragma: no cover - older CuPy
-        return cp.cuda.Stream(non_blocking=True)
+    return backend.new_stream(non_blocking=True, priority="highest")
 
 
 def _capturing(stream):
@@ -343,8 +338,8 @@ class P2PSync:
             for line in describe_plan(self.plan, net, self.flat.dtype.itemsize):
                 log.info("P2PSync: %s", line)
         if self.gpu:
-            cp = backend.cp
-            self.compute = cp.cuda.get_current_stream()
+            cp = backend.gpu_module()
+            self.compute = backend.current_stream()
             self.comm_stream = _high_priority_stream()
             self._ctrl_dev = [cp.zeros(2, np.float32) for _ in range(2)]
             self._ctrl_send = [backend.alloc_host(2, np.float32, pinned=True) for _ in range(2)]
@@ -386,7 +381,7 @@ class P2PSync:
             return self.comm.allreduce_host(values)
         if self.host_comm is not None:
             return self.host_comm.allreduce_host(values)
-        current = backend.cp.cuda.get_current_stream()
+        current = backend.current_stream()
         for stream in {id(current): current, id(self.compute): self.compute}.values():
             self.comm_stream.wait_event(stream.record())
         with self.comm_stream:
@@ -425,7 +420,7 @@ class P2PSync:
                 self._reduce(b)
             return
         # the stream the backward runs on (the null stream, or a GPU step's own stream)
-        self.compute = backend.cp.cuda.get_current_stream()
+        self.compute = backend.current_stream()
         bwd_end = None
         if layer_index == 0 and self.manager.measure and not _capturing(self.compute):
             bwd_end = self.compute.record()
@@ -479,8 +474,7 @@ class P2PSync:
                 if self._events is not None:  # the previous iteration's: complete
                     bwd_end, done = self._events
                     bwd_end.synchronize()
-                    self.exposed_ms.append(max(0.0, backend.cp.cuda.get_elapsed_time(
-                        bwd_end, done)))
+                    self.exposed_ms.append(max(0.0, backend.elapsed_ms(bwd_end, done)))
             self._events, self._events_now = self._events_now, None
             self._ctrl_send[slot][...] = vals
             # after this iteration's reductions (and in a captured graph, after its launch)

@@ -252,7 +252,7 @@ def check_multi_gpu(gpus):
     if dups:
         raise MinicaffeError(f"GPU {dups[0]} is listed more than once in --gpu "
                              f"{','.join(map(str, gpus))}")
-    if backend.cp is None:
+    if not backend.cupy_available():
         raise MinicaffeError(f"--gpu {','.join(map(str, gpus))}: multi-GPU training needs "
                              f"CuPy: {backend.why_no_gpu()}")
     if nccl_module() is None:

@@ -245,9 +245,8 @@ class Timer:
             return
         self._gpu = context.is_gpu()
         if self._gpu:
-            cp = backend.cp
             if self._ev0 is None:
-                self._ev0, self._ev1 = cp.cuda.Event(), cp.cuda.Event()
+                self._ev0, self._ev1 = backend.new_event(), backend.new_event()
             self._ev0.record()
         else:
             self._t0 = time.perf_counter()
@@ -260,7 +259,7 @@ class Timer:
         if self._gpu:
             self._ev1.record()
             self._ev1.synchronize()
-            self._elapsed_ms = float(backend.cp.cuda.get_elapsed_time(self._ev0, self._ev1))
+            self._elapsed_ms = float(backend.elapsed_ms(self._ev0, self._ev1))
         else:
             self._t1 = time.perf_counter()
             self._elapsed_ms = (self._t1 - self._t0) * 1e3
@@ -336,13 +335,13 @@ class NCCL:
 
     def bcast(self):
         """Broadcast the root's parameters to every rank."""
-        stream = backend.cp.cuda.get_current_stream()
+        stream = backend.current_stream()
         for b in self.params:
             self.comm.bcast(b.mutable_gpu_data(), 0, stream)
         stream.synchronize()
 
     def _allreduce(self, blobs):
-        stream = backend.cp.cuda.get_current_stream()
+        stream = backend.current_stream()
         for b in blobs:
             d = b.mutable_gpu_diff()
             self.comm.allreduce(d, stream)
@@ -362,6 +361,6 @@ class NCCL:
 
     def on_gradients_ready(self):
         if self._layer_wise():
-            backend.cp.cuda.get_current_stream().synchronize()
+            backend.current_stream().synchronize()
         else:
             self._allreduce(self.params)

@@ -1,6 +1,13 @@
 """One registry of layer classes, keyed by the prototxt ``type`` string, with Caffe's
 engine switch: a type may also have a cuDNN class, chosen at creation as Caffe's layer
-factory chooses (``engine: CUDNN``, or ``DEFAULT`` when cuDNN loads)."""
+factory chooses (``engine: CUDNN``, or ``DEFAULT`` when cuDNN loads).
+
+The engine is chosen once, here: a cuDNN class declares what of a layer's parameters it
+cannot compute as Caffe does (``cudnn_refuses(param)``: a leaky ReLU, STOCHASTIC
+pooling...), and such a layer is built with Caffe's class and one log line saying why.
+The class's ``engine_name`` says which was chosen ('CAFFE' or 'CUDNN').  What only a
+shape can tell (a pooling window clipped by Caffe's ceil-mode shape, an input of 3 axes)
+the cuDNN class still checks at reshape, running Caffe's body for that shape."""
 import difflib
 
 from . import log
@@ -30,6 +37,7 @@ def register_cudnn(type_name):
     """Class decorator: the cuDNN engine's class for layer type ``type_name``."""
     def deco(cls):
         cls.type = type_name
+        cls.engine_name = "CUDNN"
         _CUDNN[type_name] = cls
         return cls
     return deco
@@ -72,7 +80,14 @@ def choose_class(param):
         return cls
     ok, why = cudnn_available()
     if ok:
-        return alt
+        refused = alt.cudnn_refuses(param)
+        if refused is None:
+            return alt
+        _say_once(("cudnn-refuses", param.type, param.name),
+                  log.warning if engine == "CUDNN" else log.info,
+                  "layer '%s' (%s): cuDNN cannot compute it as Caffe does (%s): using "
+                  "Caffe's engine", param.name, param.type, refused)
+        return cls
     if engine == "CUDNN":
         _say_once(("cudnn-asked", param.type, param.name), log.warning,
                   "layer '%s' asks for engine CUDNN, but cuDNN is not available (%s); using "

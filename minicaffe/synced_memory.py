@@ -11,6 +11,13 @@ A side is allocated zero-filled on first touch.  ``set_cpu_data``/``set_gpu_data
 share memory the object does not own (and so never frees).  ``async_gpu_data``
 copies on a given stream from HEAD_AT_CPU and ends SYNCED.  ``release_gpu``
 drops the device side once the host holds the newest copy (for offload).
+
+The engine's transitions (a memory plan's arena, offload, CUDA graphs), the only ways
+code outside this module changes the state: ``bind_device(view)`` (the device side
+becomes a place in an arena: ``planned``), ``unbind_device(keep)`` (back out of it),
+``park(host)`` (a host slot becomes the newest side, no device side), ``drop_host()``
+(forget an adopted host side), ``device_written()`` (a replayed graph wrote the device
+side).
 """
 import numpy as np
 
@@ -60,6 +67,11 @@ class SyncedMemory:
         return self._own_gpu
 
     @property
+    def host_array(self):
+        """The host side as it is now, or None (never allocated): inspects, never moves."""
+        return self._cpu
+
+    @property
     def device_array(self):
         """The device side as it is now, or None when there is none (never allocated, or
         released by ``release_gpu``).  Unlike ``gpu_data`` it neither copies nor moves the
@@ -79,10 +91,10 @@ class SyncedMemory:
         self._own_gpu = True
 
     def _check_device(self):
-        if backend.cp is None:
+        if not backend.cupy_available():
             backend.check_device(0)
         if self.device is None:
-            self.device = backend.cp.cuda.runtime.getDevice()
+            self.device = backend.current_device()
 
     def to_cpu(self):
         if self.head == UNINITIALIZED:
@@ -132,7 +144,7 @@ class SyncedMemory:
 
     def set_gpu_data(self, array):
         """Use device ``array`` (not owned, never freed here) as the device side."""
-        array = self._check_shared(array, backend.cp)
+        array = self._check_shared(array, backend.gpu_module())
         self._gpu = array
         self._own_gpu = False
         self.planned = False
@@ -164,6 +176,55 @@ class SyncedMemory:
             self.head = HEAD_AT_CPU
         self._gpu = None
         self._own_gpu = False
+
+    # -- the engine's transitions (memory plan, offload, graphs) --------------------------
+    def bind_device(self, view, keep_contents=True):
+        """Make ``view`` (a device array of at least ``size`` elements: a place in a memory
+        plan's arena, not owned) the device side; ``keep_contents``: the newest contents
+        (host or device) are copied there first.  Ends HEAD_AT_GPU and ``planned``."""
+        if keep_contents:
+            if self.head == HEAD_AT_CPU:
+                backend.copy_to_gpu(view, self._cpu[:self.size])
+            elif self.head in (HEAD_AT_GPU, SYNCED) and self._gpu is not None:
+                view[...] = self._gpu[:self.size]
+        self.set_gpu_data(view)
+        self.planned = True
+
+    def unbind_device(self, keep):
+        """Leave the arena place ``bind_device`` gave (a no-op when none): ``keep`` brings
+        device-only contents to the host first (ends HEAD_AT_CPU, the host copy newest);
+        otherwise device-only contents are transient and dropped (ends UNINITIALIZED)."""
+        if self._gpu is None or not self.planned:
+            return
+        if self.head == HEAD_AT_GPU and keep:
+            self.to_cpu()                # SYNCED now
+        if self.head == SYNCED:
+            self.release_gpu()           # HEAD_AT_CPU: the host copy is the newest
+        else:
+            self._gpu, self._own_gpu = None, False
+            if self.head == HEAD_AT_GPU:
+                self.head = UNINITIALIZED
+        self.planned = False
+
+    def park(self, host):
+        """Make host array ``host`` (not owned: an offload slot holding the newest
+        contents) the host side and drop the device side: HEAD_AT_CPU, not planned."""
+        if self._gpu is None and self._cpu is host:
+            return
+        self.set_cpu_data(host)
+        self.release_gpu()
+        self.planned = False
+
+    def drop_host(self):
+        """Forget a host side this memory does not own (it points into a buffer about to
+        be freed); an owned one stays."""
+        if not self._own_cpu:
+            self._cpu = None
+
+    def device_written(self):
+        """The device side was written behind this object's back (a replayed CUDA graph
+        ran the kernels that write it): the head moves to the GPU."""
+        self.head = HEAD_AT_GPU
 
     def __repr__(self):
         return f"SyncedMemory({self.size}, {self.dtype}, {self.head})"

@@ -9,7 +9,8 @@ module, the line and the rule it breaks:
 - ``gpu/`` holds bindings: it imports nothing of layers, solvers, engine, offload, net,
   parallel;
 - layers know nothing of the engine, other GPUs or offload;
-- the Net does not import ``gpu/``;
+- the Net does not import ``gpu/``, nor the engine above it (offload, engine, solvers,
+  parallel);
 - backend and context (the core) do not import ``gpu/``.
 """
 import ast
@@ -81,6 +82,9 @@ def _rules(name):
                       "layers know nothing of the engine, other GPUs or offload"))
     if name == m + "net":
         rules.append(((m + "gpu",), "the Net does not import gpu/"))
+        rules.append(((m + "offload", m + "engine", m + "solvers", m + "parallel"),
+                      "the Net knows nothing of the engine above it (offload, engine, "
+                      "solvers, parallel)"))
     if name in (m + "backend", m + "context"):
         rules.append(((m + "gpu",), "the core (backend, context) does not import gpu/"))
     return rules
@@ -114,6 +118,8 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 
 @pytest.mark.parametrize("name,imported,allowed", [
     ("minicaffe.net", "minicaffe.gpu.cudnn", False),
+    ("minicaffe.net", "minicaffe.offload", False),
+    ("minicaffe.net", "minicaffe.engine.schedule", False),
     ("minicaffe.gpu.plan", "minicaffe.layers.cudnn_layers", False),
     ("minicaffe.layers.vision", "minicaffe.offload", False),
     ("minicaffe.context", "minicaffe.gpu.pool", False),
@@ -126,3 +132,82 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 def test_the_rules_forbid_what_they_say(name, imported, allowed):
     hit = any(_under(imported, *f) for f, _ in _rules(name))
     assert hit != allowed
+
+
+# -- SyncedMemory's state changes only through its own methods ---------------------------------
+# its private fields; ``head`` and ``planned`` may be read anywhere but set only by it
+SYNCED_PRIVATE = ("_cpu", "_gpu", "_own_cpu", "_own_gpu", "_pinned")
+SYNCED_SET_ONLY_BY_ITSELF = ("head", "planned")
+
+
+def _private_state_uses(path):
+    """[(line, what)]: a SyncedMemory private field reached on an object other than
+    ``self`` (another class's own ``self._gpu`` is its business), or ``head``/``planned``
+    assigned on an object other than ``self``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner_is_self = isinstance(node.value, ast.Name) and node.value.id == "self"
+        if node.attr in SYNCED_PRIVATE and not owner_is_self:
+            out.append((node.lineno, f"reads or writes .{node.attr}"))
+        elif node.attr in SYNCED_SET_ONLY_BY_ITSELF and isinstance(node.ctx, ast.Store) \
+                and not owner_is_self:
+            out.append((node.lineno, f"sets .{node.attr}"))
+    return out
+
+
+def test_nothing_else_touches_synced_memorys_private_state():
+    """The memory plan, the offloader and the GPU step move a SyncedMemory through its
+    public transitions (bind_device, unbind_device, park, drop_host, device_written)."""
+    bad = []
+    for name, path in MODULES.items():
+        if name == "minicaffe.synced_memory":
+            continue
+        bad += [f"{path.relative_to(PKG.parent)}:{line}: {what} of another object "
+                f"(a SyncedMemory's state changes through its own methods)"
+                for line, what in _private_state_uses(path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_state_checker_sees_what_it_says(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(m, self):\n    m._gpu = None\n    x = m._cpu\n    m.head = 1\n"
+                   "    y = m.head\n    self._gpu = 2\n    self.head = 3\n")
+    assert [l for l, _ in _private_state_uses(src)] == [2, 3, 4]
+
+
+# -- the raw cupy module stays in backend.py and gpu/ -----------------------------------------
+def _raw_cupy_uses(name, path):
+    """[(line, what)]: ``backend.cp`` (the cupy module itself), ``cp.cuda`` (its runtime),
+    or ``cp`` imported from backend."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "backend" and node.attr == "cp":
+                out.append((node.lineno, "backend.cp"))
+            elif node.value.id == "cp" and node.attr == "cuda":
+                out.append((node.lineno, "cp.cuda"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("backend") \
+                and any(a.name == "cp" for a in node.names):
+            out.append((node.lineno, "imports cp from backend"))
+    return out
+
+
+def test_the_raw_cupy_module_is_used_only_in_backend_and_gpu():
+    """Outside backend.py and gpu/, the device is reached through backend's named calls
+    (gpu_module, new_stream, new_event, elapsed_ms, device_properties...)."""
+    bad = []
+    for name, path in MODULES.items():
+        if name == "minicaffe.backend" or _under(name, "minicaffe.gpu"):
+            continue
+        bad += [f"{path.relative_to(PKG.parent)}:{line}: {what} (use a named function of "
+                f"backend.py or gpu/)" for line, what in _raw_cupy_uses(name, path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_raw_cupy_checker_sees_what_it_says(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from .backend import cp\nx = backend.cp\ny = cp.cuda.Event()\n"
+                   "z = backend.gpu_module()\nw = cp.zeros(3)\n")
+    assert [l for l, _ in _raw_cupy_uses("minicaffe.m", src)] == [1, 2, 3]

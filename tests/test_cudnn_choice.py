@@ -80,7 +80,7 @@ def test_workspace_limit_caps_every_convolution(monkeypatch):
 def test_find_limit_half_the_free_memory_less_for_offloading_nets(monkeypatch):
     from types import SimpleNamespace as NS
     from minicaffe.layers import cudnn_layers
-    fake = NS(cp=NS(cuda=NS(runtime=NS(memGetInfo=lambda: (64 * GiB, 80 * GiB)))))
+    fake = NS(device_memory=lambda: (64 * GiB, 80 * GiB))   # backend's (free, total)
     monkeypatch.setattr(cudnn_layers, "backend", fake)
     monkeypatch.delenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", raising=False)
     assert cudnn_layers.find_limit() == 32 * GiB
@@ -101,4 +101,47 @@ def test_nets_that_offload_set_up_their_layers_under_the_offload_find_limit(
         net = Net(f.name, phase=0)
     finally:
         os.unlink(f.name)
-    assert [layer.offloading for layer in net.layers] == [expected]
+    assert [layer.config.offloads for layer in net.layers] == [expected]
+
+
+def test_the_registry_chooses_the_engine_once_with_one_line_when_cudnn_cannot(
+        monkeypatch, caplog):
+    """With cuDNN available (stood in for on the CPU), a layer whose parameters cuDNN
+    cannot compute as Caffe does is built with Caffe's class at creation, saying why in
+    one line; the others get the cuDNN class."""
+    import logging
+    from minicaffe import registry
+    from minicaffe.testing import make_layer
+    monkeypatch.setattr(registry, "cudnn_available", lambda: (True, ""))
+    cases = [('name: "r0" type: "ReLU"', "CUDNN", None),
+             ('name: "r1" type: "ReLU" relu_param { negative_slope: 0.1 }', "CAFFE",
+              "negative_slope 0.1"),
+             ('name: "p0" type: "Pooling" pooling_param { pool: MAX kernel_size: 2 }', "CUDNN",
+              None),
+             ('name: "p1" type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 2 }',
+              "CAFFE", "STOCHASTIC pooling"),
+             ('name: "n0" type: "LRN" lrn_param { local_size: 5 }', "CUDNN", None),
+             ('name: "n1" type: "LRN" lrn_param { local_size: 17 }', "CAFFE",
+              "local_size 17 outside 1-16"),
+             ('name: "n2" type: "LRN" lrn_param { local_size: 3 norm_region: WITHIN_CHANNEL }',
+              "CAFFE", "WITHIN_CHANNEL"),
+             ('name: "b0" type: "BatchNorm"', "CUDNN", None),
+             ('name: "b1" type: "BatchNorm" batch_norm_param { eps: 0 }', "CAFFE", "eps 0 <= 0"),
+             ('name: "s0" type: "Sigmoid"', "CUDNN", None)]
+    for text, engine, why in cases:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            layer = make_layer(text)
+            make_layer(text)     # a second build of the same layer says nothing more
+        assert layer.engine_name == engine, text
+        lines = [r.getMessage() for r in caplog.records if "cuDNN cannot" in r.getMessage()]
+        if why is None:
+            assert lines == [], text
+        else:
+            name = text.split('"')[1]
+            assert lines == [f"layer '{name}' ({layer.type}): cuDNN cannot compute it as Caffe "
+                             f"does ({why}): using Caffe's engine"], (text, lines)
+    # engine: CAFFE is Caffe's class without a word; without cuDNN, Caffe's too
+    assert make_layer('type: "ReLU" relu_param { engine: CAFFE }').engine_name == "CAFFE"
+    monkeypatch.setattr(registry, "cudnn_available", lambda: (False, "no GPU"))
+    assert make_layer('name: "r9" type: "ReLU"').engine_name == "CAFFE"

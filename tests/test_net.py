@@ -479,3 +479,38 @@ def test_top_rewritten_marks_layers_whose_top_a_later_layer_rewrites_in_place():
     flags = {n: net.layer_by_name(n).top_rewritten for n in net.layer_names}
     assert flags == {"data": False, "conv": True, "relu": False, "pool": True, "drop": False,
                      "out": False}
+
+
+BN_NET = """
+name: "bn"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 6 dim: 3 dim: 4 dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "%s" }
+layer { name: "ip" type: "InnerProduct" bottom: "%s" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+"""
+
+
+def test_training_batchnorm_in_place_reads_a_blob_of_its_own_on_every_device():
+    """A training BatchNorm in place on the layer before it reads ``<bn>_input``: the same
+    blob names as on the GPU, and the same numbers as the net written out of place."""
+    x = np.random.RandomState(0).randn(6, 3, 4, 4).astype(np.float32)
+    results = []
+    for top in ("conv", "bnout"):
+        caffe.set_random_seed(5)
+        net = Net(BN_NET % (top, top), phase=caffe_pb2.TRAIN)
+        net.blobs["data"].data[...] = x
+        net.forward()
+        net.blobs["ip"].diff[...] = 1.0
+        net.backward()
+        results.append((net, [net.blobs[top].data.copy(), net.blobs["ip"].data.copy()] +
+                        [p.diff.copy() for p in net.learnable_params]))
+    in_place, plain = results
+    assert list(in_place[0].blobs) == ["data", "bn_input", "conv", "ip"]
+    assert list(plain[0].blobs) == ["data", "conv", "bnout", "ip"]
+    for a, b in zip(in_place[1], plain[1]):
+        np.testing.assert_array_equal(a, b)
+    # a testing net keeps the BatchNorm in place (no copy of its input is needed)
+    test_net = Net(BN_NET % ("conv", "conv"), phase=caffe_pb2.TEST)
+    assert list(test_net.blobs) == ["data", "conv", "ip"]

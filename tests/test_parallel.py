@@ -488,11 +488,18 @@ def test_a_nan_loss_in_one_rank_ends_every_rank(tmp_path, monkeypatch):
     param.ClearField("test_iter")
     orig = parallel.P2PSync.on_start
 
+    hooked = []
+
     def on_start(self):
         net = self.solver.net
-        if self.rank == 1 and "forward_backward" not in vars(net):   # once, at iteration 0
-            fb = net.forward_backward
-            net.forward_backward = lambda: float("nan") if self.solver.iter == 4 else fb()
+        if self.rank == 1 and net not in hooked:   # once, at iteration 0: rank 1's input
+            hooked.append(net)                     # turns nan at iteration 4 (a Net hook)
+            solver = self.solver
+
+            def poison(i):
+                if i == 0 and solver.iter == 4:
+                    net.blobs["data"].data[...] = np.nan
+            net.add_hook("after_forward", poison)
         orig(self)
     monkeypatch.setattr(parallel.P2PSync, "on_start", on_start)
     with pytest.raises(parallel.ParallelError, match="^rank 1 .*Iteration 4: the loss is nan"):

@@ -116,3 +116,43 @@ class TestGPU:
         m.release_gpu()
         assert m.head == HEAD_AT_CPU and m.device_array is None
         assert float(m.gpu_data().sum()) == 40
+
+
+# -- the engine's transitions (a memory plan's arena, offload, graphs) ------------------------
+def test_bind_unbind_park_with_numpy_standing_in_for_the_device(monkeypatch):
+    """The transitions the memory plan and the offloader use, with numpy arrays standing in
+    for device arrays (the copies are the host's; the states are the point)."""
+    from minicaffe import backend
+    monkeypatch.setattr(backend, "copy_to_gpu", lambda dst, src, stream=None:
+                        dst.__setitem__(Ellipsis, src))
+    monkeypatch.setattr(backend, "copy_to_host", lambda dst, src, stream=None:
+                        dst.__setitem__(Ellipsis, src))
+    monkeypatch.setattr(backend, "cp", np)
+    m = SyncedMemory(4, np.float32)
+    m.mutable_cpu_data()[...] = [1, 2, 3, 4]
+    arena = np.zeros(8, np.float32)
+    m.bind_device(arena[2:6])                       # the newest contents go with it
+    assert m.head == HEAD_AT_GPU and m.planned and not m.owns_gpu_data
+    np.testing.assert_array_equal(arena[2:6], [1, 2, 3, 4])
+    arena[2:6] += 10                                # the step writes the arena
+    m.unbind_device(keep=True)                      # kept: back to the host
+    assert m.head == HEAD_AT_CPU and not m.planned and m.device_array is None
+    np.testing.assert_array_equal(m.cpu_data(), [11, 12, 13, 14])
+    d = SyncedMemory(4, np.float32)
+    d.bind_device(arena[4:], keep_contents=False)
+    d.unbind_device(keep=False)                     # transient (a diff): dropped
+    assert d.head == UNINITIALIZED and d.device_array is None and not d.planned
+    m.cpu_data()
+    m.unbind_device(keep=False)                     # not bound: nothing happens
+    assert m.head == HEAD_AT_CPU
+    # offload: a host slot becomes the newest side, the device side goes
+    slot = np.full(4, 7, np.float32)
+    m.bind_device(arena[:4], keep_contents=False)
+    m.park(slot)
+    assert m.head == HEAD_AT_CPU and m.host_array is slot and m.device_array is None
+    assert not m.planned and not m.owns_cpu_data
+    m.drop_host()                                   # the slab is about to be freed
+    assert m.host_array is None
+    m.bind_device(arena[:4], keep_contents=False)
+    m.device_written()
+    assert m.head == HEAD_AT_GPU

@@ -420,7 +420,7 @@ class BasePrefetchingDataLayer(BaseDataLayer):
             self._wait_events[-1][1].synchronize()
         while self._wait_events and self._wait_events[0][1].done:
             e0, e1 = self._wait_events.pop(0)
-            self._gpu_wait_ms += backend.cp.cuda.get_elapsed_time(e0, e1)
+            self._gpu_wait_ms += backend.elapsed_ms(e0, e1)
 
     def data_wait(self):
         """{'batches', 'host_wait_s', 'gpu_wait_ms'}: how long forward waited for the thread

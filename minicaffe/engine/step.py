@@ -35,8 +35,9 @@ from ..blob import Blob
 from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
+from .schedule import run_device, schedule_for
 from ..solvers.fused import FusedUpdate
-from ..synced_memory import SyncedMemory, HEAD_AT_CPU, HEAD_AT_GPU
+from ..synced_memory import SyncedMemory, HEAD_AT_CPU
 
 RING = 64
 N_SCALARS = 2   # learning rate, Adam's bias correction
@@ -57,7 +58,7 @@ class GpuStep:
     """The GPU iteration of ``solver`` (see the module docstring)."""
 
     def __init__(self, solver, graphs=True):
-        cp = backend.cp
+        cp = backend.gpu_module()
         self.solver = solver
         net = self.net = solver.net
         self.update = FusedUpdate(solver)
@@ -90,6 +91,7 @@ class GpuStep:
             for t in net.top_vecs[i]:
                 produced.add(id(t))
         self.input_blobs = inputs
+        self.schedule = schedule_for(net)     # one pass: the solver loops over iter_size
         reason = why_not_capturable(net, n)
         if reason is None and self.iter_size > 1 and solver.config.world_size > 1:
             # the all-reduce runs in the last of iter_size passes only: a pass's graph
@@ -150,7 +152,7 @@ class GpuStep:
         self.norms.host[slot] = 0.0
         self.pending.append([None, slot, None])
         # work queued on the default stream (a test pass, user code) comes first
-        self.stream.wait_event(backend.cp.cuda.Stream.null.record())
+        self.stream.wait_event(backend.null_stream().record())
 
     def forward_backward(self, first, with_update):
         net = self.net
@@ -188,7 +190,7 @@ class GpuStep:
     def end(self, iteration):
         """Finish iteration ``iteration``: later default-stream work waits for it."""
         ev = self.stream.record()
-        backend.cp.cuda.Stream.null.wait_event(ev)
+        backend.null_stream().wait_event(ev)
         if self.pending and self.pending[-1][0] is None:
             self.pending[-1][0] = iteration
             self.pending[-1][2] = ev
@@ -235,8 +237,9 @@ class GpuStep:
             off = self.offload
             if off is not None:          # the offload copies run from the layer hooks
                 off.begin()
-            net.forward_device(self.first_body, None, self.losses.ptr, self.counter, RING)
-            net.backward_from_to()
+            # the schedule's forward and backward ops (engine/schedule.py)
+            run_device(self.schedule, net, self.first_body, self.losses.ptr, self.counter,
+                       RING)
             if off is not None:
                 off.end()
             if with_update:
@@ -286,7 +289,7 @@ class GpuStep:
                 return
         g.launch(self.stream)
         for m in self.mems:
-            m.head = HEAD_AT_GPU
+            m.device_written()
         if off is not None:
             off.park()
 

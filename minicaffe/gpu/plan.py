@@ -7,8 +7,9 @@ data or diff, counted once however many blobs share it (Split, Flatten and in-pl
 layers share) -- is live from the first step that writes it to the last that reads it:
 
 - data: written by its producers' forward; read by its consumers' forward and by the
-  backward of every layer that says it needs it (``Layer.backward_reads``: a convolution
-  reads its bottom, a ReLU its bottom, a max pooling with a mask neither...);
+  backward of every layer that declares it retains it (``Layer.retain_inputs`` and
+  ``retain_outputs``: a convolution reads its bottom, a ReLU its bottom, a max pooling
+  with a mask neither...);
 - diff: written by its consumers' backward, read by its producers' backward;
 - kept for the whole iteration: what the data layers write (the inputs), what the host
   reads after the iteration (outputs, losses), and the loss weights kept in loss diffs;
@@ -35,6 +36,33 @@ def _aligned(n):
     return (int(n) + ALIGN - 1) // ALIGN * ALIGN
 
 
+def retained(layer, bottom, top):
+    """(bottom indices, top indices) whose data ``layer``'s backward reads: its
+    declarations ``retain_inputs``/``retain_outputs`` (None: all)."""
+    rb, rt = layer.retain_inputs, layer.retain_outputs
+    return (range(len(bottom)) if rb is None else rb), (range(len(top)) if rt is None else rt)
+
+
+def _fusion(net, i):
+    """(fused pair, role) of layer i in ``net`` (layers/fused.py), or (None, None)."""
+    fusion_of = getattr(net, "fusion_of", None)
+    return fusion_of(i) if fusion_of is not None else (None, None)
+
+
+def _backward_reads(net, i):
+    """What the backward step of layer i reads: its declarations, as its fused pair (if
+    any) changes them (the pair's own reads added to its first layer's; nothing for a
+    second layer whose backward the pair does)."""
+    layer, bot, top = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
+    f, role = _fusion(net, i)
+    if role == 1 and not f.second_backward_runs:
+        return (), ()
+    rb, rt = retained(layer, bot, top)
+    if role == 0 and f.retain_outputs:
+        rt = sorted(set(rt) | set(f.retain_outputs))
+    return rb, rt
+
+
 class Buffer:
     __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned",
                  "writes", "reads", "bwd_reads", "part", "view")
@@ -48,7 +76,7 @@ class Buffer:
         self.offset = None
         self.pinned = False   # alive for the whole iteration
         # data: the forward steps that write it (producer, in-place layers) and read it,
-        # the backward steps that read it (``Layer.backward_reads``)
+        # the backward steps that read it (``Layer.retain_inputs``/``retain_outputs``)
         self.writes, self.reads, self.bwd_reads = [], [], []
         # None, or which life of a split buffer this is ("forward", "backward": offload);
         # a part's device side is pointed at ``view`` by whoever split it, not by apply()
@@ -113,7 +141,7 @@ class MemoryPlan:
                 step = 2 * L - 1 - i
                 layer = net.layers[i]
                 bot, top = net.bottom_vecs[i], net.top_vecs[i]
-                rb, rt = layer.backward_reads(bot, top)
+                rb, rt = _backward_reads(net, i)
                 read = [bot[j].data_mem for j in rb] + [top[j].data_mem for j in rt]
                 for b in {id(m): bufs[id(m)] for m in read}.values():
                     b.touch(step)
@@ -182,11 +210,15 @@ class MemoryPlan:
         self.state_bytes = 0
         for i, layer in enumerate(net.layers):
             bot, top = net.bottom_vecs[i], net.top_vecs[i]
-            st = int(layer.state_bytes(bot, top)) if self.train else 0
+            f, role = _fusion(net, i)
+            kept = self.train and not (role == 1 and not f.second_backward_runs)
+            st = int(layer.state_bytes(bot, top)) if kept else 0
             self.state_bytes += st
             data = sum(t.data_mem.size * t.dtype.itemsize for t in top)
             params = sum(b.count() * b.dtype.itemsize for b in layer.blobs)
-            self.rows.append({"layer": net.layer_names[i], "type": layer.type, "top_data": data,
+            # a fused pair shows its type on its first layer, its second marked "fused"
+            kind = layer.type if f is None else f.type if role == 0 else f"{layer.type} (fused)"
+            self.rows.append({"layer": net.layer_names[i], "type": kind, "top_data": data,
                               "state": st, "params": params})
         self.scratch_bytes = max((int(getattr(l, "scratch_bytes", lambda b, t: 0)(
             net.bottom_vecs[i], net.top_vecs[i])) for i, l in enumerate(net.layers)), default=0)
@@ -201,7 +233,6 @@ class MemoryPlan:
         """Allocate the arena on the current device and point every planned buffer at its
         place (contents that must survive are copied there: inputs written on the host,
         say)."""
-        from ..synced_memory import HEAD_AT_CPU, HEAD_AT_GPU, SYNCED
         cp = backend.cp
         free, total = cp.cuda.runtime.memGetInfo()
         if self.peak > total:
@@ -216,12 +247,7 @@ class MemoryPlan:
             if b.part is not None:
                 b.view = view      # the offload schedule points the memory here and back
                 continue
-            if m.head == HEAD_AT_CPU:
-                view.set(m._cpu[:m.size])
-            elif m.head in (HEAD_AT_GPU, SYNCED) and m._gpu is not None:
-                view[...] = m._gpu[:m.size]
-            m.set_gpu_data(view)
-            m.planned = True
+            m.bind_device(view)
         for blob in self.net._blobs:
             blob.drop_views()
 
@@ -229,23 +255,12 @@ class MemoryPlan:
         """Give the arena back (before another plan of the same net is applied): what
         lives the whole iteration (inputs written on the host, say) is brought to the
         host first, so that the next ``apply()`` puts it in its new place."""
-        from ..synced_memory import HEAD_AT_GPU, SYNCED, UNINITIALIZED
         if getattr(self, "arena", None) is None:
             return
         for b in self.buffers:
-            m = b.mem
             b.view = None
-            if b.part is not None or m._gpu is None or not m.planned:
-                continue
-            if m.head == HEAD_AT_GPU and b.start == 0 and b.end == self.steps:
-                m.to_cpu()               # SYNCED now
-            if m.head == SYNCED:
-                m.release_gpu()          # HEAD_AT_CPU: the host copy is the newest
-            else:                        # transient contents (diffs): nothing to keep
-                m._gpu, m._own_gpu = None, False
-                if m.head == HEAD_AT_GPU:
-                    m.head = UNINITIALIZED
-            m.planned = False
+            if b.part is None:     # what lives the whole iteration is kept; diffs are not
+                b.mem.unbind_device(keep=b.start == 0 and b.end == self.steps)
         for blob in self.net._blobs:
             blob.drop_views()
         self.arena = None

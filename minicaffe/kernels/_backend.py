@@ -32,7 +32,7 @@ NVRTC_OPTIONS = ("--fmad=false",)
 def _cupy():
     """The ``cupy`` module, or ``None``: minicaffe.backend is the one place that imports it."""
     from .. import backend
-    return backend.cp
+    return backend.gpu_module()
 
 
 def is_cupy_array(a) -> bool:

@@ -49,6 +49,7 @@ import itertools
 import math
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from ._backend import as_pair, cuda_type, is_cupy_array, launch, raw_kernel, _cupy
 
@@ -114,37 +115,49 @@ def col2im(col, x_shape, kernel, pad=0, stride=1, dilation=1):
 
 
 # --------------------------------------------------------------------------
-# numpy bodies: loop over the kh*kw kernel offsets only
+# numpy bodies, on a padded channel-first batch (C, N, H + 2ph, W + 2pw): the one
+# im2col/col2im of the package's CPU mode (kernels/conv.py's ConvEngine calls the
+# ``_padded_into`` forms on its workspaces)
 # --------------------------------------------------------------------------
-def _im2col_numpy(x, N, C, H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw):
-    if ph or pw:
-        xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), dtype=x.dtype)
-        xp[:, :, ph:ph + H, pw:pw + W] = x
-    else:
-        xp = x
-    col = np.empty((C, kh, kw, N, OH, OW), dtype=x.dtype)
+def im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, OH, OW):
+    """col (C*kh*kw, n*OH*OW), written into ``col`` (C*kh*kw*n*OH*OW elements), from
+    ``xpad`` (C, n, Hp, Wp: the zero-padded input, channel first) in one strided copy."""
+    C, n = xpad.shape[:2]
+    st = xpad.strides
+    view = as_strided(xpad, (C, kh, kw, n, OH, OW),
+                      (st[0], dh * st[2], dw * st[3], st[1], sh * st[2], sw * st[3]),
+                      writeable=False)
+    np.copyto(col.reshape(C, kh, kw, n, OH, OW), view)
+    return col.reshape(C * kh * kw, n * OH * OW)
+
+
+def col2im_padded_into(col, dpad, kh, kw, sh, sw, dh, dw, OH, OW):
+    """The adjoint: ``dpad`` (C, n, Hp, Wp) zeroed, then every column added back to the
+    pixel it came from, kernel offset by offset (i ascending, then j: the CuPy body's
+    order, so both round alike).  Returns ``dpad``."""
+    C, n = dpad.shape[:2]
+    dpad[...] = 0
+    col6 = col.reshape(C, kh, kw, n, OH, OW)
     for i in range(kh):
-        h0 = i * dh
-        hs = slice(h0, h0 + sh * (OH - 1) + 1, sh)
+        hs = slice(i * dh, i * dh + sh * (OH - 1) + 1, sh)
         for j in range(kw):
-            w0 = j * dw
-            ws = slice(w0, w0 + sw * (OW - 1) + 1, sw)
-            col[:, i, j] = xp[:, :, hs, ws].transpose(1, 0, 2, 3)
-    return col.reshape(C * kh * kw, N * OH * OW)
+            ws = slice(j * dw, j * dw + sw * (OW - 1) + 1, sw)
+            # one kernel offset never hits the same pixel twice -> plain +=
+            dpad[:, :, hs, ws] += col6[:, i, j]
+    return dpad
+
+
+def _im2col_numpy(x, N, C, H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw):
+    xpad = np.zeros((C, N, H + 2 * ph, W + 2 * pw), dtype=x.dtype)
+    xpad[:, :, ph:ph + H, pw:pw + W] = x.transpose(1, 0, 2, 3)
+    col = np.empty(C * kh * kw * N * OH * OW, dtype=x.dtype)
+    return im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, OH, OW)
 
 
 def _col2im_numpy(col, N, C, H, W, OH, OW, kh, kw, ph, pw, sh, sw, dh, dw):
-    col6 = col.reshape(C, kh, kw, N, OH, OW)
-    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), dtype=col.dtype)
-    for i in range(kh):
-        h0 = i * dh
-        hs = slice(h0, h0 + sh * (OH - 1) + 1, sh)
-        for j in range(kw):
-            w0 = j * dw
-            ws = slice(w0, w0 + sw * (OW - 1) + 1, sw)
-            # one kernel offset never hits the same pixel twice -> plain +=
-            xp[:, :, hs, ws] += col6[:, i, j].transpose(1, 0, 2, 3)
-    return np.ascontiguousarray(xp[:, :, ph:ph + H, pw:pw + W])
+    dpad = np.empty((C, N, H + 2 * ph, W + 2 * pw), dtype=col.dtype)
+    col2im_padded_into(col, dpad, kh, kw, sh, sw, dh, dw, OH, OW)
+    return np.ascontiguousarray(dpad[:, :, ph:ph + H, pw:pw + W].transpose(1, 0, 2, 3))
 
 
 # --------------------------------------------------------------------------

@@ -53,8 +53,9 @@ _consts = {}
 
 def _device_const(key, array):
     """A small constant array on the device, uploaded once per (key, device)."""
+    from .. import backend
     cp = _cupy()
-    k = (key, cp.cuda.Device().id)
+    k = (key, backend.current_device())
     a = _consts.get(k)
     if a is None or a[0] is not array:
         a = _consts[k] = (array, cp.asarray(np.ascontiguousarray(array, dtype=np.float32)))

@@ -120,8 +120,7 @@ class InnerProductLayer(Layer):
             dx = bottom[0].mutable_diff_for(xp).reshape(self.M, self.K)
             gemm(xp, dy, w, dx, trans_b=self.transpose, tf32=self.config.tf32)
 
-    def backward_reads(self, bottom, top):
-        return (0,), ()
+    retain_inputs, retain_outputs = (0,), ()
 
     def _ones(self, xp):
         o = getattr(self, "_ones_arr", None)
@@ -136,8 +135,7 @@ class SplitLayer(Layer):
     the sum of the tops' diffs."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -181,8 +179,7 @@ class SoftmaxLayer(Layer):
         self.axis = _canonical(self, bottom[0], self.layer_param.softmax_param.axis)
         top[0].reshape(bottom[0].shape)
 
-    def backward_reads(self, bottom, top):
-        return (), (0,)
+    retain_inputs, retain_outputs = (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         top[0].mutable_data_for(xp)[...] = softmax(xp, bottom[0].data_for(xp), self.axis)
@@ -275,8 +272,7 @@ class ConcatLayer(Layer):
     shares its data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     min_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -328,8 +324,7 @@ class SliceLayer(Layer):
     the bottom's data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     min_top_blobs = 1
 
@@ -466,42 +461,42 @@ class EltwiseLayer(Layer):
             self._argmax = arg
         top[0].mutable_data_for(xp)[...] = y
 
-    # GPU: a plain ReLU in place on the top right after a unit-coefficient SUM (set by
-    # the Net: ResNet's y = relu(a + b)) is applied here, forward (one pass) and backward
-    # (the mask applied while copying dy to the bottoms); the ReLU skips both.
-    fuse_relu = None
-
+    # The fused type Eltwise+ReLU (layers/fused.py): a plain ReLU in place on the top
+    # right after a SUM of two bottoms with unit coefficients (ResNet's y = relu(a + b)),
+    # forward in one pass, backward the mask applied while copying dy to the bottoms.
     def _fusable(self, bottom, top):
         return (self.op == _SUM and all(c == 1 for c in self.coeffs) and len(bottom) == 2
                 and not any(top[0] is b for b in bottom))
 
-    def forward_gpu(self, bottom, top):
-        if self.fuse_relu is not None and self._fusable(bottom, top):
-            _add_relu()(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data())
-            self.fuse_relu.relu_done = self.fuse_relu.relu_bwd_done = True
-            self._fused_pass = True
-            return
-        self._fused_pass = False
-        super().forward_gpu(bottom, top)
+    def forward_gpu_relu(self, bottom, top):
+        """y = relu(a + b) in one pass; False, with nothing done, where this is not a
+        SUM of two bottoms with unit coefficients, out of place."""
+        if not self._fusable(bottom, top):
+            return False
+        _add_relu()(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data())
+        return True
 
-    def backward_gpu(self, top, propagate_down, bottom):
-        if getattr(self, "_fused_pass", False):
-            y, dy = top[0].gpu_data(), top[0].gpu_diff()
-            outs = [b.mutable_gpu_diff() if propagate_down[i] else None
-                    for i, b in enumerate(bottom)]
-            if outs[0] is not None and outs[1] is not None:
-                _relu_grad2()(y, dy, outs[0], outs[1])
-            else:
-                for o in outs:
-                    if o is not None:
-                        _relu_grad1()(y, dy, o)
-            return
-        super().backward_gpu(top, propagate_down, bottom)
+    def backward_gpu_relu(self, top, propagate_down, bottom):
+        """The backward of Eltwise+ReLU: dx_i = dy where y > 0, else 0 (reads y)."""
+        y, dy = top[0].gpu_data(), top[0].gpu_diff()
+        outs = [b.mutable_gpu_diff() if propagate_down[i] else None
+                for i, b in enumerate(bottom)]
+        if outs[0] is not None and outs[1] is not None:
+            _relu_grad2()(y, dy, outs[0], outs[1])
+        else:
+            for o in outs:
+                if o is not None:
+                    _relu_grad1()(y, dy, o)
 
-    def backward_reads(self, bottom, top):
-        if self.op == _SUM:
-            return ((), (0,)) if self.fuse_relu is not None else ((), ())
-        return super().backward_reads(bottom, top)
+    # backward of SUM reads nothing (fused with a ReLU: its top, declared by the fused
+    # type); PROD and MAX read their inputs and top (PROD keeps copies only in place)
+    @property
+    def retain_inputs(self):
+        return () if self.op == _SUM else None
+
+    @property
+    def retain_outputs(self):
+        return () if self.op == _SUM else None
 
     def state_bytes(self, bottom, top):
         n = bottom[0].count() * bottom[0].dtype.itemsize
@@ -551,8 +546,7 @@ class FlattenLayer(Layer):
     (N, C*H*W).  The top shares the bottom's data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -583,8 +577,7 @@ class ReshapeLayer(Layer):
     at that place, one -1 is inferred.  The top shares the bottom's data and diff."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     exact_num_bottom_blobs = 1
     exact_num_top_blobs = 1
 
@@ -798,8 +791,7 @@ class SilenceLayer(Layer):
     writes zero diffs."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     min_bottom_blobs = 1
     exact_num_top_blobs = 0
 

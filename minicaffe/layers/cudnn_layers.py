@@ -3,9 +3,11 @@
 Each class here subclasses the Caffe-engine layer of its type and overrides only the
 GPU bodies; on the CPU it is that layer.  The registry builds it for ``engine: CUDNN``,
 and for ``engine: DEFAULT`` when cuDNN loads (``registry.choose_class``).  A layer whose
-configuration cuDNN cannot compute exactly as Caffe does (a pooling window clipped by
-Caffe's ceil-mode shape, a leaky ReLU, an even LRN window...) keeps Caffe's GPU body,
-decided at reshape time, without a message: the numbers are Caffe's either way.
+parameters cuDNN cannot compute exactly as Caffe does (a leaky ReLU, STOCHASTIC pooling,
+an LRN window over 16...: each class's ``cudnn_refuses``) is built by the registry with
+Caffe's class, once, with one log line.  What only a shape tells (a pooling window
+clipped by Caffe's ceil-mode shape, an input that is not 4-D) keeps Caffe's GPU body for
+that shape, decided at reshape: the numbers are Caffe's either way.
 
 Convolution: descriptors per input shape, algorithms chosen by cuDNN's Find (timed on
 the real shapes, once per geometry and process: ``gpu/cudnn.find_algorithms``), with one
@@ -49,12 +51,12 @@ OFFLOAD_FIND_LIMIT = 4 << 30
 def find_limit(offloading=False, limit=None):
     """Bytes of workspace Find may try: ``limit`` (a run's ``RunConfig.workspace_limit``;
     None: MINICAFFE_CUDNN_WORKSPACE_LIMIT) when set; ``offloading``: for a layer of a net
-    that offloads (``Layer.offloading``, set by the Net)."""
+    that offloads (``RunConfig.offloads`` of the layer's config, given by its Net)."""
     if limit is None:
         limit = config.env("MINICAFFE_CUDNN_WORKSPACE_LIMIT")
     if limit is not None:
         return max(0, int(limit))
-    free = int(backend.cp.cuda.runtime.memGetInfo()[0]) // 2
+    free = backend.device_memory()[0] // 2
     return min(free, OFFLOAD_FIND_LIMIT) if offloading else free
 
 
@@ -125,7 +127,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         self._cudnn_key = key
 
     def _setup_descriptors(self, xshape, yshape, dt, key):
-        cp = backend.cp
+        cp = backend.gpu_module()
         self.x_desc = cudnn.TensorDesc(xshape, dt)
         self.y_desc = cudnn.TensorDesc(yshape, dt)
         self.w_desc = cudnn.FilterDesc(self.blobs[0].shape, dt)
@@ -140,7 +142,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         x = rs.standard_normal(xshape, dtype=dt)
         w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
         y = rs.standard_normal(yshape, dtype=dt)
-        lim = find_limit(self.offloading, self.config.workspace_limit)
+        lim = find_limit(self.config.offloads, self.config.workspace_limit)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
         need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
                    cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
@@ -170,10 +172,26 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
             cudnn.pick(self.candidates[k], cap) for k in ("fwd", "bwd_data", "bwd_filter"))
         self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
 
-    # An in-place ReLU right after this convolution (set by the Net) is folded into the
-    # forward call: y = max(W * x + b, 0) by cudnnConvolutionBiasActivationForward, and
-    # the ReLU layer skips its forward once (its backward is unchanged: it reads y).
-    fuse_relu = None
+    def forward_gpu_relu(self, bottom, top):
+        """The fused type Convolution+ReLU (layers/fused.py): y = max(W * x + b, 0) by one
+        cudnnConvolutionBiasActivationForward.  False, with nothing done, where this shape
+        does not run through cuDNN (or there is no bias, or several bottoms)."""
+        if self._cudnn_key is None or not self.bias_term or len(bottom) != 1:
+            return False
+        h = cudnn.handle()
+        dt = bottom[0].dtype
+        ws = workspace(self.workspace_bytes)
+        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        w = self.blobs[0].gpu_data()
+        if getattr(self, "_act", None) is None:
+            self._act = cudnn.ActDesc(cudnn.ACT_RELU)
+        y = top[0].mutable_gpu_data()
+        cudnn.call("cudnnConvolutionBiasActivationForward", h, cudnn.one(dt),
+                   self.x_desc.ptr, _ptr(bottom[0].gpu_data()), self.w_desc.ptr, _ptr(w),
+                   self.conv_desc.ptr, self.fwd[0], wsp, wsn, cudnn.zero(dt),
+                   self.y_desc.ptr, _ptr(y), self.b_desc.ptr,
+                   _ptr(self.blobs[1].gpu_data()), self._act.ptr, self.y_desc.ptr, _ptr(y))
+        return True
 
     def forward_gpu(self, bottom, top):
         if self._cudnn_key is None:
@@ -183,17 +201,6 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         ws = workspace(self.workspace_bytes)
         wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
         w = self.blobs[0].gpu_data()
-        if self.fuse_relu is not None and self.bias_term and len(bottom) == 1:
-            if getattr(self, "_act", None) is None:
-                self._act = cudnn.ActDesc(cudnn.ACT_RELU)
-            y = top[0].mutable_gpu_data()
-            cudnn.call("cudnnConvolutionBiasActivationForward", h, cudnn.one(dt),
-                       self.x_desc.ptr, _ptr(bottom[0].gpu_data()), self.w_desc.ptr, _ptr(w),
-                       self.conv_desc.ptr, self.fwd[0], wsp, wsn, cudnn.zero(dt),
-                       self.y_desc.ptr, _ptr(y), self.b_desc.ptr,
-                       _ptr(self.blobs[1].gpu_data()), self._act.ptr, self.y_desc.ptr, _ptr(y))
-            self.fuse_relu.relu_done = True
-            return
         for b, t in zip(bottom, top):
             y = t.mutable_gpu_data()
             cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), self.x_desc.ptr,
@@ -207,7 +214,7 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         n = partial_size(dy.shape[0], dy.shape[1])
         p = getattr(self, "_partial_buf", None)
         if p is None or p.size < n:
-            p = self._partial_buf = backend.cp.empty(n, dtype=np.float64)
+            p = self._partial_buf = backend.gpu_module().empty(n, dtype=np.float64)
         return p
 
     def backward_gpu(self, top, propagate_down, bottom):
@@ -250,6 +257,14 @@ class CuDNNPoolingLayer(PoolingLayer):
         """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
         return getattr(self, "_use", False)
 
+    @classmethod
+    def cudnn_refuses(cls, param):
+        if param.pooling_param.pool not in (_Pool.MAX, _Pool.AVE):
+            return "STOCHASTIC pooling"
+        if len(param.top) > 1:
+            return "a second top (the mask)"
+        return None
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._use = False
@@ -274,8 +289,14 @@ class CuDNNPoolingLayer(PoolingLayer):
             self._desc_key = key
         self._use = self._ok
 
-    def backward_reads(self, bottom, top):
-        return ((0,), (0,)) if getattr(self, "_use", False) else super().backward_reads(bottom, top)
+    # cuDNN's backward reads x and y; Caffe's, for MAX and AVE, neither (its own mask)
+    @property
+    def retain_inputs(self):
+        return (0,) if getattr(self, "_use", False) else super().retain_inputs
+
+    @property
+    def retain_outputs(self):
+        return (0,) if getattr(self, "_use", False) else super().retain_outputs
 
     def state_bytes(self, bottom, top):
         return 0 if getattr(self, "_use", False) else super().state_bytes(bottom, top)
@@ -313,6 +334,17 @@ class CuDNNLRNLayer(LRNLayer):
     def uses_cudnn(self):
         """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
         return getattr(self, "_use", False)
+
+    @classmethod
+    def cudnn_refuses(cls, param):
+        p = param.lrn_param
+        if p.norm_region != _LRN.ACROSS_CHANNELS:
+            return "WITHIN_CHANNEL"
+        if not 1 <= p.local_size <= 16:
+            return f"local_size {p.local_size} outside 1-16"
+        if p.k < 1e-5 or p.beta < 0.01:
+            return f"k {p.k:g} < 1e-5 or beta {p.beta:g} < 0.01"
+        return None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -375,13 +407,9 @@ class _CuDNNActivation:
     def _act_ok(self):
         return True
 
-    def backward_reads(self, bottom, top):
-        return (0,), (0,)      # cuDNN reads x and y
+    retain_inputs, retain_outputs = (0,), (0,)      # cuDNN reads x and y
 
     def forward_gpu(self, bottom, top):
-        if getattr(self, "relu_done", False):  # the convolution before already applied it
-            self.relu_done = False
-            return
         if not self._act_ready(bottom):
             return super().forward_gpu(bottom, top)
         dt = bottom[0].dtype
@@ -390,9 +418,6 @@ class _CuDNNActivation:
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
-        if getattr(self, "relu_bwd_done", False):
-            self.relu_bwd_done = False
-            return
         if not self._act_ready(bottom):
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
@@ -409,6 +434,11 @@ class _CuDNNActivation:
 class CuDNNReLULayer(_CuDNNActivation, ReLULayer):
     """ReLU through cuDNN; a leaky ReLU (negative_slope != 0) keeps Caffe's body."""
     act_mode = cudnn.ACT_RELU
+
+    @classmethod
+    def cudnn_refuses(cls, param):
+        slope = param.relu_param.negative_slope
+        return f"negative_slope {slope:g}" if slope != 0 else None
 
     def _act_ok(self):
         return self.layer_param.relu_param.negative_slope == 0
@@ -504,6 +534,11 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
         return getattr(self, "_use", False)
 
+    @classmethod
+    def cudnn_refuses(cls, param):
+        eps = param.batch_norm_param.eps
+        return f"eps {eps:g} <= 0" if eps <= 0 else None
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         b = bottom[0]
@@ -512,7 +547,7 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         if not self._use:
             return
         if getattr(self, "_desc_key", None) != b.shape:
-            cp = backend.cp
+            cp = backend.gpu_module()
             self.x_desc = cudnn.TensorDesc(b.shape, b.dtype)
             self.p_desc = cudnn.BNParamDesc(self.x_desc, cudnn.BN_SPATIAL)
             C = self.channels
@@ -527,19 +562,17 @@ class CuDNNBatchNormLayer(BatchNormLayer):
             self._desc_key = b.shape
         self._x_copy_needed = bottom[0] is top[0] and not self.use_global_stats
 
-    # The Scale layer right after us, in place on our top, per channel (set by the Net):
-    # training with batch statistics applies its scale and bias in the same cuDNN call
-    # (y = gamma x_hat + beta) and its backward gives their gradients, as PyTorch's affine
-    # batch norm does; the Scale layer skips its own bodies for that pass.
-    fuse_scale = None
+    # the Scale whose parameters the last training forward applied (the fused type
+    # BatchNorm+Scale, layers/fused.py): its backward gives their gradients too
     _fused = None
 
-    def backward_reads(self, bottom, top):
-        if not getattr(self, "_use", False):
-            return super().backward_reads(bottom, top)
-        if self.use_global_stats or bottom[0] is top[0]:
-            return (), ()      # in place it keeps its own copy of x
-        return (0,), ()
+    # cuDNN's backward reads x (in place, or with global statistics, forward keeps its
+    # own copy of x and nothing is read); Caffe's keeps x_norm and std
+    @property
+    def retain_inputs(self):
+        if getattr(self, "_use", False) and not (self.use_global_stats or self.in_place):
+            return (0,)
+        return ()
 
     def state_bytes(self, bottom, top):
         if not getattr(self, "_use", False):
@@ -557,9 +590,23 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         from ..kernels._backend import cuda_type, raw_kernel
         return raw_kernel(_BN_FOLD, name, cuda_type(dt))
 
+    def forward_gpu_scale(self, bottom, top, scale):
+        """The fused type BatchNorm+Scale (layers/fused.py): training with batch statistics,
+        the learned per-channel Scale ``scale`` after us, in place on our top, is applied in
+        the same cuDNN call (y = gamma x_hat + beta), as PyTorch's affine batch norm does,
+        and our backward gives its parameters' gradients.  False, with nothing done, where
+        this pass cannot (Caffe's kernels for this shape, global statistics)."""
+        if not self._use or self.use_global_stats or not scale.per_channel(top):
+            return False
+        self._forward_cudnn(bottom, top, scale)
+        return True
+
     def forward_gpu(self, bottom, top):
         if not self._use:
             return super().forward_gpu(bottom, top)
+        self._forward_cudnn(bottom, top, None)
+
+    def _forward_cudnn(self, bottom, top, sc):
         dt = bottom[0].dtype
         h = cudnn.handle()
         C = self.channels
@@ -568,7 +615,7 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         if self._x_copy_needed:
             xc = getattr(self, "_x_saved", None)
             if xc is None or xc.shape != x.shape:
-                xc = self._x_saved = backend.cp.empty_like(x)
+                xc = self._x_saved = backend.gpu_module().empty_like(x)
             xc[...] = x
             x = xc
         y = top[0].mutable_gpu_data()
@@ -581,13 +628,10 @@ class CuDNNBatchNormLayer(BatchNormLayer):
                        _ptr(y), self.p_desc.ptr, _ptr(self._ones), _ptr(self._zeros),
                        _ptr(self._mean), _ptr(self._var), float(self.eps))
             return
-        sc = self.fuse_scale if self.fuse_scale is not None and self.fuse_scale.per_channel(
-            top) else None
         gamma, beta = self._ones, self._zeros
         if sc is not None:
             gamma = sc.blobs[0].gpu_data()
             beta = sc.blobs[1].gpu_data() if sc.bias_term else self._zeros
-            sc.scale_done = sc.scale_bwd_done = True
         self._fused = sc
         cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL, cudnn.one(dt),
                    cudnn.zero(dt), self.x_desc.ptr, _ptr(x), self.x_desc.ptr, _ptr(y),
@@ -607,9 +651,9 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         dy = top[0].gpu_diff()
         dx = bottom[0].mutable_gpu_diff()
         if self.use_global_stats:  # dx = dy / sqrt(var + eps)
-            std = backend.cp.sqrt(self._var + dt.type(self.eps))
+            std = backend.gpu_module().sqrt(self._var + dt.type(self.eps))
             shape = (1, self.channels) + (1,) * (dy.ndim - 2)
-            backend.cp.divide(dy, std.reshape(shape), out=dx)
+            backend.gpu_module().divide(dy, std.reshape(shape), out=dx)
             return
         x = self._x_saved if self._x_copy_needed else bottom[0].gpu_data()
         out = dx

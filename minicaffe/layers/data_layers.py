@@ -129,7 +129,7 @@ class BatchTransform:
             self.t.apply(images, batch.data.mutable_cpu_data(), mirror, hoff, woff)
             return
         if self.dev is None or self.dev.shape != images.shape or self.dev.dtype != images.dtype:
-            self.dev = backend.cp.empty(images.shape, images.dtype)
+            self.dev = backend.gpu_module().empty(images.shape, images.dtype)
         stream = backend.current_stream()
         self.dev.set(images, stream=stream)
         self.t.apply(self.dev, batch.data.mutable_gpu_data(), mirror, hoff, woff)

@@ -216,7 +216,7 @@ class SoftmaxWithLossLayer(LossLayer):
 
     def forward_gpu(self, bottom, top):
         from ..kernels._backend import launch
-        cp = backend.cp
+        cp = backend.gpu_module()
         x = bottom[0].gpu_data()
         C = x.shape[self.axis]
         n = self.outer * self.inner
@@ -241,8 +241,7 @@ class SoftmaxWithLossLayer(LossLayer):
         if len(top) == 2:
             top[1].mutable_gpu_data()[...] = p
 
-    def backward_reads(self, bottom, top):
-        return (1,), ()      # the labels; the probabilities are its own
+    retain_inputs, retain_outputs = (1,), ()      # the labels; the probabilities are its own
 
     def state_bytes(self, bottom, top):
         return bottom[0].count() * bottom[0].dtype.itemsize + 2 * bottom[1].count() * 4
@@ -343,8 +342,7 @@ class EuclideanLossLayer(LossLayer):
                              f"{bottom[1].shape})")
         self.diff.reshape(bottom[0].shape)
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
 
     def state_bytes(self, bottom, top):
         return bottom[0].count() * bottom[0].dtype.itemsize

@@ -50,28 +50,12 @@ def _sigmoid(xp, x):
 class ReLULayer(_SavesInput):
     """y = max(x, 0) + negative_slope * min(x, 0);  dx = dy * (x > 0 ? 1 : negative_slope)."""
 
-    relu_done = False   # set by a cuDNN convolution that applied this ReLU itself
-    relu_bwd_done = False   # set by an Eltwise that also applies its gradient mask
-
-    def backward_gpu(self, top, propagate_down, bottom):
-        if self.relu_bwd_done:
-            self.relu_bwd_done = False
-            return
-        super().backward_gpu(top, propagate_down, bottom)
-
-    def backward_reads(self, bottom, top):
-        return (0,), ()
+    retain_inputs, retain_outputs = (0,), ()
 
     def state_bytes(self, bottom, top):
         if self.layer_param.relu_param.negative_slope < 0 and bottom[0] is top[0]:
             return bottom[0].count() * bottom[0].dtype.itemsize
         return 0
-
-    def forward_gpu(self, bottom, top):
-        if self.relu_done:
-            self.relu_done = False
-            return
-        super().forward_gpu(bottom, top)
 
     def forward_xp(self, xp, bottom, top):
         slope = self.layer_param.relu_param.negative_slope
@@ -186,8 +170,7 @@ class SigmoidLayer(NeuronLayer):
     """y = 1 / (1 + exp(-x)) (as 0.5 tanh(x/2) + 0.5);  dx = dy * y * (1 - y)."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), (0,)
+    retain_inputs, retain_outputs = (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         top[0].mutable_data_for(xp)[...] = _sigmoid(xp, bottom[0].data_for(xp))
@@ -204,8 +187,7 @@ class TanHLayer(NeuronLayer):
     """y = tanh(x);  dx = dy * (1 - y^2)."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), (0,)
+    retain_inputs, retain_outputs = (), (0,)
 
     def forward_xp(self, xp, bottom, top):
         xp.tanh(bottom[0].data_for(xp), out=top[0].mutable_data_for(xp))
@@ -451,8 +433,7 @@ class DropoutLayer(NeuronLayer):
     def _uniform(self, xp, shape):
         return context.rng().random_sample(shape)
 
-    def backward_reads(self, bottom, top):
-        return (), ()      # the GPU redraws the mask (the plan is GPU-only)
+    retain_inputs, retain_outputs = (), ()      # the GPU redraws the mask (the plan is GPU-only)
 
     def _gpu_state(self, xp):
         if self._pass is None:
@@ -543,8 +524,7 @@ class BiasLayer(Layer):
     bottom[1]);  dx = dy."""
     capturable = True
 
-    def backward_reads(self, bottom, top):
-        return (), ()
+    retain_inputs, retain_outputs = (), ()
     min_bottom_blobs = 1
     max_bottom_blobs = 2
     exact_num_top_blobs = 1
@@ -626,36 +606,22 @@ class ScaleLayer(Layer):
                 fill(b, p.bias_filler)
                 self.blobs.append(b)
         self._x_copy = None
+        self._scale_bottom = len(bottom) > 1
 
     def _scale_blob(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
 
-    # A cuDNN BatchNorm right before this layer (set by the Net) may apply the scale and
-    # bias itself and compute their gradients in its backward; these flags skip this
-    # layer's bodies for that pass.
-    scale_done = False
-    scale_bwd_done = False
-    fused_into_bn = False   # set by the Net when a cuDNN BatchNorm takes this layer over
+    # backward reads x, and the scale when it is the second bottom (in place, forward
+    # keeps its own copy of x)
+    @property
+    def retain_inputs(self):
+        x = () if self.in_place else (0,)
+        return x + (1,) if self._scale_bottom else x
 
-    def forward_gpu(self, bottom, top):
-        if self.scale_done:
-            self.scale_done = False
-            return
-        super().forward_gpu(bottom, top)
-
-    def backward_gpu(self, top, propagate_down, bottom):
-        if self.scale_bwd_done:
-            self.scale_bwd_done = False
-            return
-        super().backward_gpu(top, propagate_down, bottom)
-
-    def backward_reads(self, bottom, top):
-        if bottom[0] is top[0] or self.fused_into_bn:
-            return (), ()      # in place it keeps its own copy of x
-        return (0,), ()
+    retain_outputs = ()
 
     def state_bytes(self, bottom, top):
-        if bottom[0] is top[0] and not self.fused_into_bn:
+        if bottom[0] is top[0]:
             return bottom[0].count() * bottom[0].dtype.itemsize
         return 0
 

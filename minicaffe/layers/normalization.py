@@ -85,8 +85,7 @@ class BatchNormLayer(Layer):
             raise self.error(f"bottom shape {shape} has no batch axis")
         top[0].reshape(shape)
 
-    def backward_reads(self, bottom, top):
-        return (), ()      # it keeps x_norm and std
+    retain_inputs, retain_outputs = (), ()      # it keeps x_norm and std
 
     def state_bytes(self, bottom, top):
         return bottom[0].count() * bottom[0].dtype.itemsize

@@ -104,7 +104,7 @@ class FusedUpdate:
     """The update of ``solver`` (an SGD-family solver with flat buffers) as one kernel."""
 
     def __init__(self, solver):
-        cp = backend.cp
+        cp = backend.gpu_module()
         self.solver = solver
         self.rule = solver.type
         if self.rule not in RULES:

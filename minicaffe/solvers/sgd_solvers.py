@@ -92,7 +92,7 @@ def gpu_kernel(name):
     k = _kernels.get(name)
     if k is None:
         ins, outs, body = _KERNEL_SOURCES[name]
-        k = _kernels[name] = backend.cp.ElementwiseKernel(ins, outs, body,
+        k = _kernels[name] = backend.gpu_module().ElementwiseKernel(ins, outs, body,
                                                           f"minicaffe_{name}_update")
     return k
 

@@ -279,55 +279,88 @@ class Solver:
 
     # -- training ---------------------------------------------------------------------
     def step(self, iters):
-        """Run ``iters`` training iterations (Caffe's Solver::Step)."""
-        if self.uses_gpu_step:
-            return self._step_gpu(iters)
+        """Run ``iters`` training iterations (Caffe's Solver::Step): one loop for every
+        device, the iteration itself run by ``executor()`` (engine/executor.py)."""
         p = self.param
+        ex = self.executor()
         start_iter = self.iter
         stop_iter = self.iter + int(iters)
-        average_loss = p.average_loss
         self.losses = []
         self.smoothed_loss = _f(0)
         self.iterations_last = self.iter
         timer_start = time.perf_counter()
-        net = self.net
         while self.iter < stop_iter:
-            net.clear_param_diffs()
+            ex.before_iteration()
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
+                self._drain(ex, start_iter)
                 self.test_all()  # a no-op without test nets (non-root ranks unless parallel)
                 if self.requested_early_exit:
                     break
             for cb in self.callbacks:
                 cb.on_start()
             display = bool(p.display) and self.iter % p.display == 0
-            net.debug_info = display and (p.debug_info or net.net_param.debug_info)
-            loss = 0.0
+            if ex.full():
+                self._drain(ex, start_iter)
+            ex.begin(display)
             try:
-                for _ in range(p.iter_size):
-                    loss += net.forward_backward()
+                loss = ex.forward_backward()
             except WaitInterrupted as e:  # a stop signal during a stalled read
+                ex.abandon()
                 self._stop_on(e)
                 break
-            loss /= p.iter_size
-            if not math.isfinite(loss):
-                self._report_nonfinite(loss)
-            self.update_smoothed_loss(loss, start_iter, average_loss)
-            if display and self.root:
-                timer_start = self._log_display(timer_start)
+            if loss is not None:     # known now (else read back at the next drain)
+                self._account_loss(loss / p.iter_size, start_iter)
+            if display:
+                self._drain(ex, start_iter, current=self.iter)
+                if self.root:
+                    timer_start = self._log_display(timer_start)
             for cb in self.callbacks:
                 cb.on_gradients_ready()
-            self.apply_update()
+            ex.update()
+            if ex.rate is not None and display and self.root:
+                log.info("Iteration %d, lr = %s", self.iter, _fmt(ex.rate))
+            ex.end(self.iter)
             self.iter += 1
             if self.progress is not None:
                 self.progress.update(1)
             request = self.get_requested_action()
             if (p.snapshot and self.iter % p.snapshot == 0 and self.root) or \
                     request == SolverAction.SNAPSHOT:
+                self._drain(ex, start_iter)
                 self.snapshot()
             if request == SolverAction.STOP:
                 self.requested_early_exit = True
                 break
+        self._drain(ex, start_iter)
+
+    def executor(self):
+        """What runs this solver's iterations (engine/executor.py): the GPU step of the
+        SGD family where it applies (``uses_gpu_step``), else the eager executor of the
+        schedule, layer by layer in this thread's mode."""
+        from ..engine.executor import EagerExecutor, GraphExecutor
+        if self.uses_gpu_step:
+            return GraphExecutor(self, self._gpu_step())
+        return EagerExecutor(self)
+
+    def _account_loss(self, loss, start_iter, iteration=None):
+        """One iteration's loss (averaged over iter_size): refused when not finite, then
+        into the smoothed loss."""
+        if not math.isfinite(loss):
+            self._report_nonfinite(loss, iteration)
+        self.update_smoothed_loss(loss, start_iter, self.param.average_loss, iteration)
+
+    def _drain(self, ex, start_iter, current=None):
+        """The losses of the iterations the executor ran ahead (the GPU's ring), oldest
+        first: the clipping lines, then the smoothed loss."""
+        p = self.param
+        clip = np.float32(p.clip_gradients)
+        for it, loss, norm in ex.drain(current):
+            if clip >= 0 and np.float32(norm) > clip and self.root:
+                log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale "
+                         "factor %s", _fmt(np.float32(norm)), _fmt(clip),
+                         _fmt(np.float32(clip / np.float32(norm))))
+            self._account_loss(loss / p.iter_size, start_iter, it)
 
     # -- the GPU step (engine/step.py) -----------------------------------------------------
     def _gpu_step_wanted(self):
@@ -362,75 +395,6 @@ class Solver:
     def fused_extra(self):
         """The update rule's per-iteration scalar for the fused GPU kernel (Adam's)."""
         return 0.0
-
-    def _gpu_flush(self, st, start_iter, current=None):
-        p = self.param
-        clip = np.float32(p.clip_gradients)
-        for it, loss, norm in st.drain(current):
-            if clip >= 0 and np.float32(norm) > clip and self.root:
-                log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale "
-                         "factor %s", _fmt(np.float32(norm)), _fmt(clip),
-                         _fmt(np.float32(clip / np.float32(norm))))
-            loss /= p.iter_size
-            if not math.isfinite(loss):
-                self._report_nonfinite(loss, it)
-            self.update_smoothed_loss(loss, start_iter, p.average_loss, it)
-
-    def _step_gpu(self, iters):
-        p = self.param
-        st = self._gpu_step()
-        start_iter = self.iter
-        stop_iter = self.iter + int(iters)
-        self.losses = []
-        self.smoothed_loss = _f(0)
-        self.iterations_last = self.iter
-        timer_start = time.perf_counter()
-        fused = p.iter_size == 1 and not any(
-            getattr(cb, "on_gradients_ready", None) for cb in self.callbacks)
-        while self.iter < stop_iter:
-            if p.test_interval and self.iter % p.test_interval == 0 and \
-                    (self.iter > 0 or p.test_initialization):
-                self._gpu_flush(st, start_iter)
-                self.test_all()  # a no-op without test nets (non-root ranks unless parallel)
-                if self.requested_early_exit:
-                    break
-            for cb in self.callbacks:
-                cb.on_start()
-            display = bool(p.display) and self.iter % p.display == 0
-            if st.full():
-                self._gpu_flush(st, start_iter)
-            rate = self.get_learning_rate()
-            st.begin(rate, self.fused_extra())
-            try:
-                for k in range(p.iter_size):
-                    st.forward_backward(first=k == 0, with_update=fused)
-            except WaitInterrupted as e:  # a stop signal during a stalled read
-                st.abandon()
-                self._stop_on(e)
-                break
-            if display:
-                self._gpu_flush(st, start_iter, current=self.iter)
-                if self.root:
-                    timer_start = self._log_display(timer_start)
-            for cb in self.callbacks:
-                cb.on_gradients_ready()
-            if not fused:
-                st.apply_update()
-            if display and self.root:
-                log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
-            st.end(self.iter)
-            self.iter += 1
-            if self.progress is not None:
-                self.progress.update(1)
-            request = self.get_requested_action()
-            if (p.snapshot and self.iter % p.snapshot == 0 and self.root) or \
-                    request == SolverAction.SNAPSHOT:
-                self._gpu_flush(st, start_iter)
-                self.snapshot()
-            if request == SolverAction.STOP:
-                self.requested_early_exit = True
-                break
-        self._gpu_flush(st, start_iter)
 
     def _stop_on(self, interrupted):
         """Stop as the pending request asks, after a wait for data that a stop signal

@@ -220,3 +220,89 @@ def test_type_builds_runs_forward_and_backward(type_name, tmp_path):
         close = getattr(layer, "close", None)
         if callable(close):
             close()
+
+
+# -- what backward keeps ---------------------------------------------------------------------
+# Variants beside ENTRIES whose declaration differs: (type, prototxt body, bottoms, tops,
+# in place).
+RETAIN_VARIANTS = [
+    ("Eltwise", "eltwise_param { operation: SUM coeff: 2 coeff: -1 }", [(2, 3), (2, 3)], 1, False),
+    ("Eltwise", "eltwise_param { operation: MAX }", [(2, 3), (2, 3)], 1, False),
+    ("Pooling", "pooling_param { pool: AVE kernel_size: 2 stride: 2 }", [(2, 3, 4, 4)], 1, False),
+    ("Scale", "scale_param { axis: 0 }", [(2, 3, 4), (2, 3)], 1, False),
+    ("Scale", "scale_param { axis: 0 }", [(2, 3, 4), (2, 3)], 1, True),
+    ("Scale", "scale_param { bias_term: true }", [(2, 3, 4)], 1, True),
+    ("ReLU", "", [(2, 3, 4)], 1, True),
+    ("ReLU", "relu_param { negative_slope: -0.5 }", [(2, 3, 4)], 1, True),
+    ("BatchNorm", "", [(4, 3, 2, 2)], 1, True),
+    ("Sigmoid", "", [(2, 3)], 1, True),
+]
+
+
+def _retain_cases():
+    cases = []
+    for name in sorted(ENTRIES):
+        entry = ENTRIES[name]
+        if isinstance(entry, tuple) and name in REGISTERED and entry[1]:
+            cases.append(pytest.param(name, entry[0], entry[1], entry[2], False, id=name))
+    for k, (name, text, bottoms, ntop, in_place) in enumerate(RETAIN_VARIANTS):
+        cases.append(pytest.param(name, text, bottoms, ntop, in_place,
+                                  id=f"{name}-variant{k}"))
+    return cases
+
+
+def _run_backward(layer, top, propagate, bottom):
+    try:
+        layer.backward(top, propagate, bottom)
+    except LayerError as e:
+        assert "cannot backprop" in str(e), str(e)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("type_name,text,bottom_specs,ntop,in_place", _retain_cases())
+def test_backward_reads_only_what_the_layer_retains(type_name, text, bottom_specs, ntop,
+                                                    in_place):
+    """The declaration the memory plan reads (``retain_inputs``/``retain_outputs``, None:
+    all) against the math: with the data of every bottom and top not retained poisoned
+    (NaN) after forward, backward gives the same bottom and parameter gradients."""
+    rng = np.random.RandomState(0)
+    arrays = [np.asarray(s(rng) if callable(s) else rng.uniform(-1, 1, s)) for s in bottom_specs]
+    bottom = [make_blob(a.shape, dtype=np.float32, values=a) for a in arrays]
+    top = [bottom[0]] if in_place else [Blob() for _ in range(ntop)]
+    layer = make_layer(f'name: "{type_name.lower()}" type: "{type_name}" {text}')
+    layer.setup(bottom, top)
+    layer.forward(bottom, top)
+    for i, t in enumerate(top):
+        if not layer.loss(i):
+            t.diff[...] = rng.uniform(-1, 1, t.shape)
+    dys = [t.diff.copy() for t in top]
+    propagate = [layer.allow_force_backward(i) for i in range(len(bottom))]
+    if not _run_backward(layer, top, propagate, bottom):
+        pytest.skip(f"{type_name} has no gradient")
+
+    def grads():
+        return ([b.diff.copy() for b, p in zip(bottom, propagate) if p] +
+                [p.diff.copy() for p in layer.blobs])
+
+    want = grads()
+    keep_b = range(len(bottom)) if layer.retain_inputs is None else layer.retain_inputs
+    keep_t = range(len(top)) if layer.retain_outputs is None else layer.retain_outputs
+    keep = {id(bottom[j]) for j in keep_b} | {id(top[j]) for j in keep_t}
+    for blob in bottom + top:
+        if id(blob) not in keep:
+            blob.data[...] = np.nan
+    for b, p in zip(bottom, propagate):
+        if p:
+            b.diff[...] = 0
+    for t, dy in zip(top, dys):
+        t.diff[...] = dy
+    for p in layer.blobs:
+        p.diff[...] = 0
+    layer.backward(top, propagate, bottom)
+    got = grads()
+    for k, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(
+            g, w, err_msg=f"{type_name} ({text or 'defaults'}): gradient {k} changed when the "
+                          f"data it does not retain was poisoned; its retain_inputs/"
+                          f"retain_outputs leave out data its backward reads")

@@ -14,6 +14,7 @@ import pytest
 from minicaffe import context
 from minicaffe.blob import Blob
 from minicaffe.errors import LayerError
+from minicaffe.kernels import conv as conv_engine
 from minicaffe.layers import vision
 from minicaffe.proto import caffe_pb2
 from minicaffe.testing import check_gradient, make_blob, make_layer
@@ -318,17 +319,17 @@ def test_chunked_batch_matches_one_chunk(monkeypatch, typ):
     top.diff[...] = np.random.RandomState(3).randn(*top.shape)
     layer.backward([top], [True], [x])
     ref = (top.data.copy(), x.diff.copy(), layer.blobs[0].diff.copy())
-    monkeypatch.setitem(vision.COL_BUFFER_BYTES, "cpu", 1)
-    monkeypatch.setattr(vision, "MIN_GEMM_COLUMNS", 0)
+    monkeypatch.setitem(conv_engine.COL_BUFFER_BYTES, "cpu", 1)
+    monkeypatch.setattr(conv_engine, "MIN_GEMM_COLUMNS", 0)
     for step in (1, 2):
-        monkeypatch.setitem(vision.COL_BUFFER_BYTES, "cpu",
+        monkeypatch.setitem(conv_engine.COL_BUFFER_BYTES, "cpu",
                             step * layer.engine.C * layer.engine.ksize * layer.engine.P * 8)
         layer2 = make_layer(conv_text(typ, num_output=6, kernel=3, stride=2, pad=1, group=2))
         top2, = setup(layer2, x)
         for a, b in zip(layer2.blobs, layer.blobs):
             a.data[...] = b.data
         layer2.forward([x], [top2])
-        assert layer2.engine.chunk(5, 8, vision.COL_BUFFER_BYTES["cpu"]) == step
+        assert layer2.engine.chunk(5, 8, conv_engine.COL_BUFFER_BYTES["cpu"]) == step
         top2.diff[...] = top.diff
         layer2.backward([top2], [True], [x])
         np.testing.assert_allclose(top2.data, ref[0], rtol=1e-12, atol=1e-12)
@@ -343,8 +344,8 @@ def test_chunked_batch_matches_one_chunk(monkeypatch, typ):
 def test_numpy_engine_paths_agree_with_naive(monkeypatch, layout, dx_path, k, s, p, d, g):
     """Both column layouts and both data-gradient algorithms (a stride-1 full
     convolution or col2im) give the same forward, data and weight gradients."""
-    monkeypatch.setattr(vision, "NHWC_MIN_CHANNELS", 1000 if layout == "channel_major" else 0)
-    monkeypatch.setattr(vision, "FULL_CONV_RATIO", 1000 if dx_path == "full_conv" else 0)
+    monkeypatch.setattr(conv_engine, "NHWC_MIN_CHANNELS", 1000 if layout == "channel_major" else 0)
+    monkeypatch.setattr(conv_engine, "FULL_CONV_RATIO", 1000 if dx_path == "full_conv" else 0)
     x = rand_blob((3, 4, 6, 7))
     ref = []
     for typ in ("Convolution", "Deconvolution"):
@@ -359,9 +360,9 @@ def test_numpy_engine_paths_agree_with_naive(monkeypatch, layout, dx_path, k, s,
         layer.backward([top], [True], [x])
         ref.append((layer, top.data.copy(), x.diff.copy(), layer.blobs[0].diff.copy()))
     # the same layers through the generic engine (the kernels package's im2col/col2im)
-    monkeypatch.setattr(vision.ConvEngine, "forward",
+    monkeypatch.setattr(conv_engine.ConvEngine, "forward",
                         lambda self, xp, *a: self.forward_generic(xp, *a))
-    monkeypatch.setattr(vision.ConvEngine, "backward",
+    monkeypatch.setattr(conv_engine.ConvEngine, "backward",
                         lambda self, xp, x, w, dy, budget, dw=None, dx=None:
                         self.backward_generic(xp, x, w, dy, dw, dx, budget))
     for layer, y, dx, dw in ref:

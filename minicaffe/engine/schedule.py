@@ -1,0 +1,263 @@
+"""The training iteration as an explicit, printable list of ops, with passes over it
+(tinygrad's schedule: ``tinygrad/engine/schedule.py``; no Caffe counterpart, where
+Solver::Step calls Net::ForwardBackward and the update directly).
+
+``compile_iteration(net, iter_size)`` gives the base list of one training iteration:
+
+    prologue i        a data layer's forward (host work and a copy into its tops)
+    forward i         layer i's forward
+    backward i        layer i's backward (the layers that need one)
+    loss              the iteration's loss read out (the GPU: from its ring, at log points)
+    update            the solver's update of every learnable parameter
+
+repeated ``iter_size`` times up to the backward (each pass adds into the same diffs).
+Passes rewrite the list, each a plain function of a schedule and what it reads:
+
+- ``fusion_pass(s, net)``: a fused pair (layers/fused.py) becomes one op
+  ``forward i+j <type>`` (and one ``backward`` where the pair fuses its backward);
+- ``offload_pass(s, net, oplan)``: an offload plan's copies (offload.py, its ``tables``:
+  what the offloader does from the Net's hooks at each step) as ``copy_out``, ``wait``
+  and ``copy_in`` ops beside the forward and backward ops they follow or precede;
+- ``allreduce_pass(s, net, buckets)``: with several ranks, ``allreduce k`` once the
+  backward op that completes bucket k has run (parallel.make_bucket_plan), in the last
+  pass of iter_size;
+- a precision pass (casts around layers that run in another dtype) is the next one to
+  add: none exists yet.
+
+``schedule_for(net, iter_size, oplan, buckets)`` runs the passes; ``str(schedule)`` prints
+it one op per line (``minicaffe memory --schedule``).  ``run_eager(schedule, net)``
+executes its forward and backward ops in order, layer by layer through the Net's hooks:
+it is the iteration of the CPU and of a GPU without the GPU step (engine/executor.py).
+``run_device(schedule, net, ...)`` is the GPU step's body (engine/step.py): the same ops
+with the losses added on the device, run eagerly or captured once as a CUDA graph and
+replayed; its copies and all-reduces are made from the Net's hooks by the same plans
+the passes print.
+"""
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op: ``kind`` (prologue, forward, backward, copy_out, wait, copy_in, allreduce,
+    loss, update), the layer index it concerns (or the bucket index), the names it
+    concerns, and a detail (a fused type, the bytes copied...)."""
+    kind: str
+    index: int = -1
+    name: str = ""
+    detail: str = ""
+    last: int = -1          # the last layer a fused op covers (-1: only ``index``)
+
+    def __str__(self):
+        where = "" if self.index < 0 else (f" {self.index}" if self.last < 0 else
+                                            f" {self.index}-{self.last}")
+        text = f"{self.kind}{where}"
+        if self.name:
+            text += f" {self.name}"
+        if self.detail:
+            text += f" ({self.detail})"
+        return text
+
+    @property
+    def layers(self):
+        """The layer indices this op runs (forward, backward, prologue)."""
+        if self.index < 0:
+            return ()
+        return tuple(range(self.index, (self.last if self.last >= 0 else self.index) + 1))
+
+
+class Schedule:
+    """A list of ops and the passes applied to it (in order)."""
+
+    def __init__(self, ops, passes=()):
+        self.ops = list(ops)
+        self.passes = list(passes)
+
+    def kinds(self):
+        return [op.kind for op in self.ops]
+
+    def lines(self):
+        head = "schedule of one training iteration" + (
+            f" (passes: {', '.join(self.passes)})" if self.passes else "")
+        return [head] + [f"{k:4d}  {op}" for k, op in enumerate(self.ops)]
+
+    def __str__(self):
+        return "\n".join(self.lines())
+
+    def __iter__(self):
+        return iter(self.ops)
+
+    def __len__(self):
+        return len(self.ops)
+
+
+def _n_prologue(net):
+    n = 0
+    while n < len(net.layers) and net.layers[n].graph_prologue:
+        n += 1
+    return n
+
+
+def compile_iteration(net, iter_size=1):
+    """The base schedule of a training iteration of ``net`` (see the module docstring)."""
+    ops = []
+    first = _n_prologue(net)
+    names = net.layer_names
+    for _ in range(max(1, int(iter_size))):
+        for i in range(len(net.layers)):
+            ops.append(Op("prologue" if i < first else "forward", i, names[i]))
+        for i in range(len(net.layers) - 1, -1, -1):
+            # every layer: the Net's hooks run for each (the all-reduce's among them)
+            ops.append(Op("backward", i, names[i], "" if net.layer_need_backward[i] else
+                          "hooks only: nothing to compute"))
+    ops.append(Op("loss"))
+    ops.append(Op("update"))
+    return Schedule(ops)
+
+
+def fusion_pass(schedule, net):
+    """Each fused pair of ``net`` (``Net.fusions``) as one forward op and, where the pair
+    fuses its backward, one backward op."""
+    fusions = {f.index: f for f in getattr(net, "fusions", ())}
+    if not fusions:
+        return schedule
+    out = []
+    ops = schedule.ops
+    k = 0
+    while k < len(ops):
+        op = ops[k]
+        nxt = ops[k + 1] if k + 1 < len(ops) else None
+        if op.kind == "forward" and op.index in fusions and nxt is not None and \
+                nxt.kind == "forward" and nxt.index == op.index + 1:
+            f = fusions[op.index]
+            out.append(Op("forward", op.index, "+".join(f.names), f.type, op.index + 1))
+            k += 2
+            continue
+        if op.kind == "backward" and op.index - 1 in fusions and nxt is not None and \
+                nxt.kind == "backward" and nxt.index == op.index - 1 and \
+                fusions[op.index - 1].fuses_backward:
+            f = fusions[op.index - 1]
+            out.append(Op("backward", op.index - 1, "+".join(f.names), f.type, op.index))
+            k += 2
+            continue
+        out.append(op)
+        k += 1
+    return Schedule(out, schedule.passes + ["fusion"])
+
+
+def _step_of(net, op):
+    """The plan's step numbers (gpu/plan.py: forward i = i, backward i = 2L-1-i) this op
+    runs, in order."""
+    L = len(net.layers)
+    if op.kind in ("prologue", "forward"):
+        return list(op.layers)
+    if op.kind == "backward":
+        return [2 * L - 1 - i for i in reversed(op.layers)]
+    return []
+
+
+def offload_pass(schedule, net, oplan):
+    """The copies of offload plan ``oplan`` (offload.OffloadPlan) around the ops at whose
+    steps the offloader acts: before a step, ``wait`` for a copy out whose place is reused
+    and ``copy_in`` (prefetch) then ``wait`` for a copy in that this step reads; after a
+    step, ``copy_out`` of the buffers its forward wrote last.  In each pass of iter_size."""
+    if oplan is None or not oplan.entries:
+        return schedule
+    table = oplan.tables()
+    out = []
+    for op in schedule.ops:
+        steps = _step_of(net, op)
+        for s in steps:
+            acts = table.get(s, {})
+            for e in acts.get("wait_out", ()):
+                out.append(Op("wait", -1, e.name, "copy out done: its place is reused"))
+            for e in acts.get("fetch", ()):
+                out.append(Op("copy_in", -1, e.name, f"{e.copy_bytes} bytes host->device"))
+            for e in acts.get("need", ()):
+                out.append(Op("wait", -1, e.name, "copy in done"))
+        out.append(op)
+        for s in steps:
+            for e in table.get(s, {}).get("out", ()):
+                out.append(Op("copy_out", -1, e.name, f"{e.copy_bytes} bytes device->host"))
+    return Schedule(out, schedule.passes + [f"offload {oplan.policy}"])
+
+
+def allreduce_pass(schedule, net, buckets):
+    """With several ranks: ``allreduce k`` right after the backward op of the layer that
+    completes bucket k (``Bucket.ready_layer``: the lowest layer owning one of its
+    parameters), in the last pass of iter_size; a bucket of no layer that runs backward
+    goes before the update."""
+    if not buckets:
+        return schedule
+    by_layer = {}
+    for b in buckets:
+        by_layer.setdefault(b.ready_layer, []).append(b)
+    last_pass = max(k for k, op in enumerate(schedule.ops) if op.kind in ("prologue", "forward"))
+    out, done = [], set()
+    for k, op in enumerate(schedule.ops):
+        if op.kind == "update":
+            for b in buckets:
+                if b.index not in done:
+                    out.append(Op("allreduce", b.index, "", f"{b.stop - b.start} floats"))
+                    done.add(b.index)
+        out.append(op)
+        if op.kind == "backward" and k > last_pass:
+            for i in op.layers:
+                for b in by_layer.get(i, ()):
+                    if b.index not in done:
+                        out.append(Op("allreduce", b.index, "",
+                                      f"{b.stop - b.start} floats"))
+                        done.add(b.index)
+    return Schedule(out, schedule.passes + ["allreduce"])
+
+
+def schedule_for(net, iter_size=1, oplan=None, buckets=None):
+    """The schedule of a training iteration of ``net``: the base list, then the fusion,
+    offload and all-reduce passes (each a no-op where it has nothing to do)."""
+    s = compile_iteration(net, iter_size)
+    s = fusion_pass(s, net)
+    s = offload_pass(s, net, oplan)
+    return allreduce_pass(s, net, buckets)
+
+
+def run_device(schedule, net, first, ring_addr, counter, ring):
+    """The GPU step's body (engine/step.py), one pass: the forward ops of layers ``first``
+    on (the data prologue ran before, outside any graph) with nothing read back, each loss
+    added into the mapped ring at ``ring_addr`` (``Net.forward_layer_device``), then the
+    backward ops (``Net.backward_layer``).  Captured as a CUDA graph or run eagerly by the
+    step; the copy and all-reduce ops are the hooks'."""
+    fused = net.begin_pass()
+    for op in schedule.ops:
+        if op.kind == "forward":
+            for i in op.layers:
+                if i >= first:
+                    net.forward_layer_device(i, fused, ring_addr, counter, ring)
+        elif op.kind == "backward":
+            for i in reversed(op.layers):
+                net.backward_layer(i)
+
+
+def run_eager(schedule, net):
+    """Execute the forward and backward ops of ``schedule`` on ``net`` in order, layer by
+    layer (``Net.forward_layer``/``backward_layer``: the Net's hooks around each), one
+    pass of iter_size at a time (``Net.begin_pass``/``end_pass``).  Returns the loss of
+    each pass.  The loss and update ops are the caller's (the Solver reads the loss and
+    updates), the copy and all-reduce ops the hooks' (the offloader, P2PSync)."""
+    losses = []
+    fused = None
+    in_backward = False
+    for op in schedule.ops:
+        if op.kind in ("prologue", "forward"):
+            if fused is None or in_backward:
+                if in_backward:
+                    net.end_pass()
+                fused, in_backward = net.begin_pass(), False
+                losses.append(0.0)
+            for i in op.layers:
+                losses[-1] += net.forward_layer(i, fused)
+        elif op.kind == "backward":
+            in_backward = True
+            for i in reversed(op.layers):
+                net.backward_layer(i)
+    if in_backward:
+        net.end_pass()
+    return losses

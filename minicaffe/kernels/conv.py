@@ -1,0 +1,387 @@
+"""Caffe's convolution engine, im2col + GEMM, for one geometry (``ConvEngine``), forward
+and backward, over a bounded chunk of the batch at a time with one GEMM per group:
+what layers/vision.py's Convolution, Deconvolution and (through the same calls)
+Im2col layers run.  Caffe counterpart: ``base_conv_layer.cpp``'s forward_cpu_gemm /
+backward_cpu_gemm / weight_cpu_gemm with ``im2col.cpp``.
+
+* numpy, 2-D: per-layer workspaces (padded input, column matrix, GEMM output) are
+  allocated once and reused.  The column matrix is built channel-last, one row per output
+  pixel, by a single strided copy; with stride 1 the data gradient is a full convolution
+  of dy with the flipped kernel; layers with few input channels use Caffe's channel-major
+  columns; a 1x1 kernel with stride 1 and no padding skips im2col.
+* CuPy, or N-D: the whole-chunk ``im2col``/``col2im`` of kernels/im2col.py (CUDA kernels
+  on the GPU, strided slicing for N-D) and batched GEMMs (blas.py).
+
+docs/vision.md has the measured figures.
+"""
+import math
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ..blas import gemm_batched
+from .im2col import (col2im, col2im_nd, col2im_padded_into, im2col, im2col_nd,
+                     im2col_padded_into)
+
+# Largest column buffer one chunk of the batch may use.  On the CPU a column
+# matrix that stays in the core's cache (L2 1.25 MiB, L3 48 MiB on the
+# project's machine) between the im2col copy and the GEMM that reads it is
+# faster: 1 MiB chunks took CIFAR-10 conv2's forward+backward from 122 to 71 ms
+# against 8 MiB (docs/vision.md, "CPU speed").  On the GPU bigger is better.
+COL_BUFFER_BYTES = {"cpu": 1 << 20, "gpu": 1 << 30}
+# A CPU chunk keeps at least this many output columns per GEMM (tiny GEMMs
+# are slow), even if that exceeds the byte budget.
+MIN_GEMM_COLUMNS = 512
+# Stride-1 data gradients are computed as a full convolution of dy when dy's
+# patches are at most this many times larger than x's (see _full_conv_ok).
+FULL_CONV_RATIO = 3
+# Below this many input channels per group the numpy engine builds Caffe's
+# channel-major columns instead of channel-last patches.
+NHWC_MIN_CHANNELS = 8
+
+
+class ConvEngine:
+    """im2col + GEMM convolution of one geometry, forward and backward.
+
+    ``x`` is (N, C, *in_spatial), ``w`` is (O, C/G, *kernel), ``y`` is
+    (N, O, *out_spatial).  ``forward`` writes ``y``; ``backward`` accumulates
+    the weight gradient into ``dw`` (when given) and overwrites ``dx`` (when
+    given).  Deconvolution uses the same engine with the roles swapped.
+    """
+
+    def __init__(self, channels, num_output, group, kernel, pad, stride, dilation,
+                 in_spatial, out_spatial):
+        self.C, self.O, self.G = channels, num_output, group
+        self.kernel, self.pad = tuple(kernel), tuple(pad)
+        self.stride, self.dilation = tuple(stride), tuple(dilation)
+        self.in_spatial, self.out_spatial = tuple(in_spatial), tuple(out_spatial)
+        self.ksize = math.prod(self.kernel)
+        self.P = math.prod(self.out_spatial)
+        self.ns = len(self.kernel)
+        self.is_1x1 = (all(k == 1 for k in self.kernel) and all(s == 1 for s in self.stride)
+                       and all(p == 0 for p in self.pad))
+        self._ws = None  # numpy workspace: (dtype, chunk) -> buffers
+        self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
+
+    # -- chunking ----------------------------------------------------------------
+    def chunk(self, N, itemsize, budget, min_columns=0):
+        """Images per chunk: the column buffer within ``budget`` bytes, but at
+        least ``min_columns`` GEMM columns."""
+        per_sample = self.C * self.ksize * self.P * itemsize
+        n = max(1, budget // max(per_sample, 1), -(-min_columns // self.P))
+        return int(min(N, n))
+
+    # -- public ------------------------------------------------------------------
+    def forward(self, xp, x, w, y, budget):
+        if xp is np and self.is_1x1:
+            return self._fwd_1x1(x, w, y)
+        if xp is np and self.ns == 2:
+            if self.C // self.G < NHWC_MIN_CHANNELS:
+                return self._fwd_cn(x, w, y, budget)
+            return self._fwd_nhwc(x, w, y, budget)
+        return self.forward_generic(xp, x, w, y, budget)
+
+    def backward(self, xp, x, w, dy, budget, dw=None, dx=None):
+        """``x`` may be None when only ``dx`` is wanted."""
+        if dw is None and dx is None:
+            return
+        if xp is np and self.is_1x1:
+            return self._bwd_1x1(x, w, dy, dw, dx)
+        if xp is np and self.ns == 2:
+            if self.C // self.G < NHWC_MIN_CHANNELS:
+                return self._bwd_cn(x, w, dy, dw, dx, budget)
+            return self._bwd_nhwc(x, w, dy, dw, dx, budget)
+        return self.backward_generic(xp, x, w, dy, dw, dx, budget)
+
+    # -- 1x1, stride 1, no pad: the input is the column matrix ----------------------
+    def _fwd_1x1(self, x, w, y):
+        N, G = x.shape[0], self.G
+        x4 = x.reshape(N, G, self.C // G, self.P)
+        w3 = w.reshape(G, self.O // G, self.C // G)
+        np.matmul(w3, x4, out=y.reshape(N, G, self.O // G, self.P))
+
+    def _bwd_1x1(self, x, w, dy, dw, dx):
+        N, G = dy.shape[0], self.G
+        Cg, Og = self.C // G, self.O // G
+        dy4 = dy.reshape(N, G, Og, self.P)
+        if dw is not None:
+            x4 = x.reshape(N, G, Cg, self.P)
+            dw3 = dw.reshape(G, Og, Cg)
+            for g in range(G):
+                dw3[g] += np.tensordot(dy4[:, g], x4[:, g], axes=([0, 2], [0, 2]))
+        if dx is not None:
+            w3 = w.reshape(G, Og, Cg)
+            np.matmul(w3.transpose(0, 2, 1), dy4, out=dx.reshape(N, G, Cg, self.P))
+
+    # -- numpy 2-D: channel-last (NHWC) patches ------------------------------------------
+    # The column matrix is built as (n*OH*OW, G*kh*kw*Cg): one row per output pixel,
+    # columns ordered (group, kernel row, kernel column, channel).  The copy that
+    # builds it moves contiguous runs of channels, and the GEMMs put the long axis
+    # (n*OH*OW) first, which OpenBLAS ran 2-3.7x faster than the transposed
+    # formulation for the channel counts of LeNet and CIFAR-10 (docs/vision.md).
+    def _workspace(self, dtype, n):
+        key = (np.dtype(dtype), n)
+        if self._ws is None or self._ws["key"] != key:
+            self._ws = {"key": key}
+        return self._ws
+
+    def _buffer(self, ws, name, shape, dtype, zero=False):
+        """A workspace array made on first use (zero-filled if asked)."""
+        if name not in ws:
+            ws[name] = (np.zeros if zero else np.empty)(shape, dtype)
+        return ws[name]
+
+    def _nhwc_padded(self, ws, name, a, pad, n):
+        """``a`` (n, C, H, W) written channel-last into the interior of a
+        zero-bordered workspace array (step, H+2ph, W+2pw, C)."""
+        step, C, H, W = ws["key"][1], a.shape[1], a.shape[2], a.shape[3]
+        (ph, pw) = pad
+        buf = self._buffer(ws, name, (step, H + 2 * ph, W + 2 * pw, C), a.dtype, zero=True)[:n]
+        buf[:, ph:ph + H, pw:pw + W, :] = a.transpose(0, 2, 3, 1)
+        return buf
+
+    def _patches(self, ws, name, src, groups, out_spatial, stride):
+        """im2col of a padded channel-last ``src`` (n, Hp, Wp, C) into a workspace
+        matrix (n*OH*OW, G*kh*kw*Cg), as one strided copy."""
+        n, C = src.shape[0], src.shape[3]
+        (kh, kw), (dh, dw), (sh, sw) = self.kernel, self.dilation, stride
+        OH, OW = out_spatial
+        Cg = C // groups
+        st = src.strides
+        view = as_strided(src, (n, OH, OW, groups, kh, kw, Cg),
+                          (st[0], sh * st[1], sw * st[2], Cg * st[3], dh * st[1], dw * st[2],
+                           st[3]), writeable=False)
+        step = ws["key"][1]
+        size = OH * OW * groups * kh * kw * Cg
+        buf = self._buffer(ws, name, step * size, src.dtype)[:n * size]
+        np.copyto(buf.reshape(n, OH, OW, groups, kh, kw, Cg), view)
+        return buf.reshape(n * OH * OW, groups * kh * kw * Cg)
+
+    def _w_rows(self, w):
+        """Weights as (G, Og, kh*kw*Cg), columns in the patches' order."""
+        G, O = self.G, self.O
+        return w.transpose(0, 2, 3, 1).reshape(G, O // G, -1)
+
+    def _fwd_nhwc(self, x, w, y, budget):
+        N, G, P, O = x.shape[0], self.G, self.P, self.O
+        Og = O // G
+        wr = self._w_rows(w)
+        step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        ws = self._workspace(x.dtype, step)
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
+            col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
+            kc = col.shape[1] // G
+            out = self._buffer(ws, "out", (step * P, Og), x.dtype)[:n * P]
+            for g in range(G):
+                np.matmul(col[:, g * kc:(g + 1) * kc], wr[g].T, out=out)
+                y[n0:n0 + n, g * Og:(g + 1) * Og] = out.reshape(
+                    n, *self.out_spatial, Og).transpose(0, 3, 1, 2)
+
+    def _full_conv_ok(self):
+        """With stride 1 the data gradient is itself a convolution: dy padded by
+        extent-1-pad, correlated with the flipped, transposed kernel: an im2col
+        copy of dy and a GEMM instead of a GEMM and col2im's accumulation per
+        kernel offset.  Worth it unless dy is much larger than x."""
+        if not all(s == 1 for s in self.stride) or not all(
+                d * (k - 1) - p >= 0 for k, d, p in zip(self.kernel, self.dilation, self.pad)):
+            return False
+        return self.O * math.prod(self.in_spatial) <= FULL_CONV_RATIO * self.C * self.P
+
+    def _bwd_nhwc(self, x, w, dy, dw, dx, budget):
+        N, G, P, O, C = dy.shape[0], self.G, self.P, self.O, self.C
+        Og, Cg = O // G, C // G
+        (kh, kw) = self.kernel
+        step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        ws = self._workspace(dy.dtype, step)
+        full = dx is not None and self._full_conv_ok()
+        if dx is not None:
+            if full:  # wf[g][(i, j, o), c] = w[g*Og + o, c, kh-1-i, kw-1-j]
+                wf = w.reshape(G, Og, Cg, kh, kw)[:, :, :, ::-1, ::-1]
+                wf = wf.transpose(0, 3, 4, 1, 2).reshape(G, -1, Cg)
+            else:
+                wr = self._w_rows(w)
+        if dw is not None:
+            dwr = np.zeros((G, Og, kh * kw * Cg), dw.dtype)
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            if dw is not None or not full:
+                dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
+                dyr.reshape(n, *self.out_spatial, O)[...] = dy[n0:n0 + n].transpose(0, 2, 3, 1)
+            if dw is not None:
+                xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
+                col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
+                kc = col.shape[1] // G
+                for g in range(G):
+                    dwr[g] += dyr[:, g * Og:(g + 1) * Og].T @ col[:, g * kc:(g + 1) * kc]
+            if dx is None:
+                continue
+            if full:
+                self._dx_full_conv(ws, wf, dy[n0:n0 + n], dx[n0:n0 + n], n)
+            else:
+                self._dx_col2im(ws, wr, dyr, dx[n0:n0 + n], n)
+        if dw is not None:
+            dw += dwr.reshape(O, kh, kw, Cg).transpose(0, 3, 1, 2)
+
+    def _dx_full_conv(self, ws, wf, dy, dx, n):
+        G, O, C = self.G, self.O, self.C
+        Cg = C // G
+        H, W = self.in_spatial
+        q = [d * (k - 1) - p for k, d, p in zip(self.kernel, self.dilation, self.pad)]
+        dyh = self._nhwc_padded(ws, "dyh", dy, q, n)
+        col = self._patches(ws, "dycol", dyh, G, self.in_spatial, (1, 1))
+        kc = col.shape[1] // G
+        step = ws["key"][1]
+        out = self._buffer(ws, "dxout", (step * H * W, Cg), dy.dtype)[:n * H * W]
+        for g in range(G):
+            np.matmul(col[:, g * kc:(g + 1) * kc], wf[g], out=out)
+            dx[:, g * Cg:(g + 1) * Cg] = out.reshape(n, H, W, Cg).transpose(0, 3, 1, 2)
+
+    def _dx_col2im(self, ws, wr, dyr, dx, n):
+        G, O, C = self.G, self.O, self.C
+        Og, Cg = O // G, C // G
+        (H, W), (ph, pw) = self.in_spatial, self.pad
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        OH, OW = self.out_spatial
+        step = ws["key"][1]
+        dcol = self._buffer(ws, "col", step * self.P * kh * kw * C, dyr.dtype)
+        dcol = dcol[:n * self.P * kh * kw * C].reshape(n * self.P, G, kh * kw * Cg)
+        for g in range(G):
+            dcol[:, g] = dyr[:, g * Og:(g + 1) * Og] @ wr[g]
+        d7 = dcol.reshape(n, OH, OW, G, kh, kw, Cg)
+        dpad = self._buffer(ws, "dpad", (step, H + 2 * ph, W + 2 * pw, G, Cg), dyr.dtype)[:n]
+        dpad[...] = 0
+        for i in range(kh):
+            hs = slice(i * dh, i * dh + sh * (OH - 1) + 1, sh)
+            for j in range(kw):
+                wsl = slice(j * dw, j * dw + sw * (OW - 1) + 1, sw)
+                dpad[:, hs, wsl] += d7[:, :, :, :, i, j]  # one offset never repeats a pixel
+        dx[...] = dpad[:, ph:ph + H, pw:pw + W].reshape(n, H, W, C).transpose(0, 3, 1, 2)
+
+    # -- numpy 2-D, few input channels: channel-major columns -----------------------------
+    # With 1-3 channels a channel-last copy moves runs of only kw*C values; the
+    # classic layout (C*kh*kw, n*OH*OW) (Caffe's rows) copies whole output rows.
+    def _cn_padded(self, ws, x, n):
+        (H, W), (ph, pw) = self.in_spatial, self.pad
+        step = ws["key"][1]
+        xpad = self._buffer(ws, "xpad", (self.C, step, H + 2 * ph, W + 2 * pw), x.dtype,
+                            zero=True)[:, :n]
+        xpad[:, :, ph:ph + H, pw:pw + W] = x.transpose(1, 0, 2, 3)
+        return xpad
+
+    def _cn_im2col(self, ws, x, n):
+        """col (C*kh*kw, n*OH*OW) of the n images ``x``: kernels/im2col.py's numpy
+        im2col, into this layer's workspace."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        xpad = self._cn_padded(ws, x, n)
+        size = self.C * self.ksize * self.P
+        col = self._buffer(ws, "col", ws["key"][1] * size, x.dtype)[:n * size]
+        return im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
+
+    def _cn_col2im(self, ws, col, dx, n):
+        """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW)): kernels/im2col.py's."""
+        (H, W), (ph, pw) = self.in_spatial, self.pad
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        dpad = self._buffer(ws, "cn_dpad", (self.C, ws["key"][1], H + 2 * ph, W + 2 * pw),
+                            col.dtype)[:, :n]
+        col2im_padded_into(col, dpad, kh, kw, sh, sw, dh, dw, *self.out_spatial)
+        dx[...] = dpad[:, :, ph:ph + H, pw:pw + W].transpose(1, 0, 2, 3)
+
+    # The GEMMs run per image on the image's columns (a strided (C*kh*kw, OH*OW)
+    # slice of the chunk's matrix), so the output is written in place and dy is
+    # read in place: no (O, n*P) <-> (n, O, P) transposing copies (conv1 of
+    # CIFAR-10: 13.7 -> 11.5 ms forward, 18.9 -> 15.8 ms weight gradient).
+    def _fwd_cn(self, x, w, y, budget):
+        N, G, P, O = x.shape[0], self.G, self.P, self.O
+        Og = O // G
+        w3 = w.reshape(G, Og, -1)
+        step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        ws = self._workspace(x.dtype, step)
+        direct = y.flags.c_contiguous
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            col = self._cn_im2col(ws, x[n0:n0 + n], n)
+            if direct:
+                col4 = col.reshape(G, -1, n, P)
+                for s in range(n):
+                    ys = y[n0 + s].reshape(G, Og, P)
+                    for g in range(G):
+                        np.matmul(w3[g], col4[g, :, s], out=ys[g])
+                continue
+            out = self._buffer(ws, "cn_out", O * step * P, x.dtype)[:O * n * P]
+            np.matmul(w3, col.reshape(G, -1, n * P), out=out.reshape(G, Og, n * P))
+            y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).transpose(1, 0, 2, 3)
+
+    def _bwd_cn(self, x, w, dy, dw, dx, budget):
+        N, G, P, O = dy.shape[0], self.G, self.P, self.O
+        Og = O // G
+        w3 = w.reshape(G, Og, -1)
+        dw3 = None if dw is None else np.zeros((G, Og, w3.shape[2]), dw.dtype)
+        step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        ws = self._workspace(dy.dtype, step)
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            if dw3 is not None:
+                col4 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n, P)
+                for s in range(n):
+                    d = dy[n0 + s].reshape(G, Og, P)
+                    for g in range(G):
+                        dw3[g] += d[g] @ col4[g, :, s].T
+            if dx is not None:
+                dy2 = self._buffer(ws, "cn_out", O * step * P, dy.dtype)[:O * n * P]
+                dy2.reshape(O, n, *self.out_spatial)[...] = dy[n0:n0 + n].transpose(1, 0, 2, 3)
+                dy3 = dy2.reshape(G, Og, n * P)
+                size = self.C * self.ksize * self.P
+                dcol = self._buffer(ws, "col", step * size, dy.dtype)[:n * size]
+                dcol = dcol.reshape(G, -1, n * P)
+                np.matmul(w3.transpose(0, 2, 1), dy3, out=dcol)
+                self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
+        if dw3 is not None:
+            dw += dw3.reshape(dw.shape)
+
+    # -- generic (CuPy, N-D) ------------------------------------------------------------
+    def _im2col(self, x):
+        a = (self.kernel, self.pad, self.stride, self.dilation)
+        return im2col(x, *a) if self.ns == 2 else im2col_nd(x, *a)
+
+    def _col2im(self, col, shape):
+        a = (self.kernel, self.pad, self.stride, self.dilation)
+        return col2im(col, shape, *a) if self.ns == 2 else col2im_nd(col, shape, *a)
+
+    def forward_generic(self, xp, x, w, y, budget):
+        """The reference path every shape and array module can take: im2col from the
+        kernels package and one batched GEMM per chunk of images (``forward`` picks a
+        faster numpy path where one applies)."""
+        N, G, P, O = x.shape[0], self.G, self.P, self.O
+        w3 = w.reshape(G, O // G, -1)
+        step = self.chunk(N, x.dtype.itemsize, budget)
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            col = self._im2col(x[n0:n0 + n]).reshape(G, -1, n * P)
+            out = gemm_batched(xp, w3, col, xp.empty((G, O // G, n * P), dtype=y.dtype),
+                               tf32=self.tf32)
+            y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).swapaxes(0, 1)
+
+    def backward_generic(self, xp, x, w, dy, dw, dx, budget):
+        """The reference backward (im2col/col2im and batched GEMMs), as ``forward_generic``."""
+        N, G, P, O = dy.shape[0], self.G, self.P, self.O
+        w3 = w.reshape(G, O // G, -1)
+        dw3 = None if dw is None else dw.reshape(G, O // G, -1)
+        step = self.chunk(N, dy.dtype.itemsize, budget)
+        for n0 in range(0, N, step):
+            n = min(N, n0 + step) - n0
+            dy3 = dy[n0:n0 + n].swapaxes(0, 1).reshape(G, O // G, n * P)
+            if dw3 is not None:
+                col = self._im2col(x[n0:n0 + n]).reshape(G, -1, n * P)
+                gemm_batched(xp, dy3, col, dw3, trans_b=True, beta=1.0, tf32=self.tf32)
+            if dx is not None:
+                dcol = gemm_batched(xp, w3, dy3, xp.empty((G, w3.shape[2], n * P), dy.dtype),
+                                    trans_a=True, tf32=self.tf32).reshape(self.C * self.ksize,
+                                                                          n * P)
+                dx[n0:n0 + n] = self._col2im(dcol, dx[n0:n0 + n].shape)
+
+
+def conv_budget(xp):
+    """Bytes of column buffer one chunk may use with array module ``xp``."""
+    return COL_BUFFER_BYTES["cpu" if xp is np else "gpu"]
