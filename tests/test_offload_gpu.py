@@ -55,8 +55,9 @@ def gpu(monkeypatch):
     # The same cuDNN algorithms with and without offload: an offloading net prices its
     # workspace higher (layers/cudnn_layers.py), so from Find's timings it may take
     # algorithms with less workspace, whose rounding differs -- what these tests compare
-    # is the copies' effect.  No workspace: both take the fastest that needs none.
-    monkeypatch.setenv("MINICAFFE_CUDNN_WORKSPACE_LIMIT", "0")
+    # is the copies' effect, so here both nets price it alike.
+    from minicaffe.layers import cudnn_layers
+    monkeypatch.setattr(cudnn_layers, "OFFLOAD_PRICE_PER_GIB", cudnn_layers.PRICE_PER_GIB)
     context.set_mode_gpu()
     yield backend.cp
     context.set_mode_cpu()
