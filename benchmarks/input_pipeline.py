@@ -4,6 +4,7 @@ synthetic input (prints one table; not a test).
 
     python benchmarks/input_pipeline.py [--images 2000] [--batch 128] [--workers N]
         [--batches 30] [--gpu 0] [--train] [--train_iters 30] [--cpu_nets] [--keep DIR]
+        [--gpu_decode]
 
 It generates its own data (examples/imagenet/make_image_folder.py): ``--images``
 photo-like 256x256 JPEGs (quality 90), an LMDB of the encoded JPEG Datums
@@ -21,6 +22,9 @@ Rows:
 - ``--train`` (GPU): AlexNet b``--batch`` (fp32) and ResNet-50 b64 (TF32, the engine's
   fastest) SGD steps from the LMDBs, and from a constant DummyData input (the engine
   alone), in images/s, with the share of the step the compute stream idled for input;
+- ``--gpu_decode`` (GPU, needs ``pip install ".[gpu-jpeg]"``): the Data layer alone
+  from the JPEG LMDB with the JPEGs decoded on the GPU by nvImageCodec (no workers), and,
+  with ``--train``, AlexNet trained from it;
 - ``--cpu_nets``: LeNet b64 and CIFAR-10 quick b100 trained on the CPU from LMDBs of
   raw Datums of their shapes: the share of the step spent waiting for data.
 
@@ -42,6 +46,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "examples", "imagenet"))
 from minicaffe import backend, context, log  # noqa: E402
 from minicaffe.bench import cpu_model  # noqa: E402
+from minicaffe.config import RunConfig  # noqa: E402
 from minicaffe.blob import Blob  # noqa: E402
 from minicaffe.data.convert import convert_imageset  # noqa: E402
 from minicaffe.data.images import decode_image, decoder_name  # noqa: E402
@@ -60,10 +65,14 @@ def sync():
         backend.synchronize()
 
 
-def data_layer(src, batch, workers):
-    return make_layer(f'name: "data" type: "Data" top: "data" top: "label" '
-                      f'data_param {{ source: "{src}" batch_size: {batch} backend: LMDB '
-                      f'workers: {workers} }} transform_param {{ {TRANSFORM} }}', caffe_pb2.TRAIN)
+def data_layer(src, batch, workers, gpu_decode=False):
+    layer = make_layer(f'name: "data" type: "Data" top: "data" top: "label" '
+                       f'data_param {{ source: "{src}" batch_size: {batch} backend: LMDB '
+                       f'workers: {workers} }} transform_param {{ {TRANSFORM} }}',
+                       caffe_pb2.TRAIN)
+    if gpu_decode:
+        layer.config = RunConfig.from_environment(gpu_decode=True)
+    return layer
 
 
 def workers_pss_mb():
@@ -80,10 +89,10 @@ def workers_pss_mb():
     return total * 1024 / 1e6
 
 
-def time_layer(src, batch, workers, nbatches):
+def time_layer(src, batch, workers, nbatches, gpu_decode=False):
     """(images/s of the Data layer's forward alone after a warm-up of 3 batches, the workers'
-    memory in MB or None)."""
-    layer = data_layer(src, batch, workers)
+    memory in MB or None); ``gpu_decode``: JPEGs decoded on the GPU (nvImageCodec)."""
+    layer = data_layer(src, batch, workers, gpu_decode)
     top = [Blob(), Blob()]
     layer.setup([], top)
     try:
@@ -216,7 +225,8 @@ def net_text(name, source, batch):
     return text_format.MessageToString(net)
 
 
-def time_train(tmp, name, source, batch, iters, gpu, label, precision="FLOAT"):
+def time_train(tmp, name, source, batch, iters, gpu, label, precision="FLOAT",
+               gpu_decode=False):
     """(images/s, ms per iteration, compute-stream data wait share) of ``iters`` SGD steps."""
     from minicaffe.solvers import get_solver
     path = os.path.join(tmp, f"{name}_{label}.prototxt")
@@ -226,7 +236,7 @@ def time_train(tmp, name, source, batch, iters, gpu, label, precision="FLOAT"):
                                    weight_decay=0.0005, max_iter=100000, display=0,
                                    solver_mode=caffe_pb2.SolverParameter.GPU, device_id=gpu,
                                    random_seed=1, minicaffe_precision=precision)
-    s = get_solver(sp)
+    s = get_solver(sp, config=RunConfig.from_environment(gpu_decode=gpu_decode))
     try:
         s.step(5)  # graphs captured, queues full
         sync()
@@ -297,6 +307,8 @@ def main(argv=None):
     ap.add_argument("--cpu_nets", action="store_true", help="LeNet/CIFAR-10 quick data wait")
     ap.add_argument("--cpu_iters", type=int, default=200)
     ap.add_argument("--no_torch", action="store_true")
+    ap.add_argument("--gpu_decode", action="store_true",
+                    help="also decode the JPEG LMDB on the GPU (nvImageCodec; with --gpu)")
     ap.add_argument("--keep", default=None, help="keep the generated data in this folder")
     a = ap.parse_args(argv)
     import logging
@@ -345,6 +357,10 @@ def main(argv=None):
                 if pss is not None:
                     note += f"; workers' PSS {pss:.0f} MB in all"
                 rows.append((f"Data layer alone, {kind} LMDB", str(w), f"{rate:,.0f}", note))
+        if a.gpu_decode and a.gpu is not None:
+            rate, _ = time_layer(dbs["JPEG"], a.batch, 0, a.batches, gpu_decode=True)
+            rows.append(("Data layer alone, JPEG LMDB, --gpu_decode", "-", f"{rate:,.0f}",
+                         "nvImageCodec (nvJPEG) decode and transform on the GPU"))
         if not a.no_torch:
             try:
                 import torch  # noqa: F401
@@ -365,9 +381,14 @@ def main(argv=None):
                 synth = time_train(tmp, name, None, batch, a.train_iters, a.gpu, "synthetic", prec)
                 rows.append((f"{title}, synthetic input", "-", f"{synth[0]:,.0f}",
                              f"{synth[1]:.2f} ms/iter (the engine alone)"))
-                for kind in ("JPEG", "raw") if name == "alexnet" else ("JPEG",):
-                    r = time_train(tmp, name, dbs[kind], batch, a.train_iters, a.gpu, kind, prec)
-                    rows.append((f"{title}, {kind} LMDB", str(workers), f"{r[0]:,.0f}",
+                runs = [(k, False) for k in (("JPEG", "raw") if name == "alexnet" else ("JPEG",))]
+                if a.gpu_decode:
+                    runs.append(("JPEG", True))
+                for kind, gdec in runs:
+                    r = time_train(tmp, name, dbs[kind], batch, a.train_iters, a.gpu, kind, prec,
+                                   gpu_decode=gdec)
+                    rows.append((f"{title}, {kind} LMDB" + (", --gpu_decode" if gdec else ""),
+                                 "-" if gdec else str(workers), f"{r[0]:,.0f}",
                                  f"{r[1]:.2f} ms/iter, {100 * r[0] / synth[0]:.1f}% of "
                                  f"synthetic; data wait {100 * (r[2] or 0):.1f}%"))
         if a.cpu_nets:

@@ -119,6 +119,8 @@ flags:
   --data_workers N     train: worker processes that read and decode each Data/ImageData
                        layer's records (0: in the prefetch thread; default: from the cores;
                        overrides $MINICAFFE_DECODE_THREADS and data_param.workers)
+  --gpu_decode         train (GPU): decode the JPEGs of Data/ImageData layers on the GPU
+                       with nvImageCodec (pip install ".[gpu-jpeg]"; default: CPU workers)
   --version            print the version
 """
 
@@ -158,6 +160,7 @@ FLAGS = {
     "quiet": ("bool", False),
     "minloglevel": ("int", 0),
     "data_workers": ("int", -1),
+    "gpu_decode": ("bool", False),
     "schedule": ("bool", False),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
@@ -175,7 +178,7 @@ COMMAND_FLAGS = {
     "train": ("solver", "snapshot", "weights", "gpu", "parallel", "rank", "world_size",
               "init_file", "level", "stage", "sigint_effect", "sighup_effect", "debug_info",
               "cuda_graph", "tf32", "offload", "gpu_mem_limit", "dashboard",
-              "tensorboard", "data_workers") + _EVERY,
+              "tensorboard", "data_workers", "gpu_decode") + _EVERY,
     "test": ("model", "weights", "gpu", "iterations", "level", "stage") + _EVERY,
     "time": ("model", "gpu", "iterations", "phase", "level", "stage") + _EVERY,
     "device_query": ("gpu",) + _EVERY,
@@ -1037,7 +1040,8 @@ def _run_command(command, flags, argv, stream):
     flags.run_config = RunConfig.from_environment(
         offload_policy=flags.offload or None,
         offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None,
-        **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}))
+        **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}),
+        gpu_decode=bool(flags.gpu_decode))
     if command == "train":
         rc = train(flags, stream)
     else:

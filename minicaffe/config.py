@@ -13,7 +13,9 @@ the Solver, which hands it to its Nets, which hand it to their layers (``Layer.c
 - ``rank``, ``world_size``: this solver's place in a data-parallel run (its data layers
   read that shard), in place of the order-dependent ``set_solver_count`` global;
 - ``data_workers``: worker processes per Data/ImageData layer (``--data_workers``, else
-  MINICAFFE_DECODE_THREADS; None: the layer's ``data_param.workers`` or the default).
+  MINICAFFE_DECODE_THREADS; None: the layer's ``data_param.workers`` or the default);
+- ``gpu_decode``: GPU mode decodes the JPEGs of Data/ImageData layers on the GPU with
+  nvImageCodec (``--gpu_decode``; False: the CPU workers decode, the default).
 
 Caffe has no such object (its settings are flags and the process-wide ``Caffe`` singleton);
 PyTorch keeps them in ``torch.backends`` flags.  Unset fields take the environment's values
@@ -152,8 +154,12 @@ class RunConfig:
     rank: int = 0
     world_size: int = 1
     data_workers: int = None
+    gpu_decode: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.gpu_decode, bool):
+            raise ConfigError(f"gpu_decode={self.gpu_decode!r}: expected True or False "
+                              "(--gpu_decode decodes JPEGs on the GPU in GPU mode)")
         if self.offload_policy is not None:
             from .offload import parse_policy
             object.__setattr__(self, "offload_policy", parse_policy(self.offload_policy))

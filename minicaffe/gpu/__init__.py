@@ -9,6 +9,7 @@
 - ``pool``: the allocator (CuPy's default pool or the stream-ordered cudaMallocAsync pool)
   and peak-memory readings (its code is in ``backend.py``);
 - ``options``: process-wide switches (TF32, deterministic algorithms, cuDNN on/off);
+- ``jpeg``: JPEG decode on the GPU with nvImageCodec (nvJPEG), for ``--gpu_decode``;
 - ``plan``: the static memory plan of a net (one arena, buffers shared where lifetimes
   do not overlap).
 

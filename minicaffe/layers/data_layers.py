@@ -49,7 +49,31 @@ def shard_of(phase, config=None):
 AUTO_WORKER_BYTES = 1 << 20   # raw batches smaller than this are read in the prefetch thread
 
 
-def choose_workers(layer, batch_size, first, decodes):
+def use_gpu_decode(layer, first_bytes, cpu_reason=None):
+    """True when this layer decodes its JPEGs on the GPU: the run asks for it
+    (``RunConfig.gpu_decode``, ``minicaffe train --gpu_decode``), nvImageCodec imports, the
+    mode is GPU and the first record is a JPEG (``first_bytes``).  Asked for without the
+    package or in CPU mode: one line (LayerError).  Records that are not JPEGs, or
+    ``cpu_reason`` (ImageData's resize), keep the CPU decode with an info line saying why."""
+    if not layer.config.gpu_decode:
+        return False
+    from ..gpu import jpeg
+    try:
+        jpeg.require()
+    except MinicaffeError as e:
+        raise layer.error(str(e)) from None
+    if not context.is_gpu():
+        raise layer.error("--gpu_decode decodes JPEGs on the GPU: it needs GPU mode "
+                          "(minicaffe train --gpu N, or solver_mode: GPU)")
+    if first_bytes is None or first_bytes[:2] != b"\xff\xd8":
+        cpu_reason = "the records are not JPEGs"
+    if cpu_reason:
+        log.info("layer '%s': --gpu_decode: %s; decoding on the CPU", layer.name, cpu_reason)
+        return False
+    return True
+
+
+def choose_workers(layer, batch_size, first, decodes, gpu_decode=False):
     """How many worker processes read this layer's records: $MINICAFFE_DECODE_THREADS
     (``minicaffe train --data_workers``), else ``data_param.workers``, else the default
     (``workers.default_workers``: the cores less two, divided among the solvers), except
@@ -57,6 +81,11 @@ def choose_workers(layer, batch_size, first, decodes):
     than handing it to a process) or with a default of one worker, and batch_size 1
     (records of any shape), are read in the prefetch thread.  0 = in the prefetch thread.  Logs the choice."""
     p = layer.layer_param.data_param
+    if gpu_decode:
+        log.info("layer '%s': JPEG decoder: nvImageCodec (nvJPEG) on GPU %d, batches of %d "
+                 "in the prefetch thread (--gpu_decode)", layer.name, backend.current_device(),
+                 batch_size)
+        return 0
     if decodes:
         log.info("layer '%s': JPEG decoder: %s", layer.name, decoder_name())
     try:
@@ -108,6 +137,61 @@ def stack_checked(loader, images, wheres, kind):
     return np.stack(images)
 
 
+class GpuJpegBatch:
+    """A batch's encoded images decoded on the GPU (``gpu/jpeg.py``, nvImageCodec) into a
+    device (N, C, H, W) uint8 BGR batch.  Records nvImageCodec does not take (not a JPEG,
+    CMYK, raw Datums, one it fails to decode) are decoded on the CPU and uploaded into
+    their place, so a corrupt record gets the CPU decoder's one-line error.  Caffe's shape
+    rules are ``stack_checked``'s.  ``color``: True 3 channels, False 1, None as stored."""
+
+    def __init__(self, layer, color, first_shape, batch_size):
+        from ..gpu.jpeg import JpegBatchDecoder
+        self.color, self.first_shape, self.batch_size = color, first_shape, batch_size
+        try:
+            self.decoder = JpegBatchDecoder(backend.current_device())
+        except MinicaffeError as e:
+            raise layer.error(str(e)) from None
+        self.dev = None
+
+    def __call__(self, records, kind):
+        """``records``: [(JPEG bytes or None, CPU decode of the record (a callable), where)]
+        -> the device batch (valid until the next call)."""
+        err = DBError if kind == "db" else ImageError
+        host, shapes, parsed = {}, [], {}
+        for k, (data, cpu, _) in enumerate(records):
+            info = self.decoder.probe(data)
+            if info is None:
+                host[k] = cpu()
+                shapes.append(host[k].shape)
+            else:
+                c = info[0] if self.color is None else (3 if self.color else 1)
+                shapes.append((c,) + info[1:3])
+                parsed[k] = info[3]
+        shape0 = shapes[0]
+        if self.batch_size > 1 and shape0 != self.first_shape:
+            raise err(mismatch_message(kind, records[0][2], shape0, self.first_shape, True))
+        for s, r in zip(shapes, records):
+            if s != shape0:
+                raise err(mismatch_message(kind, r[2], s, shape0, False))
+        n = len(records)
+        if self.dev is None or self.dev.shape != (n,) + shape0:
+            self.dev = backend.gpu_module().empty((n,) + shape0, np.uint8)
+        stream = backend.current_stream()
+        on_gpu = sorted(parsed)
+        for j in self.decoder.decode_into([parsed[k] for k in on_gpu], self.dev, on_gpu,
+                                          stream):
+            k = on_gpu[j]
+            host[k] = records[k][1]()  # the CPU decoder decodes it, or says why it cannot
+            if host[k].shape != shape0:
+                raise err(mismatch_message(kind, records[k][2], host[k].shape, shape0, False))
+        for k, img in sorted(host.items()):
+            if img.dtype != np.uint8:
+                raise err(f"{records[k][2]}: the Datum holds float_data but the first record "
+                          "holds encoded images; a database holds one kind")
+            self.dev[k].set(np.ascontiguousarray(img), stream=stream)
+        return self.dev
+
+
 class BatchTransform:
     """Transforms a loaded (N, C, H, W) batch into a Batch's data blob, drawing the crop
     offsets and mirror flags first with the prefetch thread's generator (Caffe's order).
@@ -127,6 +211,11 @@ class BatchTransform:
         mirror, hoff, woff = self.t.draw(n, images.shape[2:], rng)
         if not context.is_gpu():
             self.t.apply(images, batch.data.mutable_cpu_data(), mirror, hoff, woff)
+            return
+        stream = backend.current_stream()
+        if backend.is_gpu_array(images):  # decoded on the GPU (GpuJpegBatch)
+            self.t.apply(images, batch.data.mutable_gpu_data(), mirror, hoff, woff)
+            stream.synchronize()
             return
         if self.dev is None or self.dev.shape != images.shape or self.dev.dtype != images.dtype:
             self.dev = backend.gpu_module().empty(images.shape, images.dtype)
@@ -148,8 +237,9 @@ class DBLoader:
     WorkerFeed the cursor reads keys only and the workers read, parse and decode."""
 
     def __init__(self, db, source, batch_size, transformer, output_labels, shard, skip,
-                 first_shape, feed=None):
+                 first_shape, feed=None, gpu_decode=None):
         self.db = db
+        self.gpu_decode = gpu_decode  # a GpuJpegBatch (--gpu_decode), or None
         self.source = source
         self.batch_size = batch_size
         self.transformer = transformer
@@ -246,8 +336,15 @@ class DBLoader:
             return
         records = self.read(self.batch_size)
         wheres = [f"{self.source}: key {key_text(k)}" for k, _ in records]
-        images = [self.transformer.decode(d, w) for (_, d), w in zip(records, wheres)]
-        self.transform(batch, stack_checked(self, images, wheres, "db"), rng, wheres[0])
+        if self.gpu_decode is not None:
+            images = self.gpu_decode(
+                [(d.data if d.encoded else None,
+                  lambda d=d, w=w: self.transformer.decode(d, w), w)
+                 for (_, d), w in zip(records, wheres)], "db")
+        else:
+            images = stack_checked(self, [self.transformer.decode(d, w)
+                                          for (_, d), w in zip(records, wheres)], wheres, "db")
+        self.transform(batch, images, rng, wheres[0])
         self.key = records[0][0]
         if self.output_labels:
             batch.label.mutable_cpu_data()[...] = [d.label for _, d in records]
@@ -305,17 +402,20 @@ class DataLayer(BasePrefetchingDataLayer):
         if p.rand_skip:
             skip = int(context.rng().randint(0, 2 ** 32, dtype=np.uint32)) % p.rand_skip
             log.info("Skipping first %d data points.", skip)
-        n = choose_workers(self, batch_size, first, bool(datum.encoded))
         color = True if self.transformer.force_color else \
             (False if self.transformer.force_gray else None)
         try:
+            gpu = use_gpu_decode(self, datum.data if datum.encoded else None)
+            if gpu:
+                gpu = GpuJpegBatch(self, color, tuple(first.shape), batch_size)
+            n = choose_workers(self, batch_size, first, bool(datum.encoded), bool(gpu))
             feed = start_feed(self, n, "db", DBSource(p.source, db.backend, color), batch_size,
                               first)
         except BaseException:
             db.close()
             raise
         return DBLoader(db, p.source, batch_size, self.transformer, self.output_labels,
-                        shard, skip, tuple(first.shape), feed)
+                        shard, skip, tuple(first.shape), feed, gpu or None)
 
 
 # -- ImageData: a list file of images ----------------------------------------------------------------
@@ -345,6 +445,16 @@ def read_image_list(path):
     return out
 
 
+def _file_bytes(path):
+    """The bytes of an image file, or None where it cannot be read (``read_image`` then
+    says why, in the layer's words)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 class ImageListLoader:
     def __init__(self, lines, list_file, root, new_h, new_w, is_color, batch_size,
                  transformer, output_labels, shuffle, shuffle_seed, start, first_shape):
@@ -366,6 +476,7 @@ class ImageListLoader:
         self.first_shape = first_shape
         self.current = None
         self.feed = None
+        self.gpu_decode = None  # a GpuJpegBatch (--gpu_decode), or None
         self.done = None
 
     def where(self):
@@ -437,6 +548,12 @@ class ImageListLoader:
             if self.feed is not None:
                 images = self.feed.ring.data(slot)
                 labels = self.feed.ring.labels(slot)
+            elif self.gpu_decode is not None:
+                images = self.gpu_decode(
+                    [(_file_bytes(path), lambda path=path, w=w: read_image(
+                        path, self.new_h, self.new_w, self.is_color, where=w), w)
+                     for path, _, w in items], "image")
+                labels = [label for _, label, _ in items]
             else:
                 images = stack_checked(
                     self, [read_image(path, self.new_h, self.new_w, self.is_color, where=w)
@@ -504,7 +621,13 @@ class ImageDataLayer(BasePrefetchingDataLayer):
             raise self.error(str(e)) from None
         loader.first_shape = tuple(first.shape)
         loader.current = None
-        n = choose_workers(self, batch_size, first, True)
+        first_path = p.root_folder + lines[loader.order[start]][0]
+        gpu = use_gpu_decode(self, _file_bytes(first_path),
+                             "new_height/new_width resize on the CPU" if new_h > 0 else None)
+        if gpu:
+            loader.gpu_decode = GpuJpegBatch(self, bool(p.is_color), tuple(first.shape),
+                                             batch_size)
+        n = choose_workers(self, batch_size, first, True, gpu)
         loader.feed = start_feed(self, n, "image", ImageSource(new_h, new_w, p.is_color),
                                  batch_size, first)
         top[0].reshape((batch_size,) + shape)
