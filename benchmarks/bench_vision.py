@@ -19,10 +19,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minicaffe import context  # noqa: E402
+from minicaffe.core import context  # noqa: E402
 from minicaffe import kernels as K  # noqa: E402
-from minicaffe.blob import Blob  # noqa: E402
-from minicaffe.testing import make_layer  # noqa: E402
+from minicaffe.core.blob import Blob  # noqa: E402
+from minicaffe.compat.testing import make_layer  # noqa: E402
 
 # (net, name, batch, channels, H, W, num_output, kernel, pad, stride)
 CONVS = [

@@ -35,7 +35,7 @@ def main(argv=None):
     ap.add_argument("--general-pooling", action="store_true")
     a = ap.parse_args(argv)
     import minicaffe
-    from minicaffe.net import Net, TRAIN
+    from minicaffe.network.net import Net, TRAIN
     if a.general_pooling:
         from minicaffe.kernels import pooling
         pooling.FAST_PATH = False

@@ -27,8 +27,8 @@ DATA = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData"
 def minicaffe_step(path, batch, shape):
     """A function running one solver step of ``path``'s TRAIN net on random inputs."""
     import numpy as np
-    from minicaffe import context
-    from minicaffe.net import read_net_param
+    from minicaffe.core import context
+    from minicaffe.network.net import read_net_param
     from minicaffe.proto import caffe_pb2
     from minicaffe.solvers import get_solver
     p = read_net_param(os.path.join(ROOT, path))

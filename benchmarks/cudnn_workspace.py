@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ".")
 from gpu_step import make, synthetic, timeit  # noqa: E402
-from minicaffe import backend, context, log  # noqa: E402
+from minicaffe.core import backend, context, log  # noqa: E402
 from minicaffe.gpu import cudnn, options, pool  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from minicaffe import context, log  # noqa: E402
+from minicaffe.core import context, log  # noqa: E402
 from minicaffe.solvers import get_solver, read_solver_param  # noqa: E402
 
 SOLVER = """net: "{net}"
@@ -104,7 +104,7 @@ def timed(solver, iters):
     start = time.perf_counter()
     solver.step(iters)
     if context.is_gpu():
-        from minicaffe import backend
+        from minicaffe.core import backend
         backend.synchronize()
     return (time.perf_counter() - start) * 1e3 / iters
 

@@ -23,12 +23,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from minicaffe import context  # noqa: E402
+from minicaffe.core import context  # noqa: E402
 from minicaffe.bench import cpu_model as cpu_name  # noqa: E402
-from minicaffe.blob import Blob  # noqa: E402
+from minicaffe.core.blob import Blob  # noqa: E402
 from minicaffe.data.convert import convert_imageset, convert_mnist, write_datums  # noqa: E402
 from minicaffe.data.prefetch import Batch  # noqa: E402
-from minicaffe.testing import make_layer  # noqa: E402
+from minicaffe.compat.testing import make_layer  # noqa: E402
 
 
 def mnist_db(tmp, mnist_dir):
@@ -81,7 +81,7 @@ def time_loader(src, batch, transform, nbatches):
     from minicaffe.data.transformer import DataTransformer
     from minicaffe.layers.data_layers import DBLoader
     from minicaffe.proto import caffe_pb2
-    from minicaffe.protoio import parse_text
+    from minicaffe.core.protoio import parse_text
     tp = parse_text(transform, caffe_pb2.TransformationParameter())
     t = DataTransformer(tp, caffe_pb2.TRAIN)
     db = open_db(src)

@@ -20,9 +20,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from minicaffe import backend, context, log  # noqa: E402
+from minicaffe.core import backend, context, log  # noqa: E402
 from minicaffe.proto import caffe_pb2  # noqa: E402
-from minicaffe.protoio import parse_text, read_text  # noqa: E402
+from minicaffe.core.protoio import parse_text, read_text  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 

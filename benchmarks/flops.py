@@ -6,9 +6,9 @@ products; forward, backward data, backward filter = 3 x forward), for bounds:
 import sys
 
 sys.path.insert(0, ".")
-from minicaffe import log  # noqa: E402
+from minicaffe.core import log  # noqa: E402
 from minicaffe.synthetic import synthetic_net_param  # noqa: E402
-from minicaffe.net import Net, read_net_param, TRAIN  # noqa: E402
+from minicaffe.network.net import Net, read_net_param, TRAIN  # noqa: E402
 
 
 def forward_macs(net):

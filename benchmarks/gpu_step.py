@@ -13,8 +13,8 @@ import time
 
 
 sys.path.insert(0, ".")
-from minicaffe import backend, context  # noqa: E402
-from minicaffe.net import read_net_param  # noqa: E402
+from minicaffe.core import backend, context  # noqa: E402
+from minicaffe.network.net import read_net_param  # noqa: E402
 from minicaffe.proto import caffe_pb2  # noqa: E402
 from minicaffe.solvers import get_solver  # noqa: E402
 from minicaffe.synthetic import fill_synthetic_inputs, synthetic_net_param  # noqa: E402
@@ -69,7 +69,7 @@ def main():
              "caffenet": [3, 227, 227]}
     sh = [int(v) for v in a.shape.split(",")] if a.shape else \
         next((v for k, v in shape.items() if k in a.model), [3, 224, 224])
-    from minicaffe import log
+    from minicaffe.core import log
     log.init_log()
     context.set_mode_gpu()
     net = synthetic(a.model, a.batch, sh)

@@ -44,16 +44,16 @@ import numpy as np
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "examples", "imagenet"))
-from minicaffe import backend, context, log  # noqa: E402
+from minicaffe.core import backend, context, log  # noqa: E402
 from minicaffe.bench import cpu_model  # noqa: E402
-from minicaffe.config import RunConfig  # noqa: E402
-from minicaffe.blob import Blob  # noqa: E402
+from minicaffe.core.config import RunConfig  # noqa: E402
+from minicaffe.core.blob import Blob  # noqa: E402
 from minicaffe.data.convert import convert_imageset  # noqa: E402
 from minicaffe.data.images import decode_image, decoder_name  # noqa: E402
 from minicaffe.data.workers import default_workers  # noqa: E402
 from minicaffe.layers.data_layers import RING_SLOTS  # noqa: E402
 from minicaffe.proto import caffe_pb2  # noqa: E402
-from minicaffe.testing import make_layer  # noqa: E402
+from minicaffe.compat.testing import make_layer  # noqa: E402
 from make_image_folder import make_image_folder  # noqa: E402
 
 MEAN = (104.0, 117.0, 123.0)
@@ -194,7 +194,7 @@ def net_text(name, source, batch):
     constant DummyData of the same shape)."""
     rel, crop = NETS[name]
     text = open(os.path.join(REPO, rel)).read()
-    from minicaffe.protoio import parse_text
+    from minicaffe.core.protoio import parse_text
     net = parse_text(text, caffe_pb2.NetParameter())
     keep = []
     for l in net.layer:

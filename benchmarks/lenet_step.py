@@ -10,10 +10,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import minicaffe as caffe  # noqa: E402
-from minicaffe import backend  # noqa: E402
-from minicaffe.net import Net  # noqa: E402
+from minicaffe.core import backend  # noqa: E402
+from minicaffe.network.net import Net  # noqa: E402
 from minicaffe.proto import caffe_pb2  # noqa: E402
-from minicaffe.protoio import parse_text  # noqa: E402
+from minicaffe.core.protoio import parse_text  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from test_net import LENET_MEM  # noqa: E402
@@ -43,7 +43,7 @@ def main():
     dt = (time.perf_counter() - t) / a.iters
     print(f"LeNet b64 forward+backward ({'GPU' if a.gpu else 'CPU'}): {dt * 1e3:.2f} ms/iter")
     if a.fixtures and a.mnist:
-        from minicaffe.datasets import load_mnist
+        from minicaffe.data.datasets import load_mnist
         m = load_mnist(a.mnist)
         X = m["test_images"].astype(np.float32) * np.float32(0.00390625)
         dep = Net(os.path.join(a.fixtures, "lenet_v2_deploy.prototxt"), caffe.TEST,

@@ -49,7 +49,7 @@ def synthetic_net(src, dst, batch, c, h, w):
     setup (a gaussian one is drawn on the host every forward, which would dominate a small
     net's iteration and measure the host rather than the GPUs)."""
     from google.protobuf import text_format
-    from minicaffe.net import read_net_param
+    from minicaffe.network.net import read_net_param
     from minicaffe.proto import caffe_pb2
     p = read_net_param(src)
     keep = []
@@ -126,7 +126,7 @@ def main(argv=None):
     ap.add_argument("--out", default="multi_gpu_scaling_out")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from minicaffe import backend
+    from minicaffe.core import backend
     have = backend.gpu_count()
     name = "?"
     if have:

@@ -35,7 +35,8 @@ GiB = float(1 << 30)
 # -- one configuration per process ---------------------------------------------------------
 def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
     from gpu_step import make, synthetic
-    from minicaffe import backend, context, log, offload
+    from minicaffe.core import backend, context, log
+    from minicaffe.engine import offload
     from minicaffe.gpu import options, pool
     from minicaffe.proto import caffe_pb2
     log.init_log()
@@ -168,7 +169,7 @@ def resnet50():
 def bandwidth(nbytes=1 << 30, repeats=5):
     """GB/s of pinned copies, each way alone and both at once (cudaHostAlloc'd memory)."""
     import cupy as cp
-    from minicaffe.offload import HostSlab
+    from minicaffe.engine.offload import HostSlab
     host = HostSlab(2 * nbytes)
     dev = cp.empty(2 * nbytes, dtype=cp.uint8)
     s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)

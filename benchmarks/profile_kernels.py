@@ -15,7 +15,7 @@ sys.path.insert(0, "benchmarks")
 import torch  # noqa: E402
 
 from gpu_step import make, synthetic  # noqa: E402
-from minicaffe import backend, context  # noqa: E402
+from minicaffe.core import backend, context  # noqa: E402
 
 
 def table(prof, title, n, steps):

@@ -25,9 +25,9 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args()
     import minicaffe as caffe
-    from minicaffe import backend
+    from minicaffe.core import backend
     from minicaffe.proto import caffe_pb2
-    from minicaffe.protoio import parse_text
+    from minicaffe.core.protoio import parse_text
     from minicaffe.solvers import SGDSolver
     from test_net import LENET_MEM
     if a.gpu:

@@ -18,27 +18,78 @@ one changed import line:
 """
 __version__ = "0.1.0"
 
+import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.util as _importlib_util
 import sys as _sys
 import types as _types
 
-from . import threads as _threads
-_threads.apply_default()    # one BLAS thread per process unless asked (threads.py)
-from .threads import set_num_threads, get_num_threads  # noqa: E402
+# -- the old flat module paths (before the packages of docs/architecture.md) ----------------
+# ``minicaffe.context`` and ``minicaffe.core.context`` are THE SAME module object (one set
+# of thread-locals, one allocator, one config table): importing an old path returns the new
+# module.  For users' code and old pickles; minicaffe itself imports the new paths.
+MOVED = {
+    **{f"{__name__}.{m}": f"{__name__}.core.{m}" for m in (
+        "backend", "context", "config", "synced_memory", "blob", "filler", "flat_params",
+        "log", "errors", "threads", "fileio", "protoio")},
+    f"{__name__}.blas": f"{__name__}.kernels.blas",
+    f"{__name__}.layer": f"{__name__}.layers.layer",
+    f"{__name__}.registry": f"{__name__}.layers.registry",
+    **{f"{__name__}.{m}": f"{__name__}.network.{m}" for m in ("net", "upgrade", "upgrade_v0")},
+    f"{__name__}.offload": f"{__name__}.engine.offload",
+    **{f"{__name__}.{m}": f"{__name__}.multigpu.{m}" for m in (
+        "parallel", "parallel_launch", "comm")},
+    **{f"{__name__}.{m}": f"{__name__}.compat.{m}" for m in (
+        "io", "pycaffe", "net_spec", "draw", "classify", "testing")},
+    f"{__name__}.datasets": f"{__name__}.data.datasets",
+}
 
-from .context import (set_mode_cpu, set_mode_gpu, set_device, set_random_seed,
+
+class _MovedModule(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
+    """Finds an old path of MOVED and loads it as the new module itself; ``python -m``
+    of an old path runs the new one."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MOVED:
+            return None
+        return _importlib_util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = _importlib.import_module(MOVED[spec.name])
+        spec.loader_state = module.__spec__     # the import system sets __spec__: put it back
+        return module
+
+    def exec_module(self, module):
+        # the new module ran when it was imported; it keeps its own name and spec
+        if isinstance(module.__spec__.loader, _MovedModule):
+            module.__spec__ = module.__spec__.loader_state
+
+    def get_code(self, fullname):   # runpy (python -m minicaffe.draw)
+        return compile(f"import runpy\nrunpy.run_module({MOVED[fullname]!r}, "
+                       f"run_name='__main__', alter_sys=True)\n", MOVED[fullname], "exec")
+
+
+if not any(isinstance(f, _MovedModule) for f in _sys.meta_path):
+    _sys.meta_path.append(_MovedModule())
+
+from .core import threads as _threads
+_threads.apply_default()    # one BLAS thread per process unless asked (threads.py)
+from .core.threads import set_num_threads, get_num_threads  # noqa: E402
+
+from .core.context import (set_mode_cpu, set_mode_gpu, set_device, set_random_seed,
                       solver_count, set_solver_count, solver_rank, set_solver_rank,
                       set_multiprocess, root_solver)
-from .blob import Blob
-from .net import Net, TRAIN, TEST
-from .registry import layer_type_list
-from .errors import MinicaffeError, ConfigError, LayerError
+from .core.blob import Blob
+from .network.net import Net, TRAIN, TEST
+from .layers.registry import layer_type_list
+from .core.errors import MinicaffeError, ConfigError, LayerError
 from .proto import caffe_pb2
 from . import proto
-from . import log as _log_module
-from .pycaffe import Timer, NCCL, has_nccl
-from . import io
-from . import net_spec
-from .net_spec import NetSpec, to_proto, params
+from .core import log as _log_module
+from .compat.pycaffe import Timer, NCCL, has_nccl
+from .compat import io
+from .compat import net_spec
+from .compat.net_spec import NetSpec, to_proto, params
 
 # Caffe's log(text) is a function and minicaffe.log a module: make the module callable,
 # so ``caffe.log("msg")`` and ``from . import log; log.info(...)`` both work.
@@ -95,9 +146,9 @@ def _lazy(name):
     # would make runpy warn that the module was imported before it ran
     if name == "draw":
         import importlib
-        return importlib.import_module(".draw", __name__)
+        return importlib.import_module(".compat.draw", __name__)
     if name == "Classifier":
-        from .classify import Classifier
+        from .compat.classify import Classifier
         return Classifier
     if name in _SOLVER_NAMES:
         try:
@@ -123,6 +174,8 @@ def _lazy(name):
             raise AttributeError("minicaffe.Layer (the Python-layer base) is not available: "
                                  "minicaffe.layers.python_layer does not provide it yet")
         return value
+    if f"{__name__}.{name}" in MOVED:      # ``minicaffe.context`` without importing it
+        return _importlib.import_module(MOVED[f"{__name__}.{name}"])
     raise AttributeError(f"module 'minicaffe' has no attribute '{name}'")
 
 
@@ -133,4 +186,5 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_SOLVER_NAMES) | {"Layer", "draw", "Classifier"})
+    return sorted(set(globals()) | set(_SOLVER_NAMES) | {"Layer", "draw", "Classifier"}
+                  | {m.rsplit(".", 1)[1] for m in MOVED})

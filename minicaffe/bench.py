@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from . import backend, context, log
-from .errors import MinicaffeError
+from .core import backend, context, log
+from .core.errors import MinicaffeError
 from .synthetic import synthetic_solver, synthetic_test_net
 
 # -- timing and memory --------------------------------------------------------------------------
@@ -470,7 +470,7 @@ def _import_torch():
 def bench_config(flags, gpu):
     """The run's RunConfig (the CLI's ``--offload``/``--gpu_mem_limit``) with ``--tf32``
     applied on a GPU."""
-    from .config import RunConfig
+    from .core.config import RunConfig
     config = getattr(flags, "run_config", None) or RunConfig.from_environment()
     return config.replace(tf32=bool(flags.tf32)) if gpu is not None else config
 

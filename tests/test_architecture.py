@@ -4,19 +4,31 @@ Every module under minicaffe/ is parsed with ``ast``; every import counts, the o
 functions included (a lazy import is still a dependency).  A forbidden arrow fails with the
 module, the line and the rule it breaks:
 
-- cupy/cupyx, and ctypes (the way CUDA libraries are called), only in ``minicaffe/backend.py``
-  and ``minicaffe/gpu/`` (ctypes elsewhere only where it calls no CUDA library: listed below);
-- ``gpu/`` holds bindings: it imports nothing of layers, solvers, engine, offload, net,
-  parallel;
-- layers know nothing of the engine, other GPUs or offload;
-- the Net does not import ``gpu/``, nor the engine above it (offload, engine, solvers,
-  parallel);
+- the packages are layered, bottom to top: core (and proto) <- gpu <- kernels, layers,
+  data <- network <- engine <- solvers <- multigpu <- the front (cli, bench, compat, tools,
+  watch, ...); a module imports nothing of a level above its own, except the few arrows
+  listed in ``ALLOWED_UPWARD`` (each with its reason);
+- cupy/cupyx, and ctypes (the way CUDA libraries are called), only in
+  ``minicaffe/core/backend.py`` and ``minicaffe/gpu/`` (ctypes elsewhere only where it
+  calls no CUDA library: listed below);
+- ``gpu/`` holds bindings: it imports nothing of layers, solvers, engine, network,
+  multigpu;
+- layers know nothing of the engine (offload included), other GPUs or the Net;
+- the Net does not import ``gpu/``, nor the engine above it;
 - backend and context (the core) do not import ``gpu/``.
+
+The old flat module paths (``minicaffe.context``, ``minicaffe.net``...) are the same module
+objects as the new ones (``minicaffe.MOVED``): tested at the end.
 """
 import ast
+import importlib
 import pathlib
+import subprocess
+import sys
 
 import pytest
+
+import minicaffe
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "minicaffe"
 
@@ -24,6 +36,38 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "minicaffe"
 CTYPES_WITHOUT_CUDA = {
     "minicaffe.bench": "libc's malloc_trim and OpenBLAS's thread count",
 }
+
+M = "minicaffe."
+# bottom to top; a module outside every listed package is the front (level len(LEVELS))
+LEVELS = (
+    ("core", (M + "core", M + "proto")),
+    ("gpu", (M + "gpu",)),
+    ("kernels/layers/data", (M + "kernels", M + "layers", M + "data")),
+    ("network", (M + "network",)),
+    ("engine", (M + "engine",)),
+    ("solvers", (M + "solvers",)),
+    ("multigpu", (M + "multigpu",)),
+)
+# the arrows that go up a level, each with its reason: (importer, imported) -> why
+ALLOWED_UPWARD = {
+    (M + "core.config", M + "gpu.options"):
+        "RunConfig.from_environment reads the process default of tf32 (gpu/options.py: "
+        "pure Python, it imports only core.config)",
+    (M + "engine.step", M + "solvers.fused"):
+        "the GPU step runs the SGD family's fused update kernel, written beside the update "
+        "rules in solvers/",
+    (M + "solvers.solver", M + "watch.tensorboard"):
+        "a solver writes TensorBoard events when asked (watch/tensorboard.py imports only "
+        "core)",
+}
+
+
+def level(mod):
+    """(index, name) of the level of module ``mod``."""
+    for i, (name, packages) in enumerate(LEVELS):
+        if _under(mod, *packages):
+            return i, name
+    return len(LEVELS), "front"
 
 
 def _module_name(path):
@@ -67,34 +111,53 @@ def _under(mod, *packages):
 
 def _rules(name):
     """[(forbidden module prefixes, why)] for module ``name``."""
-    m = "minicaffe."
+    m = M
     rules = []
-    if not (name == m + "backend" or _under(name, m + "gpu")):
-        rules.append((("cupy", "cupyx"), "CuPy is imported only by backend.py and gpu/"))
+    if not (name == m + "core.backend" or _under(name, m + "gpu")):
+        rules.append((("cupy", "cupyx"), "CuPy is imported only by core/backend.py and gpu/"))
         if name not in CTYPES_WITHOUT_CUDA:
-            rules.append((("ctypes",), "CUDA libraries are called (ctypes) only in backend.py "
-                                       "and gpu/"))
+            rules.append((("ctypes",), "CUDA libraries are called (ctypes) only in "
+                                       "core/backend.py and gpu/"))
+    i, lname = level(name)
+    above = tuple(p for _, packages in LEVELS[i + 1:] for p in packages)
+    if i < len(LEVELS):
+        # the front: every module of minicaffe outside the listed packages
+        front = tuple(m + p.stem for p in sorted(PKG.iterdir())
+                      if (p.suffix == ".py" or (p / "__init__.py").exists())
+                      and not any(_under(m + p.stem, *pk) for _, pk in LEVELS))
+        rules.append((above + front, f"{lname} imports nothing of a level above it "
+                                     f"(docs/architecture.md)"))
     if _under(name, m + "gpu"):
-        rules.append(((m + "layers", m + "solvers", m + "engine", m + "offload", m + "net",
-                       m + "parallel"), "gpu/ holds bindings and imports nothing above them"))
+        rules.append(((m + "layers", m + "solvers", m + "engine", m + "network",
+                       m + "multigpu"), "gpu/ holds bindings and imports nothing above them"))
     if _under(name, m + "layers"):
-        rules.append(((m + "engine", m + "parallel", m + "offload"),
-                      "layers know nothing of the engine, other GPUs or offload"))
-    if name == m + "net":
+        rules.append(((m + "engine", m + "multigpu", m + "network"),
+                      "layers know nothing of the engine, offload, other GPUs or the Net"))
+    if name == m + "network.net":
         rules.append(((m + "gpu",), "the Net does not import gpu/"))
-        rules.append(((m + "offload", m + "engine", m + "solvers", m + "parallel"),
+        rules.append(((m + "engine", m + "solvers", m + "multigpu"),
                       "the Net knows nothing of the engine above it (offload, engine, "
-                      "solvers, parallel)"))
-    if name in (m + "backend", m + "context"):
+                      "solvers, multigpu)"))
+    if name in (m + "core.backend", m + "core.context"):
         rules.append(((m + "gpu",), "the core (backend, context) does not import gpu/"))
     return rules
+
+
+def _allowed(name, imports_on_line, mod):
+    """True when ``mod`` is an ALLOWED_UPWARD arrow of ``name`` (or the package of one
+    imported on the same line, as ``from ..gpu import options`` imports minicaffe.gpu)."""
+    return any((name, other) in ALLOWED_UPWARD and (other == mod or other.startswith(mod + "."))
+               for other in imports_on_line)
 
 
 def _violations():
     out = []
     for name, path in MODULES.items():
         rules = _rules(name)
-        for line, mod in _imports(name, path):
+        imports = _imports(name, path)
+        for line, mod in imports:
+            if _allowed(name, [o for l, o in imports if l == line], mod):
+                continue
             for forbidden, why in rules:
                 if _under(mod, *forbidden):
                     out.append(f"{path.relative_to(PKG.parent)}:{line}: imports {mod}: {why}")
@@ -117,21 +180,85 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 
 
 @pytest.mark.parametrize("name,imported,allowed", [
-    ("minicaffe.net", "minicaffe.gpu.cudnn", False),
-    ("minicaffe.net", "minicaffe.offload", False),
-    ("minicaffe.net", "minicaffe.engine.schedule", False),
+    ("minicaffe.network.net", "minicaffe.gpu.cudnn", False),
+    ("minicaffe.network.net", "minicaffe.engine.offload", False),
+    ("minicaffe.network.net", "minicaffe.engine.schedule", False),
     ("minicaffe.gpu.plan", "minicaffe.layers.cudnn_layers", False),
-    ("minicaffe.layers.vision", "minicaffe.offload", False),
-    ("minicaffe.context", "minicaffe.gpu.pool", False),
-    ("minicaffe.parallel", "cupyx", False),
-    ("minicaffe.comm", "ctypes", False),
+    ("minicaffe.layers.vision", "minicaffe.engine.offload", False),
+    ("minicaffe.core.context", "minicaffe.gpu.pool", False),
+    ("minicaffe.multigpu.parallel", "cupyx", False),
+    ("minicaffe.multigpu.comm", "ctypes", False),
     ("minicaffe.gpu.nccl", "ctypes", True),
     ("minicaffe.engine.step", "minicaffe.gpu.graph", True),
     ("minicaffe.layers.cudnn_layers", "minicaffe.gpu.cudnn", True),
+    # the levels
+    ("minicaffe.core.blob", "minicaffe.layers.layer", False),
+    ("minicaffe.core.config", "minicaffe.compat.io", False),
+    ("minicaffe.gpu.cudnn", "minicaffe.kernels.im2col", False),
+    ("minicaffe.layers.common", "minicaffe.network.net", False),
+    ("minicaffe.data.prefetch", "minicaffe.layers.layer", True),
+    ("minicaffe.network.net", "minicaffe.layers.registry", True),
+    ("minicaffe.engine.schedule", "minicaffe.solvers.solver", False),
+    ("minicaffe.solvers.solver", "minicaffe.engine.executor", True),
+    ("minicaffe.solvers.solver", "minicaffe.multigpu.parallel", False),
+    ("minicaffe.solvers.solver", "minicaffe.cli", False),
+    ("minicaffe.multigpu.parallel", "minicaffe.solvers.solver", True),
+    ("minicaffe.multigpu.comm", "minicaffe.compat.pycaffe", False),
+    ("minicaffe.cli", "minicaffe.multigpu.parallel", True),
+    ("minicaffe.compat.pycaffe", "minicaffe.multigpu.comm", True),
 ])
 def test_the_rules_forbid_what_they_say(name, imported, allowed):
     hit = any(_under(imported, *f) for f, _ in _rules(name))
     assert hit != allowed
+
+
+def test_each_allowed_upward_arrow_is_up_and_still_there():
+    """An exception that no longer goes up, or that the code no longer has, is removed."""
+    for (name, imported), why in ALLOWED_UPWARD.items():
+        assert level(imported)[0] > level(name)[0], (name, imported)
+        assert imported in [m for _, m in _imports(name, MODULES[name])], (name, imported)
+
+
+def test_a_forbidden_arrow_in_a_file_fails(tmp_path):
+    """The whole check, on a module of the core importing the Net lazily."""
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from ..network.net import Net\n")
+    name = "minicaffe.core.m"
+    hits = [(line, mod) for line, mod in _imports(name, src)
+            if any(_under(mod, *f) for f, _ in _rules(name))]
+    assert hits == [(2, "minicaffe.network.net")]
+
+
+# -- the old flat module paths ---------------------------------------------------------------
+@pytest.mark.parametrize("old,new", sorted(minicaffe.MOVED.items()))
+def test_an_old_module_path_is_the_new_module(old, new):
+    """``minicaffe.context`` is ``minicaffe.core.context``: one module, one state."""
+    module = importlib.import_module(new)
+    assert importlib.import_module(old) is module
+    assert sys.modules[old] is module and module.__name__ == new
+    assert module.__spec__.name == new          # the alias leaves the module's own spec
+    assert getattr(minicaffe, old.rsplit(".", 1)[1]) is module
+    assert not (PKG.parent / (old.replace(".", "/") + ".py")).exists()   # no second file
+
+
+def test_old_paths_imported_first_and_python_m_of_an_old_path(tmp_path):
+    """In a fresh process: the old path imported before the new one is the same module,
+    its state is shared, and ``python -m minicaffe.draw`` runs the new module's main."""
+    code = ("import minicaffe.context as old, minicaffe.synced_memory as sm\n"
+            "import minicaffe.core.context as new, minicaffe.core.synced_memory as sm2\n"
+            "assert old is new and sm is sm2\n"
+            "old.set_solver_count(3)\n"
+            "assert new.solver_count() == 3\n"
+            "from minicaffe.net import Net\n"
+            "import minicaffe.network.net as n\n"
+            "assert Net is n.Net\n")
+    root = str(PKG.parent)
+    env = {**__import__("os").environ, "PYTHONPATH": root}
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True, cwd=root,
+                   env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "minicaffe.draw", "--help"], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "input_net_proto_file" in out.stdout, out.stderr
 
 
 # -- SyncedMemory's state changes only through its own methods ---------------------------------
@@ -162,7 +289,7 @@ def test_nothing_else_touches_synced_memorys_private_state():
     public transitions (bind_device, unbind_device, park, drop_host, device_written)."""
     bad = []
     for name, path in MODULES.items():
-        if name == "minicaffe.synced_memory":
+        if name == "minicaffe.core.synced_memory":
             continue
         bad += [f"{path.relative_to(PKG.parent)}:{line}: {what} of another object "
                 f"(a SyncedMemory's state changes through its own methods)"
@@ -199,7 +326,7 @@ def test_the_raw_cupy_module_is_used_only_in_backend_and_gpu():
     (gpu_module, new_stream, new_event, elapsed_ms, device_properties...)."""
     bad = []
     for name, path in MODULES.items():
-        if name == "minicaffe.backend" or _under(name, "minicaffe.gpu"):
+        if name == "minicaffe.core.backend" or _under(name, "minicaffe.gpu"):
             continue
         bad += [f"{path.relative_to(PKG.parent)}:{line}: {what} (use a named function of "
                 f"backend.py or gpu/)" for line, what in _raw_cupy_uses(name, path)]

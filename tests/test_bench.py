@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from minicaffe import backend, bench, synthetic
-from minicaffe.net import Net, TEST, TRAIN, read_net_param
+from minicaffe.core import backend
+from minicaffe import bench, synthetic
+from minicaffe.network.net import Net, TEST, TRAIN, read_net_param
 from minicaffe.proto import caffe_pb2
 
 from bench_nets import SMALL_NETS

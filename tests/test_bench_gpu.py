@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from minicaffe import backend, bench, context, synthetic
+from minicaffe.core import backend, context
+from minicaffe import bench, synthetic
 
 from bench_nets import SMALL_NETS
 from test_cli import _error_line, cli  # noqa: F401  (the in-process CLI fixture)

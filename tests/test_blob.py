@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from minicaffe.blob import Blob
+from minicaffe.core.blob import Blob
 from minicaffe.proto import caffe_pb2
 
 

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from minicaffe import backend, log, protoio
+from minicaffe.core import backend, log, protoio
 from minicaffe.cli import main, parse_args
-from minicaffe.errors import MinicaffeError
+from minicaffe.core.errors import MinicaffeError
 from minicaffe.proto import caffe_pb2
 from test_solver_nets import CONST_NET, DUMMY_NET
 
@@ -212,7 +212,7 @@ def test_several_gpus_without_cupy_or_nccl_is_a_clear_error(cli, tmp_path, monke
     class CupyWithoutNccl:  # cupy.cuda.nccl fails to import
         cuda = None
     monkeypatch.setattr(backend, "cp", CupyWithoutNccl())
-    monkeypatch.setattr("minicaffe.comm.nccl_module", lambda: None)
+    monkeypatch.setattr("minicaffe.multigpu.comm.nccl_module", lambda: None)
     rc, out, err = cli("train", "--solver", "solver.prototxt", "--gpu", "all")
     assert rc == 1 and "--gpu 0,1,2,3: multi-GPU training needs NCCL" in _error_line(err)
 
@@ -682,7 +682,7 @@ def test_ctrl_c_during_a_stalled_read_stops_training(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO (POSIX)")
 def test_ctrl_c_during_a_stalled_read_ends_minicaffe_test(tmp_path):
     pytest.importorskip("PIL")
-    from minicaffe.net import Net, TEST
+    from minicaffe.network.net import Net, TEST
     (tmp_path / "net.prototxt").write_text(_stalled_image_list(tmp_path))
     same = ('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 '
             'dim: 3 dim: 6 dim: 6 } } }\nlayer { name: "ip" type: "InnerProduct" bottom: "data" '

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from minicaffe import backend
+from minicaffe.core import backend
 from test_cli import REPO, SOLVER, _error_line, _messages, _setup, cli  # noqa: F401
 
 
@@ -254,7 +254,7 @@ def test_memory_on_the_cpu_prints_host_memory(cli, tmp_path):
 
 
 def test_upgrade_net_proto_text_and_binary(cli, tmp_path):
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     from minicaffe.proto import caffe_pb2
     src = REPO / "tests" / "data" / "caffe"
     rc, out, err = cli("upgrade_net_proto_text", src / "lenet_v1_train_test.prototxt",
@@ -292,7 +292,7 @@ def test_extract_features_writes_one_datum_per_image(cli, tmp_path):
     pytest.importorskip("lmdb")
     import numpy as np
     from minicaffe.data.db import open_db
-    from minicaffe.net import Net, TEST
+    from minicaffe.network.net import Net, TEST
     from minicaffe.proto import caffe_pb2
     (tmp_path / "feat.prototxt").write_text(FEATURE_NET)
     net = Net(str(tmp_path / "feat.prototxt"), TEST)

@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 
-from minicaffe import config, context
-from minicaffe.config import RunConfig
-from minicaffe.errors import MinicaffeError
-from minicaffe.net import Net
+from minicaffe.core import config, context
+from minicaffe.core.config import RunConfig
+from minicaffe.core.errors import MinicaffeError
+from minicaffe.network.net import Net
 from minicaffe.proto import caffe_pb2
-from minicaffe.protoio import parse_text
+from minicaffe.core.protoio import parse_text
 from minicaffe.solvers import get_solver
 
 pytest.importorskip("lmdb")
@@ -31,7 +31,7 @@ BAD = {
 @pytest.fixture
 def cli(capsys, tmp_path, monkeypatch):
     """Run ``main(argv)`` in this process, in tmp_path; returns (rc, stdout, stderr)."""
-    from minicaffe import log
+    from minicaffe.core import log
     from minicaffe.cli import main
     monkeypatch.chdir(tmp_path)
     saved = log.save_config()
@@ -132,7 +132,7 @@ def test_world_size_and_rank_come_with_the_config(tmp_path):
     """A Data layer of a net built for rank 1 of 3 reads rank 1's shard, whatever this
     thread's solver_count says; the manager takes a root solver built for its size."""
     from test_parallel import make_db, solver_param
-    from minicaffe import parallel
+    from minicaffe.multigpu import parallel
     db = make_db(tmp_path / "db", n=12, labels=list(range(12)))
     text = (f'layer {{ name: "d" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }} '
             f'data_param {{ source: "{db}" batch_size: 2 backend: LMDB }} }}')
@@ -156,7 +156,7 @@ def test_world_size_and_rank_come_with_the_config(tmp_path):
 def test_the_cli_offload_flag_is_the_runs_not_the_process(cli, tmp_path):
     """--offload reaches the command's nets through its RunConfig; nothing is left behind
     for a net built later in the same process."""
-    from minicaffe import offload
+    from minicaffe.engine import offload
     (tmp_path / "net.prototxt").write_text(NET)
     rc, out, err = cli("memory", "--model", "net.prototxt", "--offload", "all")
     assert rc == 0, err

@@ -3,8 +3,8 @@ import threading
 import numpy as np
 import pytest
 
-from minicaffe import backend, context
-from minicaffe.errors import MinicaffeError
+from minicaffe.core import backend, context
+from minicaffe.core.errors import MinicaffeError
 
 
 def test_same_seed_same_numbers():

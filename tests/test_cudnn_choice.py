@@ -36,7 +36,8 @@ def test_workspace_is_taken_only_where_each_gib_buys_its_price():
 
 @pytest.mark.gpu
 def test_workspace_limit_caps_every_convolution(monkeypatch):
-    from minicaffe import Net, context
+    from minicaffe import Net
+    from minicaffe.core import context
     spec = """
     layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 32 dim: 64 dim: 56 dim: 56 } } }
     layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
@@ -110,8 +111,8 @@ def test_the_registry_chooses_the_engine_once_with_one_line_when_cudnn_cannot(
     cannot compute as Caffe does is built with Caffe's class at creation, saying why in
     one line; the others get the cuDNN class."""
     import logging
-    from minicaffe import registry
-    from minicaffe.testing import make_layer
+    from minicaffe.layers import registry
+    from minicaffe.compat.testing import make_layer
     monkeypatch.setattr(registry, "cudnn_available", lambda: (True, ""))
     cases = [('name: "r0" type: "ReLU"', "CUDNN", None),
              ('name: "r1" type: "ReLU" relu_param { negative_slope: 0.1 }', "CAFFE",

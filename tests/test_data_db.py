@@ -6,12 +6,12 @@ import stat
 import numpy as np
 import pytest
 
-from minicaffe import protoio
+from minicaffe.core import protoio
 from minicaffe.data import convert
 from minicaffe.data.db import (DBError, array_to_datum, datum_to_array, open_db,
                                parse_datum)
 from minicaffe.data.images import decode_image, encode_image
-from minicaffe.datasets import write_cifar_binary, write_cifar_python, write_idx
+from minicaffe.data.datasets import write_cifar_binary, write_cifar_python, write_idx
 from minicaffe.proto import caffe_pb2
 
 pytest.importorskip("lmdb")
@@ -143,7 +143,7 @@ def test_convert_mnist_round_trip(tmp_path):
 
 
 def test_convert_mnist_real_test_set(tmp_path, mnist_dir):
-    from minicaffe.datasets import read_idx
+    from minicaffe.data.datasets import read_idx
     n = convert.convert_mnist(mnist_dir / "t10k-images-idx3-ubyte.gz",
                               mnist_dir / "t10k-labels-idx1-ubyte.gz", tmp_path / "t")
     assert n == 10000

@@ -8,14 +8,14 @@ import time
 import numpy as np
 import pytest
 
-from minicaffe import backend, context
-from minicaffe.blob import Blob
+from minicaffe.core import backend, context
+from minicaffe.core.blob import Blob
 from minicaffe.data.db import array_to_datum, open_db
-from minicaffe.errors import LayerError
-from minicaffe.net import Net
+from minicaffe.core.errors import LayerError
+from minicaffe.network.net import Net
 from minicaffe.proto import caffe_pb2
-from minicaffe.synced_memory import HEAD_AT_GPU
-from minicaffe.testing import make_layer
+from minicaffe.core.synced_memory import HEAD_AT_GPU
+from minicaffe.compat.testing import make_layer
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("lmdb")
@@ -78,7 +78,7 @@ def test_gpu_batches_equal_cpu_batches(tmp_path):
 def test_gpu_transform_gives_cpu_batches_with_workers(tmp_path, workers, transform):
     """The uint8 batch uploaded and transformed by one kernel (kernels/transform.py) equals
     CPU mode's numpy transform bit for bit, read by the thread or by worker processes."""
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     src, _ = make_db(tmp_path / "db")
     mean = caffe_pb2.BlobProto(num=1, channels=3, height=9, width=10)
     mean.data.extend(np.random.RandomState(1).uniform(0, 255, 270).astype(np.float32).tolist())

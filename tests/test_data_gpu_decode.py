@@ -10,9 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.config import RunConfig
-from minicaffe.errors import ConfigError, LayerError, MinicaffeError
+from minicaffe.core import context
+from minicaffe.core.config import RunConfig
+from minicaffe.core.errors import ConfigError, LayerError, MinicaffeError
 from minicaffe.proto import caffe_pb2
 
 pytest.importorskip("lmdb")
@@ -123,15 +123,15 @@ def test_cpu_mode_is_one_line(tmp_path, monkeypatch):
 # -- on the GPU -----------------------------------------------------------------------------
 @pytest.fixture
 def nvimgcodec():
-    from minicaffe import backend
+    from minicaffe.core import backend
     if not backend.gpu_available():
         pytest.skip("no GPU")
     return pytest.importorskip("nvidia.nvimgcodec")
 
 
 def batches(layer, n, gpu, seed=5):
-    from minicaffe import backend
-    from minicaffe.blob import Blob
+    from minicaffe.core import backend
+    from minicaffe.core.blob import Blob
     context.set_random_seed(seed)
     context.set_mode_gpu() if gpu else context.set_mode_cpu()
     try:
@@ -194,7 +194,7 @@ def test_gpu_decoded_batches_match_the_cpu_decode(tmp_path, nvimgcodec, kind, tr
 
 @pytest.mark.gpu
 def test_image_data_decodes_on_the_gpu(tmp_path, nvimgcodec, info_log):
-    from minicaffe.testing import make_layer
+    from minicaffe.compat.testing import make_layer
     root = tmp_path / "imgs"
     root.mkdir()
     lines = []

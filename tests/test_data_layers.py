@@ -9,14 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from minicaffe import context, log
-from minicaffe.blob import Blob
+from minicaffe.core import context, log
+from minicaffe.core.blob import Blob
 from minicaffe.data.db import array_to_datum, open_db
 from minicaffe.data.images import encode_image
-from minicaffe.errors import LayerError, MinicaffeError
-from minicaffe.net import Net
+from minicaffe.core.errors import LayerError, MinicaffeError
+from minicaffe.network.net import Net
 from minicaffe.proto import caffe_pb2
-from minicaffe.testing import make_layer
+from minicaffe.compat.testing import make_layer
 
 pytest.importorskip("lmdb")
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
@@ -125,7 +125,7 @@ def test_prefetch_count_and_zero_copy_hand_over(tmp_path, images):
 def test_data_layer_mean_file_crop_test_phase(tmp_path, images, backend):
     if backend == "LEVELDB":
         pytest.importorskip("plyvel")
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     src = make_db(tmp_path / "db", images, backend=backend.lower())
     mean = np.random.RandomState(1).uniform(0, 255, (3, 5, 6)).astype(np.float32)
     p = caffe_pb2.BlobProto(num=1, channels=3, height=5, width=6)
@@ -312,7 +312,7 @@ def test_undecodable_image_names_the_key(tmp_path, images, finishes):
 
 
 def test_setup_errors_mean_shape_and_crop(tmp_path, images):
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     src = make_db(tmp_path / "db", images)
     p = caffe_pb2.BlobProto(num=1, channels=2, height=5, width=6)
     p.data.extend([0.0] * 60)
@@ -623,9 +623,9 @@ def test_net_close_stops_prefetch_threads_now(tmp_path):
     thread at once, without waiting for garbage collection."""
     import numpy as np
     from minicaffe.data.convert import convert_mnist
-    from minicaffe.datasets import write_idx
-    from minicaffe.net import Net, TRAIN
-    from minicaffe.protoio import parse_text
+    from minicaffe.data.datasets import write_idx
+    from minicaffe.network.net import Net, TRAIN
+    from minicaffe.core.protoio import parse_text
     from minicaffe.proto import caffe_pb2
     pytest.importorskip("lmdb")
     rs = np.random.RandomState(0)

@@ -5,11 +5,11 @@ import io
 import numpy as np
 import pytest
 
-from minicaffe import protoio
+from minicaffe.core import protoio
 from minicaffe.data.db import array_to_datum
 from minicaffe.data.images import ImageError, decode_image, encode_image, resize
 from minicaffe.data.transformer import DataTransformer, TransformError
-from minicaffe.errors import MinicaffeError
+from minicaffe.core.errors import MinicaffeError
 from minicaffe.proto import caffe_pb2
 
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
 from minicaffe.data.db import array_to_datum
-from minicaffe.errors import LayerError
+from minicaffe.core.errors import LayerError
 from minicaffe.proto import caffe_pb2
 from test_data_layers import data_layer, image_layer, make_db, one_line, run  # noqa: F401
 from test_data_layers import image_list, info_log  # noqa: F401  (fixtures)
@@ -182,8 +182,8 @@ SCRIPT = """
 print("SCRIPT RAN", flush=True)
 import numpy as np
 import minicaffe
-from minicaffe.blob import Blob
-from minicaffe.testing import make_layer
+from minicaffe.core.blob import Blob
+from minicaffe.compat.testing import make_layer
 layer = make_layer('name: "d" type: "Data" top: "data" top: "label" '
                    'data_param {{ source: "{src}" batch_size: 2 backend: LMDB workers: 2 }}')
 top = [Blob(), Blob()]

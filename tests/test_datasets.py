@@ -1,4 +1,4 @@
-"""Tests for minicaffe.datasets and minicaffe.tools.fetch_data (no network)."""
+"""Tests for minicaffe.data.datasets and minicaffe.tools.fetch_data (no network)."""
 
 import gzip
 import io
@@ -11,7 +11,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from minicaffe import datasets as ds
+from minicaffe.data import datasets as ds
 from minicaffe.tools import fetch_data as fd
 
 REF_MNIST = "/work/shared/data/mnist"

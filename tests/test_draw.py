@@ -1,4 +1,4 @@
-"""minicaffe.draw and tools/draw_net.py (pycaffe's draw.py / draw_net.py)."""
+"""minicaffe.compat.draw and tools/draw_net.py (pycaffe's draw.py / draw_net.py)."""
 import os
 import pathlib
 import shutil
@@ -9,8 +9,8 @@ import pytest
 
 import minicaffe as caffe
 from minicaffe import draw
-from minicaffe.errors import MinicaffeError
-from minicaffe.net import read_net_param
+from minicaffe.core.errors import MinicaffeError
+from minicaffe.network.net import read_net_param
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -159,7 +159,7 @@ def test_python_dash_m_entry_point(tmp_path):
     proto = tmp_path / "net.prototxt"
     proto.write_text(NET)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "minicaffe.draw", str(proto),
+    r = subprocess.run([sys.executable, "-m", "minicaffe.compat.draw", str(proto),
                         str(tmp_path / "o.gv")], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert (tmp_path / "o.gv").read_text().startswith('digraph "TinyNet"')

@@ -3,9 +3,9 @@ import math
 import numpy as np
 import pytest
 
-from minicaffe.blob import Blob
-from minicaffe.errors import ConfigError
-from minicaffe.filler import fill
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import ConfigError
+from minicaffe.core.filler import fill
 from minicaffe.proto import caffe_pb2
 
 
@@ -66,7 +66,7 @@ def test_unknown_filler_is_config_error():
 
 
 def test_same_seed_same_weights():
-    from minicaffe import context
+    from minicaffe.core import context
     context.set_random_seed(9)
     a = filled((10,), type="gaussian").copy()
     context.set_random_seed(9)

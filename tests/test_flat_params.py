@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from minicaffe import Net, backend, context
-from minicaffe.blob import Blob
-from minicaffe.flat_params import ALIGN, FlatBuffer, FlatLayout
-from minicaffe.synced_memory import HEAD_AT_CPU, HEAD_AT_GPU, SyncedMemorySlice
+from minicaffe import Net
+from minicaffe.core import backend, context
+from minicaffe.core.blob import Blob
+from minicaffe.core.flat_params import ALIGN, FlatBuffer, FlatLayout
+from minicaffe.core.synced_memory import HEAD_AT_CPU, HEAD_AT_GPU, SyncedMemorySlice
 
 NET = """
 name: "flat"

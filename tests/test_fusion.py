@@ -6,11 +6,12 @@ import logging
 
 import numpy as np
 
-from minicaffe import Net, draw, registry
+from minicaffe import Net, draw
+from minicaffe.layers import registry
 from minicaffe.gpu.plan import MemoryPlan
 from minicaffe.layers.fused import find_fusions
 from minicaffe.proto import caffe_pb2
-from minicaffe.protoio import parse_text
+from minicaffe.core.protoio import parse_text
 
 RESIDUAL = """
 name: "residual"

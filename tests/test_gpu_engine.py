@@ -6,11 +6,11 @@ All marked gpu: they skip without CuPy and a device (the CPU suite never imports
 import numpy as np
 import pytest
 
-from minicaffe import backend, context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
+from minicaffe.core import backend, context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
 from minicaffe.proto import caffe_pb2
-from minicaffe.testing import make_blob, make_layer
+from minicaffe.compat.testing import make_blob, make_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -153,7 +153,7 @@ def test_cudnn_layer_matches_caffe_engine(gpu, text, shape, in_place):
     if in_place and not any(t in text for t in ("ReLU", "Sigmoid", "TanH", "BatchNorm")):
         pytest.skip("not an in-place layer")
     from minicaffe.gpu import options
-    from minicaffe import registry
+    from minicaffe.layers import registry
     x = np.random.RandomState(0).uniform(-1, 1, shape).astype(np.float32)
     outs = {}
     for engine in ("CUDNN", "CAFFE"):
@@ -499,7 +499,7 @@ def test_bad_label_is_reported_after_the_step(gpu):
 
 def test_the_run_config_overrides_the_solvers_cuda_graph(gpu):
     """RunConfig.cuda_graphs (None: the solver's cuda_graph field) decides the capture."""
-    from minicaffe.config import RunConfig
+    from minicaffe.core.config import RunConfig
     from minicaffe.solvers import get_solver
     keep = _solver(graphs=True)
     off = get_solver(keep.param, config=RunConfig.from_environment(cuda_graphs=False))

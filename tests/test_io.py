@@ -1,11 +1,11 @@
-"""minicaffe.io (pycaffe's caffe.io): proto round trips, Transformer against numpy,
+"""minicaffe.compat.io (pycaffe's caffe.io): proto round trips, Transformer against numpy,
 resize against PyTorch/Pillow/naive loops, load_image, oversample."""
 import numpy as np
 import pytest
 
 import minicaffe as caffe
 from minicaffe import io as cio
-from minicaffe.errors import MinicaffeError
+from minicaffe.core.errors import MinicaffeError
 from minicaffe.proto import caffe_pb2
 
 

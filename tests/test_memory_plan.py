@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from minicaffe import Net, context
+from minicaffe import Net
+from minicaffe.core import context
 from minicaffe.gpu.plan import ALIGN, MemoryPlan
 from minicaffe.proto import caffe_pb2
 
@@ -111,7 +112,7 @@ def test_split_tops_share_their_bottoms_data():
 
 @pytest.mark.gpu
 def test_apply_keeps_inputs_and_points_blobs_into_the_arena():
-    from minicaffe import backend
+    from minicaffe.core import backend
     context.set_mode_gpu()
     try:
         net = _net()
@@ -136,7 +137,7 @@ def test_a_plan_larger_than_the_gpu_is_one_line_naming_the_layer():
 
 _MEASURE = """
 import sys
-from minicaffe import backend, context
+from minicaffe.core import backend, context
 from minicaffe.gpu import pool
 from minicaffe.synthetic import synthetic_solver
 context.set_mode_gpu()

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from minicaffe.net import Net, TEST, TRAIN, read_net_param
+from minicaffe.network.net import Net, TEST, TRAIN, read_net_param
 from minicaffe.proto import caffe_pb2
-from minicaffe.registry import layer_type_list
+from minicaffe.layers.registry import layer_type_list
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "models")
@@ -150,14 +150,14 @@ EXAMPLE_SOLVERS = [
 
 @pytest.mark.parametrize("solver", EXAMPLE_SOLVERS)
 def test_example_solvers_parse_and_name_their_nets(solver):
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     p = protoio.read_text(os.path.join(ROOT, "examples", solver), caffe_pb2.SolverParameter())
     assert p.net.startswith("examples/") and os.path.isfile(os.path.join(ROOT, p.net))
     assert p.snapshot_prefix.startswith("examples/")
 
 
 def test_lenet_solver_has_caffes_hyperparameters():
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     p = protoio.read_text(os.path.join(ROOT, "examples/mnist/lenet_solver.prototxt"),
                           caffe_pb2.SolverParameter())
     assert (p.base_lr, p.momentum, p.weight_decay, p.lr_policy, p.gamma, p.power) == \
@@ -200,7 +200,7 @@ def test_train_lenet_helpers(tmp_path, monkeypatch, mnist_dir):
     mtime = os.path.getmtime("examples/mnist/mnist_test_lmdb/data.mdb")
     mod.prepare_data("data/mnist")  # present: skipped
     assert os.path.getmtime("examples/mnist/mnist_test_lmdb/data.mdb") == mtime
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     path = mod.solver_with_max_iter(os.path.join(ROOT, mod.SOLVER), 300)
     try:
         p = protoio.read_text(path, caffe_pb2.SolverParameter())

@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 
 import minicaffe as caffe
-from minicaffe.errors import ConfigError, MinicaffeError
-from minicaffe.net import Net, read_net_param, insert_splits, filter_net
+from minicaffe.core.errors import ConfigError, MinicaffeError
+from minicaffe.network.net import Net, read_net_param, insert_splits, filter_net
 from minicaffe.proto import caffe_pb2
-from minicaffe.protoio import parse_text
+from minicaffe.core.protoio import parse_text
 from test_solver_nets import LENET_MEMORY
 
 TINY = """
@@ -290,7 +290,7 @@ def test_memory_report_counts_bytes():
 
 # -- the BVLC-trained LeNet weights ------------------------------------------------------------
 def _mnist_test(mnist_dir):
-    from minicaffe.datasets import load_mnist
+    from minicaffe.data.datasets import load_mnist
     m = load_mnist(str(mnist_dir))
     return m["test_images"].astype(np.float32) * np.float32(0.00390625), m["test_labels"]
 
@@ -456,7 +456,7 @@ def test_nan_label_is_reported_as_nan():
 
 @pytest.mark.gpu
 def test_nan_label_is_reported_as_nan_on_the_gpu():
-    from minicaffe import context
+    from minicaffe.core import context
     context.set_mode_gpu()
     net = tiny_net()
     net.blobs["label"].data[...] = [0, 1, np.nan, 0]

@@ -8,7 +8,7 @@ from google.protobuf import text_format
 
 import minicaffe as caffe
 from minicaffe import layers as L, params as P
-from minicaffe.net_spec import param_name_dict, to_proto, Top, Function
+from minicaffe.compat.net_spec import param_name_dict, to_proto, Top, Function
 from minicaffe.proto import caffe_pb2
 
 

@@ -10,9 +10,10 @@ import os
 import numpy as np
 import pytest
 
-from minicaffe import Net, offload
-from minicaffe.config import RunConfig
-from minicaffe.errors import ConfigError
+from minicaffe import Net
+from minicaffe.engine import offload
+from minicaffe.core.config import RunConfig
+from minicaffe.core.errors import ConfigError
 from minicaffe.gpu.plan import MemoryPlan
 from minicaffe.proto import caffe_pb2
 
@@ -334,7 +335,7 @@ def test_settings_read_every_field_and_the_override():
 
 def test_offload_in_cpu_mode_warns_and_training_goes_on(monkeypatch):
     from google.protobuf import text_format
-    from minicaffe import log
+    from minicaffe.core import log
     from minicaffe.solvers import get_solver
     said = []
     monkeypatch.setattr(log, "warning", lambda msg, *a: said.append(msg % a))
@@ -371,7 +372,7 @@ def test_memory_report_rows():
 
 @pytest.fixture
 def cli(capsys, tmp_path, monkeypatch):
-    from minicaffe import log
+    from minicaffe.core import log
     from minicaffe.cli import main
     monkeypatch.chdir(tmp_path)
     saved = log.save_config()
@@ -517,7 +518,7 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
     writes (a value naming the buffer and the step) and checks the data it reads, and
     diffs write junk where they are placed -- so a copy that reads a place already
     reused, or a read of a buffer that has not come back, fails."""
-    from minicaffe import backend
+    from minicaffe.core import backend
     fake, compute = _fake_cupy(early)
     monkeypatch.setattr(backend, "cp", fake)
     op.plan.apply()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from minicaffe import backend, context, offload
+from minicaffe.core import backend, context
+from minicaffe.engine import offload
 from minicaffe.proto import caffe_pb2
 
 pytestmark = pytest.mark.gpu

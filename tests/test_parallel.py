@@ -13,13 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from minicaffe import context, parallel
-from minicaffe.comm import CommAborted, FakeComm, share_uid_by_file, \
+from minicaffe.core import context
+from minicaffe.multigpu import parallel
+from minicaffe.multigpu.comm import CommAborted, FakeComm, share_uid_by_file, \
     share_uid_by_mpi, encode_uid, decode_uid
 from minicaffe.data.db import open_db
-from minicaffe.errors import MinicaffeError
-from minicaffe.io import array_to_datum
-from minicaffe.net import Net, read_net_param
+from minicaffe.core.errors import MinicaffeError
+from minicaffe.compat.io import array_to_datum
+from minicaffe.network.net import Net, read_net_param
 from minicaffe.proto import caffe_pb2
 from minicaffe.solvers import get_solver, read_solver_param
 
@@ -186,7 +187,7 @@ def test_prepare_solver_param_inlines_net_files_and_warns_once(tmp_path, caplog)
                                          'test_iter: 1 test_interval: 1 base_lr: 0.1')
     param, path = read_solver_param(str(tmp_path / "s.prototxt"))
     warnings = []
-    from minicaffe import log
+    from minicaffe.core import log
     orig = log.warning
     log.warning = lambda msg, *a: warnings.append(msg % a)
     try:
@@ -206,8 +207,8 @@ def test_each_rank_reads_its_own_shard_in_train_and_test(tmp_path):
     """With shard_test set (multi-GPU training), rank r of N reads records i % N == r in
     TRAIN and in TEST; without it TEST is whole."""
     db = make_db(tmp_path / "db", n=12, labels=list(range(12)))
-    from minicaffe.blob import Blob
-    from minicaffe.testing import make_layer
+    from minicaffe.core.blob import Blob
+    from minicaffe.compat.testing import make_layer
 
     def labels_seen(phase, rank, n):
         layer = make_layer(f'name: "d" type: "Data" top: "data" top: "label" '
@@ -541,7 +542,7 @@ def test_manager_checks_solver_count(tmp_path):
 
 def test_only_the_root_logs_info(tmp_path):
     import io
-    from minicaffe import log
+    from minicaffe.core import log
     stream = io.StringIO()
     log.init_log(stream=stream)
     try:
@@ -557,7 +558,7 @@ def test_only_the_root_logs_info(tmp_path):
 
 
 def test_nccl_multicast_stays_off_unless_the_user_chose(monkeypatch):
-    from minicaffe.comm import keep_multicast_off
+    from minicaffe.multigpu.comm import keep_multicast_off
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     keep_multicast_off()
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from minicaffe import backend, context, parallel, protoio
+from minicaffe.core import backend, context, protoio
+from minicaffe.multigpu import parallel
 from minicaffe.proto import caffe_pb2
 
 from test_parallel import (assert_same_weights, make_db, single_rank, solver_param, weights)
@@ -23,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def gpus_or_skip(n):
     if backend.gpu_count() < n:
         pytest.skip(f"needs {n} GPUs")
-    from minicaffe.comm import nccl_module
+    from minicaffe.multigpu.comm import nccl_module
     if nccl_module() is None:
         pytest.skip("CuPy has no NCCL")
     return list(range(n))

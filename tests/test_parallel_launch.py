@@ -11,16 +11,16 @@ import time
 import numpy as np
 import pytest
 
-from minicaffe import parallel
-from minicaffe.comm import FakeComm
-from minicaffe.errors import MinicaffeError
-from minicaffe.parallel_launch import FileAbortChannel, file_uid, launch, train_rank
+from minicaffe.multigpu import parallel
+from minicaffe.multigpu.comm import FakeComm
+from minicaffe.core.errors import MinicaffeError
+from minicaffe.multigpu.parallel_launch import FileAbortChannel, file_uid, launch, train_rank
 
 from test_parallel import assert_same_weights, single_rank, solver_param, weights
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
-    from minicaffe.parallel_launch import FileAbortChannel
+    from minicaffe.multigpu.parallel_launch import FileAbortChannel
     init, rank, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     ch = FileAbortChannel(init)
     def wait_for_abort():
@@ -137,7 +137,8 @@ def test_process_ranks_train_as_one_rank_would(tmp_path):
 
 def test_a_process_failing_before_training_stops_the_others(tmp_path, monkeypatch, finishes):
     param = solver_param(tmp_path, max_iter=5)
-    from minicaffe import context, solvers
+    from minicaffe.core import context
+    from minicaffe import solvers
     orig = solvers.sgd_solvers.SGDSolver.pre_solve
 
     def pre_solve(self):
@@ -173,7 +174,8 @@ SOLVER_FILE = 'net: "net.prototxt" base_lr: 0.1 max_iter: 1 solver_mode: CPU'
 
 @pytest.fixture
 def cli_stubs(tmp_path, monkeypatch):
-    from minicaffe import backend, parallel_launch
+    from minicaffe.core import backend
+    from minicaffe.multigpu import parallel_launch
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s.prototxt").write_text(SOLVER_FILE)
     monkeypatch.setattr(backend, "gpu_count", lambda: 2)
@@ -181,7 +183,7 @@ def cli_stubs(tmp_path, monkeypatch):
     calls = {}
     monkeypatch.setattr(parallel_launch, "launch",
                         lambda argvs, init: calls.setdefault("launch", (argvs, init)) and (0, None))
-    import minicaffe.parallel as par
+    import minicaffe.multigpu.parallel as par
     monkeypatch.setattr(par, "train_threads", lambda *a, **k: calls.setdefault("threads", (a, k)))
     monkeypatch.setattr(parallel_launch, "train_rank",
                         lambda *a, **k: calls.setdefault("rank", (a, k)))
@@ -216,6 +218,6 @@ def test_cli_rank_flags_run_one_rank_on_its_gpu(cli_stubs, monkeypatch):
                  "--world_size", "4", "--init_file", "id"]) == 0
     (param, source, rank, size, device, share, channel), k = cli_stubs["rank"]
     assert (rank, size, device) == (3, 4, 1)                # the GPU of local rank 1
-    from minicaffe import context
+    from minicaffe.core import context
     assert context.solver_rank() == 0                        # restored after the run
     assert isinstance(channel, FileAbortChannel) and channel.init_file == "id"

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import pytest
 
-from minicaffe import log
+from minicaffe.core import log
 from minicaffe.solvers import get_solver
 from test_solver_nets import DUMMY_NET, solver_param
 

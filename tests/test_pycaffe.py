@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import minicaffe as caffe
-from minicaffe.errors import MinicaffeError
+from minicaffe.core.errors import MinicaffeError
 
 TRAIN_NET = """
 name: "small"
@@ -109,7 +109,7 @@ def test_solver_count_and_rank_round_trip():
 
 
 def test_set_mode_gpu_without_gpu_is_a_clear_error():
-    from minicaffe import backend
+    from minicaffe.core import backend
     if backend.gpu_count():
         pytest.skip("a GPU is present")
     with pytest.raises(MinicaffeError, match="no GPU is usable"):
@@ -137,7 +137,7 @@ def test_constructors_new_and_legacy(fixtures_dir, mnist_dir):
             for pa, pb in zip(a.params[name], net.params[name]):
                 np.testing.assert_array_equal(pa.data, pb.data)
     # the BVLC weights classify real digits
-    from minicaffe.datasets import load_mnist
+    from minicaffe.data.datasets import load_mnist
     mn = load_mnist(mnist_dir)
     x = mn["test_images"][:1].astype(np.float32)[:, None] * np.float32(0.00390625)
     out = a.forward(data=x)
@@ -556,7 +556,7 @@ def test_python_layer_in_a_netspec_net(tmp_path, monkeypatch):
 # -- Classifier and classify.py --------------------------------------------------------------
 def _mnist_pngs(mnist_dir, tmp_path, n):
     Image = pytest.importorskip("PIL.Image")
-    from minicaffe.datasets import load_mnist
+    from minicaffe.data.datasets import load_mnist
     mn = load_mnist(mnist_dir)
     d = tmp_path / "digits"
     d.mkdir()
@@ -592,7 +592,7 @@ def test_classifier_on_bvlc_lenet(fixtures_dir, mnist_dir, tmp_path):
 def test_classify_command_line(fixtures_dir, mnist_dir, tmp_path):
     d, labels = _mnist_pngs(mnist_dir, tmp_path, 6)
     out = tmp_path / "pred.npy"
-    cmd = [sys.executable, "-m", "minicaffe.classify", str(d), str(out),
+    cmd = [sys.executable, "-m", "minicaffe.compat.classify", str(d), str(out),
            "--model_def", str(fixtures_dir / "lenet_v2_deploy.prototxt"),
            "--pretrained_model", str(fixtures_dir / "lenet_v2_iter_10000.caffemodel"),
            "--images_dim", "28,28", "--raw_scale", "1", "--center_only", "--ext", "png"]
@@ -636,7 +636,7 @@ def test_gpu_data_write_through(train_file):
 @pytest.mark.gpu
 def test_gpu_timer_uses_events():
     caffe.set_mode_gpu()
-    from minicaffe import backend
+    from minicaffe.core import backend
     t = caffe.Timer()
     t.start()
     a = backend.cp.ones((512, 512), np.float32)

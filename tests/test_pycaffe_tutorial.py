@@ -70,7 +70,7 @@ def run_tutorial(mnist_dir, tmp_path, monkeypatch, niter, source="lmdb"):
     """The notebook's flow; returns (train losses, accuracy on the 10,000 test images)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mnist").mkdir()
-    from minicaffe.datasets import load_mnist
+    from minicaffe.data.datasets import load_mnist
     mn = load_mnist(mnist_dir)
     # one fixed shuffle of the training set (Caffe's convert_imageset --shuffle; the
     # notebook's create_mnist.sh keeps the file order)

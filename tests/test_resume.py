@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from minicaffe import protoio
+from minicaffe.core import protoio
 from minicaffe.data.db import array_to_datum, open_db
 from minicaffe.proto import caffe_pb2
 from minicaffe.solvers import get_solver
@@ -244,7 +244,7 @@ def test_gpu_resume_reads_on_where_the_run_stopped(run_dir):
     net = run_dir / "net.prototxt"
     net.write_text(net.read_text().replace(
         'layer { name: "drop" type: "Dropout" bottom: "ip1" top: "ip1" }\n', ""))
-    from minicaffe import context
+    from minicaffe.core import context
     context.set_mode_gpu()  # as `minicaffe train --gpu 0` does (conftest resets it)
     straight, straight_scores = _solve()
     resumed, resumed_scores = _solve("snap/r_iter_5.solverstate")

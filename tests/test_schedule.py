@@ -3,7 +3,9 @@ the passes over it, the eager executor the CPU solver runs, and where a user see
 (``minicaffe memory --schedule``)."""
 import numpy as np
 
-from minicaffe import Net, parallel, registry
+from minicaffe import Net
+from minicaffe.multigpu import parallel
+from minicaffe.layers import registry
 from minicaffe.engine.schedule import (allreduce_pass, compile_iteration, fusion_pass,
                                        run_device, run_eager, schedule_for)
 from minicaffe.proto import caffe_pb2

@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.errors import ConfigError, MinicaffeError
+from minicaffe.core import context
+from minicaffe.core.errors import ConfigError, MinicaffeError
 from minicaffe.proto import caffe_pb2
 from minicaffe.solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
                                NonFiniteLossError, RMSPropSolver, SGDSolver, SolverAction,
@@ -527,7 +527,7 @@ def test_nonsense_solver_values_name_file_and_field(tmp_path, field, value, matc
     else:
         setattr(p, field, value)
     path = tmp_path / "solver.prototxt"
-    from minicaffe.protoio import write_text
+    from minicaffe.core.protoio import write_text
     write_text(str(path), p)
     with pytest.raises(ConfigError, match=match) as e:
         get_solver(str(path))
@@ -570,7 +570,7 @@ def test_solver_without_net_or_with_two_nets():
 def test_test_iter_must_match_test_nets():
     p = solver_param(None, base_lr=0.1, lr_policy="fixed", test_iter=[1, 2], test_interval=2)
     parse_net = caffe_pb2.NetParameter()
-    from minicaffe.protoio import parse_text
+    from minicaffe.core.protoio import parse_text
     parse_text(linear_net(), parse_net)
     p.train_net_param.CopyFrom(parse_net)
     p.test_net_param.add().CopyFrom(parse_net)

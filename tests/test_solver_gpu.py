@@ -4,7 +4,7 @@ GPU paths (run on a GPU machine; skipped elsewhere)."""
 import numpy as np
 import pytest
 
-from minicaffe import context
+from minicaffe.core import context
 from minicaffe.solvers import get_solver
 from test_solver_nets import (DUMMY_NET, captured_log, feed_memory, linear_net, memory_net,
                               param_arrays, solver_param)
@@ -85,7 +85,7 @@ def test_gpu_training_logs_and_learns():
 
 
 def test_cli_gpu_train_time_and_device_query(tmp_path, monkeypatch, capsys):
-    from minicaffe import log
+    from minicaffe.core import log
     from minicaffe.cli import main
     monkeypatch.chdir(tmp_path)
     (tmp_path / "net.prototxt").write_text(DUMMY_NET)

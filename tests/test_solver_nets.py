@@ -6,9 +6,9 @@ import logging
 
 import numpy as np
 
-from minicaffe import log
+from minicaffe.core import log
 from minicaffe.proto import caffe_pb2
-from minicaffe.protoio import parse_text
+from minicaffe.core.protoio import parse_text
 
 # A linear softmax classifier on fixed inputs: the gradients can be written by hand.
 LINEAR_NET = """
@@ -199,7 +199,7 @@ def test_captured_log_collects_glog_lines():
 
 
 def test_yaml_repeated_fields_may_be_scalars(tmp_path):
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     f = tmp_path / "s.yaml"
     f.write_text("test_iter: 5\nbase_lr: 0.01\ndelta: 1e-8\nstepvalue: [1, 2]\n"
                  "net_param:\n  layer:\n    - name: a\n      type: Input\n      top: x\n"

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from minicaffe import protoio
-from minicaffe.errors import MinicaffeError
+from minicaffe.core import protoio
+from minicaffe.core.errors import MinicaffeError
 from minicaffe.proto import caffe_pb2
 from minicaffe.solvers import get_solver
 from minicaffe.solvers import snapshot as snap
@@ -356,7 +356,7 @@ def test_bvlc_lenet_solverstate_restores_and_training_continues(fixtures_dir, tm
         mnist = None
     have_mnist = mnist is not None
     if have_mnist:
-        from minicaffe.datasets import find_mnist_files, read_idx
+        from minicaffe.data.datasets import find_mnist_files, read_idx
         files = find_mnist_files(str(mnist))
         images = read_idx(files["test_images"])[:, None] * np.float32(1 / 256)
         labels = read_idx(files["test_labels"]).astype(np.float32)
@@ -371,7 +371,7 @@ def test_bvlc_lenet_solverstate_restores_and_training_continues(fixtures_dir, tm
     assert "SGDSolver: restoring history" in messages(lines)
     assert s.iter == 10000 and s.current_step == 0
     assert len(s.history) == len(s.net.learnable_params) == 8
-    from minicaffe.net import read_weights
+    from minicaffe.network.net import read_weights
     ref = read_weights(str(fixtures_dir / "lenet_v1_iter_10000.caffemodel"))
     conv1 = [l for l in ref.layer if l.name == "conv1"][0]
     np.testing.assert_array_equal(s.net.params["conv1"][0].data.reshape(-1),

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from minicaffe import backend, context
-from minicaffe.synced_memory import (SyncedMemory, UNINITIALIZED, HEAD_AT_CPU, HEAD_AT_GPU,
+from minicaffe.core import backend, context
+from minicaffe.core.synced_memory import (SyncedMemory, UNINITIALIZED, HEAD_AT_CPU, HEAD_AT_GPU,
                                      SYNCED)
 
 
@@ -122,7 +122,7 @@ class TestGPU:
 def test_bind_unbind_park_with_numpy_standing_in_for_the_device(monkeypatch):
     """The transitions the memory plan and the offloader use, with numpy arrays standing in
     for device arrays (the copies are the host's; the states are the point)."""
-    from minicaffe import backend
+    from minicaffe.core import backend
     monkeypatch.setattr(backend, "copy_to_gpu", lambda dst, src, stream=None:
                         dst.__setitem__(Ellipsis, src))
     monkeypatch.setattr(backend, "copy_to_host", lambda dst, src, stream=None:

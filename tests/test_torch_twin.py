@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from minicaffe import synthetic  # noqa: E402
-from minicaffe.net import Net, TEST  # noqa: E402
+from minicaffe.network.net import Net, TEST  # noqa: E402
 from minicaffe.proto import caffe_pb2  # noqa: E402
 from minicaffe.torch_twin import TorchTwin, UntranslatableError, make_optimizer  # noqa: E402
 

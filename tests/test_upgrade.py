@@ -2,7 +2,7 @@
 import numpy as np
 
 import minicaffe as caffe
-from minicaffe.net import Net, read_net_param
+from minicaffe.network.net import Net, read_net_param
 
 V0_NET = """
 name: "CaffeNet-ish"

@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from minicaffe import log
+from minicaffe.core import log
 from minicaffe.cli import main
 from minicaffe.watch import RunRecord, serve
 from minicaffe.watch.logparse import REGEX_LR, parse_log
@@ -324,7 +324,7 @@ def test_tensorboard_event_file_holds_the_logs_scalars(cli, tmp_path):
 
 def test_tensorboard_corrupt_file_and_missing_writer(tmp_path, monkeypatch):
     pytest.importorskip("tensorboardX")
-    from minicaffe.errors import MinicaffeError
+    from minicaffe.core.errors import MinicaffeError
     from minicaffe.watch import tensorboard
     from tensorboardX import SummaryWriter
     w = SummaryWriter(str(tmp_path))
@@ -345,7 +345,7 @@ def test_tensorboard_corrupt_file_and_missing_writer(tmp_path, monkeypatch):
 def test_tensorboard_multi_gpu_only_the_root_writes(tmp_path):
     """Two CPU ranks with the fake communicator (the multi-GPU protocol): one writer."""
     pytest.importorskip("tensorboardX")
-    from minicaffe.parallel import train_threads
+    from minicaffe.multigpu.parallel import train_threads
     from minicaffe.solvers import read_solver_param
     from minicaffe.watch.tensorboard import event_files, read_events
     _setup(tmp_path, solver=TB_SOLVER.replace("snap/tb", str(tmp_path / "snap" / "tb")))

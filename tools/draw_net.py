@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from minicaffe.draw import main  # noqa: E402
+from minicaffe.compat.draw import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ import sys
 
 from google.protobuf import text_format
 
-from minicaffe.net import read_net_param
+from minicaffe.network.net import read_net_param
 
 
 def main(argv=None):

@@ -45,9 +45,10 @@ class DataMissing(Exception):
 
 
 def prepare_data(cifar_dir=CIFAR_DIR, download=True):
-    from minicaffe import log
+    from minicaffe.core import log
     from minicaffe.data.convert import compute_image_mean, convert_cifar, write_mean
-    from minicaffe.datasets import CIFAR10_TARBALLS, cifar10_missing_message, find_cifar10_files
+    from minicaffe.data.datasets import (CIFAR10_TARBALLS, cifar10_missing_message,
+                                         find_cifar10_files)
     have_dbs = all(os.path.isfile(os.path.join(d, "data.mdb")) for d in (TRAIN_DB, TEST_DB))
     if not have_dbs:
         if find_cifar10_files(cifar_dir) is None:
@@ -64,7 +65,7 @@ def prepare_data(cifar_dir=CIFAR_DIR, download=True):
                 import shutil
                 shutil.rmtree(d)
         log.info("Creating lmdb...")
-        from minicaffe.datasets import load_cifar10
+        from minicaffe.data.datasets import load_cifar10
         load_cifar10(cifar_dir)  # extracts a tarball placed in cifar_dir, if that is all there is
         convert_cifar(cifar_dir, EX, "lmdb")
     if not os.path.isfile(MEAN):
@@ -76,7 +77,7 @@ def prepare_data(cifar_dir=CIFAR_DIR, download=True):
 def scaled_solver(path, scale):
     """A temporary copy of a stage's solver with max_iter, snapshot, test_interval and
     test_iter scaled."""
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     from minicaffe.proto import caffe_pb2
     p = protoio.read_text(path, caffe_pb2.SolverParameter())
     for f in ("max_iter", "snapshot", "test_interval"):
@@ -90,7 +91,8 @@ def scaled_solver(path, scale):
 
 
 def run_schedule(model, scale, extra):
-    from minicaffe import cli, protoio
+    from minicaffe import cli
+    from minicaffe.core import protoio
     from minicaffe.proto import caffe_pb2
     previous = None
     for solver in SCHEDULES[model]:
@@ -130,8 +132,8 @@ def main(argv=None):
                     help="multiply every stage's max_iter/snapshot/test_interval (quick checks)")
     args, rest = ap.parse_known_args(argv)
     os.chdir(ROOT)
-    from minicaffe import log
-    from minicaffe.errors import MinicaffeError
+    from minicaffe.core import log
+    from minicaffe.core.errors import MinicaffeError
     log.init_log()
     try:
         prepare_data(args.cifar_dir, download=not args.no_download)

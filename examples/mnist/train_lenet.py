@@ -37,9 +37,9 @@ SOLVER = os.path.join("examples", "mnist", "lenet_solver.prototxt")
 
 def prepare_data(mnist_dir=MNIST_DIR):
     """Fetch MNIST and convert it to the two LMDBs the prototxt reads (each skipped when done)."""
-    from minicaffe import log
+    from minicaffe.core import log
     from minicaffe.data.convert import convert_mnist
-    from minicaffe.datasets import MNIST_FILES, find_mnist_files
+    from minicaffe.data.datasets import MNIST_FILES, find_mnist_files
     dbs = {TRAIN_DB: "train", TEST_DB: "test"}
     if all(os.path.isfile(os.path.join(db, "data.mdb")) for db in dbs):
         log.info("%s and %s exist; skipping the conversion", TRAIN_DB, TEST_DB)
@@ -56,7 +56,7 @@ def prepare_data(mnist_dir=MNIST_DIR):
 
 def solver_with_max_iter(solver, max_iter):
     """A temporary copy of ``solver`` that stops at ``max_iter``; returns its path."""
-    from minicaffe import protoio
+    from minicaffe.core import protoio
     from minicaffe.proto import caffe_pb2
     p = protoio.read_text(solver, caffe_pb2.SolverParameter())
     p.max_iter = max_iter
@@ -80,8 +80,9 @@ def main(argv=None):
                     help="where the MNIST IDX files are or go (default %(default)s)")
     args, rest = ap.parse_known_args(argv)
     os.chdir(ROOT)
-    from minicaffe import cli, log
-    from minicaffe.errors import MinicaffeError
+    from minicaffe import cli
+    from minicaffe.core import log
+    from minicaffe.core.errors import MinicaffeError
     log.init_log()
     try:
         prepare_data(args.mnist_dir)

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from .. import context, log, protoio
-from ..errors import MinicaffeError
+from ..core import context, log, protoio
+from ..core.errors import MinicaffeError
 from ..proto import caffe_pb2
 from .db import array_to_datum, datum_to_array, key_text, open_db, parse_datum
 from .images import ImageError, decode_image, encode_image, file_extension, read_image
@@ -56,7 +56,7 @@ def _uint8_datum_bytes(images, labels):
 # -- MNIST ---------------------------------------------------------------------------------------
 def convert_mnist(images_path, labels_path, db_path, backend="lmdb"):
     """IDX images + labels (gzipped or not) -> a database of 1xRxC uint8 Datums."""
-    from ..datasets import read_idx
+    from .datasets import read_idx
     try:
         images = read_idx(images_path)
         labels = read_idx(labels_path)
@@ -84,7 +84,7 @@ def convert_cifar(input_folder, output_folder, backend="lmdb"):
     """CIFAR-10 batches (binary or python version) in ``input_folder`` ->
     ``output_folder``/cifar10_train_<backend> and cifar10_test_<backend>.
     Returns (n_train, n_test)."""
-    from ..datasets import (cifar10_missing_message, find_cifar10_files, read_cifar_binary,
+    from .datasets import (cifar10_missing_message, find_cifar10_files, read_cifar_binary,
                             read_cifar_python)
     found = find_cifar10_files(input_folder)
     if found is None:

@@ -25,8 +25,8 @@ import threading
 
 import numpy as np
 
-from .. import fileio
-from ..errors import MinicaffeError
+from ..core import fileio
+from ..core.errors import MinicaffeError
 from ..proto import caffe_pb2
 
 LMDB = "lmdb"

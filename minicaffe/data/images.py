@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from ..errors import MinicaffeError
+from ..core.errors import MinicaffeError
 
 
 class ImageError(MinicaffeError):

@@ -31,12 +31,12 @@ import weakref
 
 import numpy as np
 
-from .. import backend, context, log
-from ..blob import Blob
-from ..errors import MinicaffeError, WaitInterrupted
-from ..layer import Layer
+from ..core import backend, context, log
+from ..core.blob import Blob
+from ..core.errors import MinicaffeError, WaitInterrupted
+from ..layers.layer import Layer
 from ..proto import caffe_pb2
-from ..synced_memory import HEAD_AT_CPU
+from ..core.synced_memory import HEAD_AT_CPU
 from .transformer import DataTransformer, TransformError
 
 

@@ -4,8 +4,8 @@ and one-line errors with exit status 1."""
 import argparse
 import sys
 
-from .. import log
-from ..errors import MinicaffeError
+from ..core import log
+from ..core.errors import MinicaffeError
 
 
 def flag_bool(text):

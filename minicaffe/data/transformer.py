@@ -24,8 +24,8 @@ for TEST).
 """
 import numpy as np
 
-from .. import context
-from ..errors import MinicaffeError
+from ..core import context
+from ..core.errors import MinicaffeError
 from ..proto import caffe_pb2
 from .db import datum_to_array
 
@@ -58,8 +58,8 @@ class TransformError(MinicaffeError):
 
 def load_mean_file(path):
     """The mean image (C, H, W) float32 from a binaryproto BlobProto."""
-    from .. import protoio
-    from ..blob import Blob
+    from ..core import protoio
+    from ..core.blob import Blob
     proto = protoio.read_binary(path, caffe_pb2.BlobProto())
     shape = Blob.proto_shape(proto)
     n = int(np.prod(shape)) if len(shape) else 0
@@ -189,7 +189,7 @@ class DataTransformer:
         unmirrored window, or the values), times ``scale``), mirrored where ``mirror[n]``.
         numpy arrays: vectorised over the batch; CuPy arrays (uint8 or float32 in, float32
         out): one kernel (kernels/transform.py), bit-identical in fp32."""
-        from .. import backend
+        from ..core import backend
         if backend.is_gpu_array(images):
             from ..kernels.transform import transform_batch
             return transform_batch(images, out, mirror, hoff, woff, self.mean,

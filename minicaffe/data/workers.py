@@ -39,7 +39,7 @@ from multiprocessing import connection
 
 import numpy as np
 
-from ..errors import MinicaffeError
+from ..core.errors import MinicaffeError
 
 ENV = "MINICAFFE_DECODE_THREADS"
 START_TIMEOUT = 60.0      # seconds for a worker to start and map the ring
@@ -133,7 +133,7 @@ def requested_workers(field_set, field_value, config=None):
     ``data_param.workers``; (None, None) when neither is set (the layer chooses:
     ``default_workers``)."""
     if config is None:
-        from ..config import RunConfig
+        from ..core.config import RunConfig
         config = RunConfig.from_environment()
     if config.data_workers is not None:
         return int(config.data_workers), f"--data_workers or ${ENV}"
@@ -440,7 +440,7 @@ class WorkerFeed:
         self.free = list(range(ring.n_slots))
         self.pinned = None
         if pin:  # GPU mode: uploads from the ring become asynchronous DMA
-            from .. import backend
+            from ..core import backend
             if backend.register_host(ring.address(), ring.nbytes):
                 self.pinned = ring.address()
 
@@ -476,7 +476,7 @@ class WorkerFeed:
     def close(self):
         self.pool.close()
         if self.pinned is not None:
-            from .. import backend
+            from ..core import backend
             backend.unregister_host(self.pinned)
             self.pinned = None
         self.ring.close()

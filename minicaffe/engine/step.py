@@ -30,14 +30,14 @@ import collections
 
 import numpy as np
 
-from .. import backend, context, log
-from ..blob import Blob
+from ..core import backend, context, log
+from ..core.blob import Blob
 from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
 from .schedule import run_device, schedule_for
 from ..solvers.fused import FusedUpdate
-from ..synced_memory import SyncedMemory, HEAD_AT_CPU
+from ..core.synced_memory import SyncedMemory, HEAD_AT_CPU
 
 RING = 64
 N_SCALARS = 2   # learning rate, Adam's bias correction
@@ -105,7 +105,7 @@ class GpuStep:
         if reason is None:
             # every layer declares what it keeps: activations' diffs can share memory
             from ..gpu.plan import MemoryPlan
-            from ..offload import Offloader
+            from .offload import Offloader
             self.plan = MemoryPlan(net, train=True, history_sets=len(solver.history_flat))
             # offload_param: a plan whose offloaded feature maps live twice (offload.py)
             self.offload = Offloader.for_step(self)
@@ -126,7 +126,7 @@ class GpuStep:
             log.info("CUDA graph: off for net %s: %s; the iteration runs eagerly",
                      net.name, graphs_reason)
         if reason:
-            from ..offload import settings
+            from .offload import settings
             if settings(net.net_param, net.config)[0] != "NONE":
                 log.warning("offload_param: no offload for net %s (it needs the memory plan, "
                             "made only for nets whose iteration can be captured: %s)",

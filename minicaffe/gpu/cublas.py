@@ -14,7 +14,7 @@ import ctypes
 
 import numpy as np
 
-from .. import backend, context
+from ..core import backend, context
 from . import libs, options
 
 WORKSPACE_BYTES = 32 << 20   # cuBLAS's advice for Hopper

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from .. import backend, context
+from ..core import backend, context
 from . import libs, options
 
 # enums (cudnn_graph.h, cudnn_ops.h, cudnn_cnn.h)

@@ -10,7 +10,7 @@ is the engine's business (``engine/step.py``).
 """
 import contextlib
 
-from .. import backend
+from ..core import backend
 
 
 def private_pool():

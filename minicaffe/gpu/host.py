@@ -12,7 +12,7 @@ The offload engine parks feature maps in slots of one unmapped ``HostMemory``.
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 
 
 class HostMemory:

@@ -24,7 +24,7 @@ Contract:
   IDCT: pixels may differ from the CPU decode by a few levels (``TOLERANCE``, tested on the
   GPU).  The hardware JPEG engine (A100/H100) is not used: it has no fancy upsampling.
 """
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 INSTALL = 'pip install ".[gpu-jpeg]"'
 # the largest difference from the CPU decode (libjpeg-turbo) that tests accept, in grey

@@ -11,7 +11,7 @@ import glob
 import importlib.util
 import os
 
-from .. import config
+from ..core import config
 
 _cache = {}
 
@@ -54,7 +54,7 @@ def load_cublas():
     if "cublas" in _cache:
         return _cache["cublas"]
     tried = []
-    from .. import backend
+    from ..core import backend
     if backend.cp is not None:
         try:  # makes CuPy load its libcublas, which we then share
             backend.cp.cuda.device.get_cublas_handle()

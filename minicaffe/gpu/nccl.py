@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 
 
 def module():

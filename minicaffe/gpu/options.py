@@ -17,7 +17,7 @@ Set them before the nets are built: layers read them when they choose algorithms
 ``MINICAFFE_TF32``, ``MINICAFFE_DETERMINISTIC`` and ``MINICAFFE_CUDNN`` give their initial
 values (read, and validated, by ``config.env`` on first use).
 """
-from .. import config
+from ..core import config
 
 _ENV = {"tf32": "MINICAFFE_TF32", "deterministic": "MINICAFFE_DETERMINISTIC",
         "cudnn": "MINICAFFE_CUDNN"}

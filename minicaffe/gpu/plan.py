@@ -26,7 +26,7 @@ buffers), the largest cuDNN workspace, what layers keep from forward to backward
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 
 ALIGN = 256
 CUBLAS_WORKSPACE = 32 << 20
@@ -266,7 +266,7 @@ class MemoryPlan:
         self.arena = None
 
     def does_not_fit(self, available, words):
-        from ..errors import MinicaffeError
+        from ..core.errors import MinicaffeError
         mib = 1 << 20
         big = max(self.rows, key=lambda r: r["top_data"] + r["state"])
         return MinicaffeError(

@@ -6,7 +6,7 @@ switches to GPU mode, and the core imports nothing of gpu/); see its comments th
 ``use("async"|"default")``, ``ensure()``, ``name()``, ``describe()``, ``reset_peak()``,
 ``peak_bytes()``, ``used_bytes()``.
 """
-from ..backend import (DEFAULT_ALLOCATOR as DEFAULT, allocator_name as name,  # noqa: F401
+from ..core.backend import (DEFAULT_ALLOCATOR as DEFAULT, allocator_name as name,  # noqa: F401
                        describe_allocator as describe, ensure_allocator as ensure,
                        peak_gpu_bytes as peak_bytes, reset_peak_gpu_bytes as reset_peak,
                        use_allocator as use, used_gpu_bytes as used_bytes)

@@ -30,20 +30,20 @@ CUDA_NUM_THREADS = 256
 NVRTC_OPTIONS = ("--fmad=false",)
 
 def _cupy():
-    """The ``cupy`` module, or ``None``: minicaffe.backend is the one place that imports it."""
-    from .. import backend
+    """The ``cupy`` module, or ``None``: minicaffe.core.backend is the one place that imports it."""
+    from ..core import backend
     return backend.gpu_module()
 
 
 def is_cupy_array(a) -> bool:
-    """True iff ``a`` is a ``cupy.ndarray`` (minicaffe.backend.is_gpu_array)."""
-    from .. import backend
+    """True iff ``a`` is a ``cupy.ndarray`` (minicaffe.core.backend.is_gpu_array)."""
+    from ..core import backend
     return backend.is_gpu_array(a)
 
 
 def get_array_module(a):
-    """``cupy`` for CuPy arrays, ``numpy`` for everything else (minicaffe.backend's)."""
-    from .. import backend
+    """``cupy`` for CuPy arrays, ``numpy`` for everything else (minicaffe.core.backend's)."""
+    from ..core import backend
     return backend.get_array_module(a)
 
 

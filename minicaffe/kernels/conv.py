@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..blas import gemm_batched
+from .blas import gemm_batched
 from .im2col import (col2im, col2im_nd, col2im_padded_into, im2col, im2col_nd,
                      im2col_padded_into)
 

@@ -53,7 +53,7 @@ _consts = {}
 
 def _device_const(key, array):
     """A small constant array on the device, uploaded once per (key, device)."""
-    from .. import backend
+    from ..core import backend
     cp = _cupy()
     k = (key, backend.current_device())
     a = _consts.get(k)

@@ -9,13 +9,13 @@ receive no gradient.
 """
 import numpy as np
 
-from .. import backend
-from ..blob import Blob
-from ..filler import fill
-from ..layer import Layer
+from ..core import backend
+from ..core.blob import Blob
+from ..core.filler import fill
+from .layer import Layer
 from ..proto import caffe_pb2
-from ..blas import gemm
-from ..registry import register_layer
+from ..kernels.blas import gemm
+from .registry import register_layer
 
 
 def _canonical(layer, blob, axis, what="axis"):

@@ -18,11 +18,11 @@ first (eager) run of each shape and never while a CUDA graph is being captured.
 
 import numpy as np
 
-from .. import backend, config, context
+from ..core import backend, config, context
 from ..gpu import cudnn, options
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
-from ..registry import register_cudnn
+from .registry import register_cudnn
 from .common import SoftmaxLayer
 from .neuron import ReLULayer, SigmoidLayer, TanHLayer
 from .normalization import BatchNormLayer

@@ -2,9 +2,9 @@
 live in ``data_layers``)."""
 import numpy as np
 
-from ..filler import fill
-from ..layer import Layer
-from ..registry import register_layer
+from ..core.filler import fill
+from .layer import Layer
+from .registry import register_layer
 
 
 def _shape(s):
@@ -126,7 +126,7 @@ class MemoryDataLayer(Layer):
             raise self.error(f"the number of samples ({data.shape[0]}) must be a multiple of "
                              f"batch_size ({self.batch_size})")
         if self.layer_param.HasField("transform_param"):
-            from .. import log
+            from ..core import log
             log.warning("%s does not transform array data on Reset()", self.type)
         self.data, self.labels, self.pos = data, labels, 0
 
@@ -136,7 +136,7 @@ class MemoryDataLayer(Layer):
         if getattr(self, "_transform", None) is None:
             from ..data.prefetch import effective_transform_param
             from ..data.transformer import DataTransformer
-            from ..errors import MinicaffeError
+            from ..core.errors import MinicaffeError
             try:
                 self._transform = DataTransformer(effective_transform_param(self.layer_param),
                                                   self.phase)
@@ -147,7 +147,7 @@ class MemoryDataLayer(Layer):
     def add_mat_vector(self, images, labels):
         """Caffe's AddMatVector: (C, H, W) images (e.g. BGR uint8) go through
         ``transform_param`` (crop, mirror, mean, scale) into (channels, height, width)."""
-        from ..errors import MinicaffeError
+        from ..core.errors import MinicaffeError
         images = list(images)
         labels = np.asarray(labels, dtype=np.float32).reshape(-1)
         if not images:

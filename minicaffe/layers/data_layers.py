@@ -16,18 +16,18 @@ import os
 
 import numpy as np
 
-from .. import backend, context, log
-from ..blob import Blob
+from ..core import backend, context, log
+from ..core.blob import Blob
 from ..data.db import DBError, key_text, open_db, parse_datum
 from ..data.images import ImageError, decoder_name, read_image
 from ..data.prefetch import BaseDataLayer, BasePrefetchingDataLayer
 from ..data.workers import (SlotRing, WorkerFeed, WorkerPool, DBSource, ImageSource,
                             default_workers, mismatch_message, requested_workers)
 from ..data.transformer import TransformError
-from ..errors import MinicaffeError
-from ..layer import Layer
+from ..core.errors import MinicaffeError
+from .layer import Layer
 from ..proto import caffe_pb2
-from ..registry import register_layer
+from .registry import register_layer
 
 TRAIN = caffe_pb2.TRAIN
 RING_SLOTS = 3   # batches the workers fill ahead of the prefetch thread

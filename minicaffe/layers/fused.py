@@ -22,7 +22,7 @@ show them).  A fused body that cannot take this pass's shapes (a convolution cuD
 not run for this shape, a Scale that is not per channel) runs the first layer's own body
 and the Net runs the second as usual.  The CPU runs every pair one layer after the other.
 """
-from ..errors import MinicaffeError
+from ..core.errors import MinicaffeError
 from ..proto import caffe_pb2
 
 _SUM = caffe_pb2.EltwiseParameter.SUM

@@ -1,7 +1,7 @@
 """Loss layers and Accuracy (Caffe's ``*_loss_layer.cpp`` and ``accuracy_layer.cpp``).
 
 Every loss layer writes a scalar top (shape ``()``); its loss weight lives in the
-top's diff (see :class:`minicaffe.layer.LossLayer`), so each backward scales its
+top's diff (see :class:`minicaffe.layers.layer.LossLayer`), so each backward scales its
 gradient by ``top[0].diff`` and the normalizer.  One body serves numpy and cupy.
 
 Normalization (``loss_param.normalization``) follows Caffe's ``get_normalizer``:
@@ -11,13 +11,13 @@ unset) means VALID if true, BATCH_SIZE if false.
 """
 import numpy as np
 
-from .. import backend
-from ..blob import Blob
-from ..errors import MinicaffeError
-from ..layer import Layer, LossLayer
+from ..core import backend
+from ..core.blob import Blob
+from ..core.errors import MinicaffeError
+from .layer import Layer, LossLayer
 from ..proto import caffe_pb2
-from ..protoio import read_binary
-from ..registry import register_layer
+from ..core.protoio import read_binary
+from .registry import register_layer
 from .common import softmax
 
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)

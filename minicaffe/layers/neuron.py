@@ -12,12 +12,12 @@ import math
 
 import numpy as np
 
-from .. import context
-from ..blob import Blob
-from ..filler import fill
-from ..layer import Layer, NeuronLayer
+from ..core import context
+from ..core.blob import Blob
+from ..core.filler import fill
+from .layer import Layer, NeuronLayer
 from ..proto import caffe_pb2
-from ..registry import register_layer
+from .registry import register_layer
 
 
 def _quiet(xp):

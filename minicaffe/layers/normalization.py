@@ -5,11 +5,11 @@ handful of reductions and broadcasts.
 """
 import numpy as np
 
-from .. import log
-from ..blob import Blob
-from ..layer import Layer
+from ..core import log
+from ..core.blob import Blob
+from .layer import Layer
 from ..proto import caffe_pb2
-from ..registry import register_layer
+from .registry import register_layer
 
 
 def _channels_view(a, channels):

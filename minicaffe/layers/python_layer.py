@@ -42,12 +42,12 @@ import traceback
 
 import numpy as np
 
-from .. import log
-from ..blob import Blob
-from ..errors import MinicaffeError, layer_failure
-from ..layer import Layer
+from ..core import log
+from ..core.blob import Blob
+from ..core.errors import MinicaffeError, layer_failure
+from .layer import Layer
 from ..proto import caffe_pb2
-from ..registry import register_layer
+from .registry import register_layer
 
 
 class PyBlob(Blob):

@@ -44,11 +44,11 @@ On the GPU each LSTM step's gate arithmetic runs as one fused kernel.
 """
 import numpy as np
 
-from .. import log
-from ..blob import Blob
-from ..filler import fill
-from ..layer import Layer
-from ..registry import register_layer
+from ..core import log
+from ..core.blob import Blob
+from ..core.filler import fill
+from .layer import Layer
+from .registry import register_layer
 
 
 def _sigmoid(xp, x):

@@ -28,14 +28,14 @@ import math
 
 import numpy as np
 
-from .. import context
+from ..core import context
 from .. import kernels as K
 from ..kernels.conv import COL_BUFFER_BYTES, ConvEngine, conv_budget  # noqa: F401
-from ..blob import Blob
-from ..filler import fill
-from ..layer import Layer
+from ..core.blob import Blob
+from ..core.filler import fill
+from .layer import Layer
 from ..proto import caffe_pb2
-from ..registry import register_layer
+from .registry import register_layer
 
 
 

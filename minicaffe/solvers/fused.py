@@ -18,8 +18,8 @@ the numpy bodies round it.
 """
 import numpy as np
 
-from .. import backend
-from ..flat_params import ALIGN
+from ..core import backend
+from ..core.flat_params import ALIGN
 
 CHUNK = 64
 assert ALIGN % CHUNK == 0

@@ -14,8 +14,8 @@ Caffe's digits (``Iteration 100, lr = 0.00992565`` for lenet_solver's inv).
 """
 import numpy as np
 
-from .. import log
-from ..errors import ConfigError
+from ..core import log
+from ..core.errors import ConfigError
 
 POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
 

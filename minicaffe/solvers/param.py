@@ -10,8 +10,8 @@
 """
 import os
 
-from .. import log, protoio
-from ..errors import ConfigError
+from ..core import log, protoio
+from ..core.errors import ConfigError
 from ..proto import caffe_pb2
 
 _SP = caffe_pb2.SolverParameter

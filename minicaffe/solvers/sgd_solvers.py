@@ -32,9 +32,9 @@ import os
 
 import numpy as np
 
-from .. import backend, context, log
-from ..blob import Blob
-from ..errors import ConfigError, MinicaffeError
+from ..core import backend, context, log
+from ..core.blob import Blob
+from ..core.errors import ConfigError, MinicaffeError
 from ..proto import caffe_pb2
 from . import lr_policy, snapshot as snap
 from .solver import Solver, _fmt

@@ -13,8 +13,8 @@ never makes the process deaf.
 import signal
 import threading
 
-from .. import context, log
-from ..errors import MinicaffeError
+from ..core import context, log
+from ..core.errors import MinicaffeError
 from .solver import SolverAction
 
 EFFECTS = (SolverAction.STOP, SolverAction.SNAPSHOT, SolverAction.NONE)

@@ -20,8 +20,8 @@ import os
 
 import numpy as np
 
-from .. import fileio, protoio
-from ..errors import MinicaffeError
+from ..core import fileio, protoio
+from ..core.errors import MinicaffeError
 from ..proto import caffe_pb2
 
 
@@ -99,7 +99,7 @@ def write_binary_state(path, state):
     msg.iter = state.iter
     msg.learned_net = state.learned_net
     msg.current_step = state.current_step
-    from ..blob import blob_proto_bytes
+    from ..core.blob import blob_proto_bytes
     for shape, arr in state.history:
         msg.history.add().ParseFromString(blob_proto_bytes(shape, arr))
     if state.resume is not None:

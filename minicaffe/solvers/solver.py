@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from .. import context, fileio, log
-from ..errors import ConfigError, MinicaffeError, WaitInterrupted
-from ..net import Net, read_net_param
+from ..core import context, fileio, log
+from ..core.errors import ConfigError, MinicaffeError, WaitInterrupted
+from ..network.net import Net, read_net_param
 from ..proto import caffe_pb2
 from . import lr_policy, snapshot as snap
 from .param import check_solver_param, read_solver_param
@@ -66,7 +66,7 @@ class Solver:
     def __init__(self, param, source=None, config=None):
         self.param, path = read_solver_param(param)
         if config is None:
-            from ..config import RunConfig
+            from ..core.config import RunConfig
             config = RunConfig.from_environment()
         self.config = config      # the run's settings, handed to every net (config.py)
         path = path or (os.fspath(source) if source else None)
@@ -139,7 +139,7 @@ class Solver:
         self.iter = 0
         self.current_step = 0
         self.pre_solve()
-        from ..offload import check_solver
+        from ..engine.offload import check_solver
         check_solver(self)      # a net asking for offload where none can run: a warning
 
     def check_params(self):

@@ -17,8 +17,8 @@ Unreadable images are logged and skipped, as Caffe does.
 import argparse
 import sys
 
-from minicaffe import log
-from minicaffe.errors import MinicaffeError
+from minicaffe.core import log
+from minicaffe.core.errors import MinicaffeError
 from minicaffe.data import toolutil
 
 PROG = "convert_imageset"

@@ -29,10 +29,10 @@ def extract_features(weights, model, blob_names, db_names, num_batches, db_type=
                      gpu=None):
     """The tool's work; returns {blob: images written}."""
     import numpy as np
-    from minicaffe import context, log
+    from minicaffe.core import context, log
     from minicaffe.data.db import open_db
-    from minicaffe.errors import MinicaffeError
-    from minicaffe.net import Net, TEST
+    from minicaffe.core.errors import MinicaffeError
+    from minicaffe.network.net import Net, TEST
     from minicaffe.proto import caffe_pb2
     if len(blob_names) != len(db_names):
         raise MinicaffeError(f"the number of blob names ({len(blob_names)}) and database "
@@ -86,7 +86,7 @@ def extract_features(weights, model, blob_names, db_names, num_batches, db_type=
 
 
 def _main(argv):
-    from minicaffe.errors import MinicaffeError
+    from minicaffe.core.errors import MinicaffeError
     ap = argparse.ArgumentParser(
         prog="minicaffe extract_features",
         description="Write blobs of a trained net, image by image, to LMDB/LevelDB "

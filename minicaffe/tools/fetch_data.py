@@ -41,8 +41,8 @@ import zipfile
 
 import numpy as np
 
-from minicaffe import config
-from minicaffe.datasets import (
+from minicaffe.core import config
+from minicaffe.data.datasets import (
     CIFAR10_TARBALLS, CIFAR10_URL, MNIST_FILES, cifar10_missing_message,
     extract_cifar10_tarball, find_cifar10_files, find_mnist_files, load_cifar10,
     load_mnist, read_idx, write_idx)

@@ -20,10 +20,10 @@ from minicaffe.data import toolutil
 
 
 def _upgrade(argv, binary):
-    from minicaffe import log, protoio
-    from minicaffe.errors import MinicaffeError
+    from minicaffe.core import log, protoio
+    from minicaffe.core.errors import MinicaffeError
     from minicaffe.proto import caffe_pb2
-    from minicaffe.upgrade import upgrade_net_as_needed
+    from minicaffe.network.upgrade import upgrade_net_as_needed
     kind = "binary" if binary else "text"
     ap = argparse.ArgumentParser(
         prog=f"minicaffe upgrade_net_proto_{kind}",

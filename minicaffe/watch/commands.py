@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from ..errors import MinicaffeError
+from ..core.errors import MinicaffeError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,7 +66,7 @@ def plot_main(argv):
 def start_train_dashboard(address, solver, devices=None, stream=None):
     """The dashboard of ``minicaffe train --dashboard [HOST:]PORT``: served from a daemon
     thread; its URL printed once on the terminal (the log names it without the token)."""
-    from .. import log
+    from ..core import log
     from .server import announce, parse_address, serve
     host, port = parse_address(address)
     d = serve(solver, port=port, host=host, devices=devices)
@@ -78,7 +78,7 @@ def start_train_dashboard(address, solver, devices=None, stream=None):
 
 def keep_serving(dashboard, stream):
     """After training, an interactive run keeps its page up until Ctrl-C."""
-    from .. import log
+    from ..core import log
     if dashboard is None or not (sys.stdin.isatty() and stream.isatty()):
         return
     log.info("Training ended; the dashboard stays up at %s until Ctrl-C",

@@ -17,7 +17,7 @@ one line.
 """
 import os
 
-from ..errors import MinicaffeError
+from ..core.errors import MinicaffeError
 
 CHARTS = {0: ("Test accuracy", "Iters"), 1: ("Test accuracy", "Seconds"),
           2: ("Test loss", "Iters"), 3: ("Test loss", "Seconds"),

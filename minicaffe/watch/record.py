@@ -94,7 +94,7 @@ class RunRecord:
 
 def _images_per_iteration(solver):
     """Images one iteration consumes: the first train input's batch x iter_size x solvers."""
-    from .. import context
+    from ..core import context
     n = 0
     for tops in solver.net.top_vecs:  # the first layer with a top: the data layer
         if tops and tops[0].shape:
@@ -104,7 +104,7 @@ def _images_per_iteration(solver):
 
 
 def _device_memory_mib():
-    from .. import backend, context
+    from ..core import backend, context
     if not context.is_gpu():
         return None
     return backend.peak_gpu_bytes() / float(1 << 20)
@@ -112,7 +112,8 @@ def _device_memory_mib():
 
 def solver_facts(solver, devices=None):
     """The facts of a run, from its solver (and the device ids it trains on)."""
-    from .. import context, offload
+    from ..core import context
+    from ..engine import offload
     from ..gpu import options
     p = solver.param
     gpu = context.is_gpu()

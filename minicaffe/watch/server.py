@@ -26,7 +26,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from ..errors import MinicaffeError
+from ..core.errors import MinicaffeError
 from .page import PAGE
 from .record import Recorder, RunRecord
 
@@ -103,7 +103,7 @@ def _net_svg(net_param):
     if shutil.which("dot") is None:
         return 404, (b"no drawing: the net is drawn by Graphviz's dot program "
                      b"(apt-get install graphviz), which this machine lacks")
-    from ..draw import get_dot, render
+    from ..compat.draw import get_dot, render
     try:
         return 200, render(get_dot(net_param, "LR"), "svg")
     except MinicaffeError as e:

@@ -17,7 +17,7 @@ import glob
 import os
 import struct
 
-from ..errors import ConfigError, MinicaffeError
+from ..core.errors import ConfigError, MinicaffeError
 from .record import Recorder, RunRecord
 
 INSTALL = 'pip install ".[tensorboard]" (tensorboardX)'

@@ -4,12 +4,12 @@ accumulation, shared memory, bad parameters, a small Net, and CPU/GPU parity."""
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
-from minicaffe.net import Net
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
+from minicaffe.network.net import Net
 from minicaffe.proto import caffe_pb2
-from minicaffe.testing import make_layer, make_blob, check_gradient
+from minicaffe.compat.testing import make_layer, make_blob, check_gradient
 
 G = 'weight_filler { type: "gaussian" } bias_filler { type: "gaussian" }'
 
@@ -352,7 +352,7 @@ def test_parameter_blob_is_the_top_in_a_net():
 
 
 def _net(text):
-    from minicaffe.protoio import parse_text
+    from minicaffe.core.protoio import parse_text
     return Net(parse_text(text, caffe_pb2.NetParameter()), caffe_pb2.TRAIN)
 
 

@@ -3,8 +3,8 @@ is tested family by family in the other files here)."""
 import numpy as np
 import pytest
 
-from minicaffe.blob import Blob
-from minicaffe.testing import make_layer, make_blob, check_gradient
+from minicaffe.core.blob import Blob
+from minicaffe.compat.testing import make_layer, make_blob, check_gradient
 
 
 def naive_conv(x, w, b, stride, pad):

@@ -3,12 +3,12 @@ checks, propagate_down, loss_weight scaling, bad input, GPU parity."""
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
 from minicaffe.proto import caffe_pb2
-from minicaffe.protoio import write_binary
-from minicaffe.testing import check_gradient, make_blob, make_layer
+from minicaffe.core.protoio import write_binary
+from minicaffe.compat.testing import check_gradient, make_blob, make_layer
 
 FLT_MIN = float(np.finfo(np.float32).tiny)
 

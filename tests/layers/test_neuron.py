@@ -4,11 +4,11 @@ propagate_down, parameter accumulation, bad parameters, and CPU/GPU parity."""
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
 from minicaffe.proto import caffe_pb2
-from minicaffe.testing import make_layer, make_blob, check_gradient
+from minicaffe.compat.testing import make_layer, make_blob, check_gradient
 
 SHAPE = (2, 3, 4, 5)
 

@@ -8,12 +8,12 @@ checks; propagate_down; CPU/GPU parity (marked gpu).
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
-from minicaffe.net import Net
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
+from minicaffe.network.net import Net
 from minicaffe.proto import caffe_pb2
-from minicaffe.testing import check_gradient, make_blob, make_layer
+from minicaffe.compat.testing import check_gradient, make_blob, make_layer
 
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
 

@@ -5,12 +5,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
 from minicaffe.layers.python_layer import PyBlob, PythonLayerBase
 from minicaffe.proto import caffe_pb2
-from minicaffe.testing import check_gradient, make_blob, make_layer
+from minicaffe.compat.testing import check_gradient, make_blob, make_layer
 
 MODULE = '''
 import numpy as np
@@ -195,7 +195,7 @@ layer { name: "loss" type: "Python" bottom: "y" bottom: "t" top: "loss"
 
 
 def test_python_layers_in_a_net_learn_save_and_load(pymod, tmp_path):
-    from minicaffe.net import Net, TRAIN
+    from minicaffe.network.net import Net, TRAIN
     path = tmp_path / "net.prototxt"
     path.write_text(NET.replace("MOD", pymod))
     net = Net(str(path), TRAIN)
@@ -323,7 +323,7 @@ def test_user_attributes_reachable_through_the_net_layer(tmp_path, monkeypatch):
         "    def backward(self, top, propagate_down, bottom):\n"
         "        pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from minicaffe.testing import make_layer
+    from minicaffe.compat.testing import make_layer
     layer = make_layer('type: "Python" python_param { module: "attr_layer_mod" layer: "L" '
                        'param_str: "there" }')
     x = Blob((2,), np.float32)

@@ -6,11 +6,11 @@ import logging
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
-from minicaffe.testing import check_gradient, layer_param, make_blob, make_layer
-from minicaffe.registry import create_layer
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
+from minicaffe.compat.testing import check_gradient, layer_param, make_blob, make_layer
+from minicaffe.layers.registry import create_layer
 
 
 def rs(seed):
@@ -353,7 +353,7 @@ def test_param_diffs_accumulate_and_propagate_down(text):
 
 
 def test_debug_info_logs(caplog):
-    from minicaffe import log
+    from minicaffe.core import log
     x, cont = seq_bottoms(T=2, N=1, feat=(2,))
     layer, top = setup(lstm_text(2, "debug_info: true"), [x, cont])
     logger = logging.getLogger("minicaffe")
@@ -425,7 +425,7 @@ layer { name: "loss" type: "EuclideanLoss" bottom: "h" bottom: "target" top: "lo
 
 
 def test_lstm_in_a_net_trains_saves_and_loads(tmp_path):
-    from minicaffe.net import Net, TRAIN
+    from minicaffe.network.net import Net, TRAIN
     path = tmp_path / "seq.prototxt"
     path.write_text(NET)
     net = Net(str(path), TRAIN)

@@ -16,10 +16,10 @@ import types
 import numpy as np
 import pytest
 
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
-from minicaffe.registry import layer_type_list
-from minicaffe.testing import make_layer, make_blob
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
+from minicaffe.layers.registry import layer_type_list
+from minicaffe.compat.testing import make_layer, make_blob
 
 G = 'weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "gaussian" }'
 

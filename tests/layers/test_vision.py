@@ -11,13 +11,13 @@ import math
 import numpy as np
 import pytest
 
-from minicaffe import context
-from minicaffe.blob import Blob
-from minicaffe.errors import LayerError
+from minicaffe.core import context
+from minicaffe.core.blob import Blob
+from minicaffe.core.errors import LayerError
 from minicaffe.kernels import conv as conv_engine
 from minicaffe.layers import vision
 from minicaffe.proto import caffe_pb2
-from minicaffe.testing import check_gradient, make_blob, make_layer
+from minicaffe.compat.testing import check_gradient, make_blob, make_layer
 
 FLT_MAX = float(np.finfo(np.float32).max)
 

@@ -352,7 +352,7 @@ class Blob:
 
     def to_proto(self, proto=None, write_diff=False):
         """A BlobProto with ``shape`` and float (or double) data, as Caffe writes it."""
-        from .proto import caffe_pb2
+        from ..proto import caffe_pb2
         if proto is None:
             proto = caffe_pb2.BlobProto()
         proto.Clear()

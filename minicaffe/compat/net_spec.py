@@ -23,7 +23,7 @@ tops.  ``str(proto)`` is the prototxt text.
 """
 import collections
 
-from .proto import caffe_pb2
+from ..proto import caffe_pb2
 
 
 def param_name_dict():

@@ -43,14 +43,13 @@ import collections
 
 import numpy as np
 
-from . import backend, context, log
-from .config import offload_settings
-from .errors import ConfigError
-from .gpu.host import HostMemory
-from .proto import caffe_pb2
+from ..core import backend, context, log
+from ..core.config import OFFLOAD_POLICIES as POLICIES, offload_settings, parse_offload_policy
+from ..core.errors import ConfigError
+from ..gpu.host import HostMemory
+from ..proto import caffe_pb2
 
 _P = caffe_pb2.OffloadParameter
-POLICIES = ("NONE", "ALL", "CONV", "DYNAMIC")
 CONV_TYPES = ("Convolution", "Deconvolution")
 
 # pinned copies measured on the H100/H200 machines (docs/offload.md, DESIGN.md)
@@ -74,12 +73,7 @@ class BudgetError(ConfigError):
 
 
 # -- settings ---------------------------------------------------------------------------
-def parse_policy(text):
-    """'all' -> 'ALL'; a MinicaffeError for anything not a policy."""
-    name = str(text).strip().upper()
-    if name not in POLICIES:
-        raise ConfigError(f"unknown offload policy '{text}' (NONE, ALL, CONV or DYNAMIC)")
-    return name
+parse_policy = parse_offload_policy   # in core/config.py, which RunConfig validates with
 
 
 def settings(net_param, config=None):
@@ -93,7 +87,7 @@ def check_solver(solver):
     policy, _ = settings(solver.net.net_param, solver.net.config)
     if policy == "NONE":
         return None
-    from . import context
+    from ..core import context
     if not context.is_gpu():
         why = "in CPU mode nothing is offloaded"
     elif not solver.uses_gpu_step:
@@ -443,7 +437,7 @@ def build(net, policy, budget=0, history_sets=1, times=None, entries_from=None):
     """The OffloadPlan of ``policy`` for ``net``'s training step (a fresh MemoryPlan,
     split).  DYNAMIC needs ``times`` (seconds per step); a budget that even ALL cannot
     meet raises BudgetError.  Pure Python: runs without a GPU."""
-    from .gpu.plan import MemoryPlan
+    from ..gpu.plan import MemoryPlan
     policy = parse_policy(policy)
     plan = MemoryPlan(net, train=True, history_sets=history_sets)
     if policy == "NONE":

@@ -129,12 +129,24 @@ def check_environment():
         env(name)
 
 
+OFFLOAD_POLICIES = ("NONE", "ALL", "CONV", "DYNAMIC")
+
+
+def parse_offload_policy(text):
+    """'all' -> 'ALL'; a MinicaffeError for anything not a policy (engine/offload.py's
+    ``parse_policy``; here so that the core does not import the engine)."""
+    name = str(text).strip().upper()
+    if name not in OFFLOAD_POLICIES:
+        raise ConfigError(f"unknown offload policy '{text}' (NONE, ALL, CONV or DYNAMIC)")
+    return name
+
+
 def offload_settings(net_param, config=None):
     """(policy name, budget bytes) of a NetParameter's ``offload_param`` under a run's
     ``config`` (``offload_policy``/``offload_budget``: the command line's ``--offload`` and
     ``--gpu_mem_limit``), which overrides each field it sets.  Here, not in offload.py, so
     that the Net reads its settings without importing the offload engine."""
-    from .proto import caffe_pb2
+    from ..proto import caffe_pb2
     p = net_param.offload_param
     over_policy = config.offload_policy if config is not None else None
     over_budget = config.offload_budget if config is not None else None
@@ -161,8 +173,8 @@ class RunConfig:
             raise ConfigError(f"gpu_decode={self.gpu_decode!r}: expected True or False "
                               "(--gpu_decode decodes JPEGs on the GPU in GPU mode)")
         if self.offload_policy is not None:
-            from .offload import parse_policy
-            object.__setattr__(self, "offload_policy", parse_policy(self.offload_policy))
+            object.__setattr__(self, "offload_policy",
+                               parse_offload_policy(self.offload_policy))
         if self.data_workers is not None and int(self.data_workers) < 0:
             raise ConfigError(f"--data_workers {self.data_workers}: expected the number of "
                               "data worker processes (0 reads in the prefetch thread)")
@@ -179,7 +191,7 @@ class RunConfig:
         thread's ``solver_count``/``solver_rank`` (pycaffe's ``set_solver_count`` before
         building a solver, as in Caffe)."""
         from . import context
-        from .gpu import options
+        from ..gpu import options
         fields.setdefault("tf32", options.tf32)
         fields.setdefault("world_size", context.solver_count())
         fields.setdefault("rank", context.solver_rank())

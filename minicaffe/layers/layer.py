@@ -13,9 +13,9 @@ body in GPU mode (the SyncedMemory moves the data).
 """
 import numpy as np
 
-from . import backend, context
-from .blob import Blob
-from .errors import LayerError, MinicaffeError, layer_failure
+from ..core import backend, context
+from ..core.blob import Blob
+from ..core.errors import LayerError, MinicaffeError, layer_failure
 
 
 class Layer:
@@ -58,7 +58,7 @@ class Layer:
         """The run's settings (``config.RunConfig``: TF32, workspace limit...), given by the
         Net that builds the layer; a layer made alone takes the environment's defaults."""
         if self._config is None:
-            from .config import RunConfig
+            from ..core.config import RunConfig
             self._config = RunConfig.from_environment()
         return self._config
 
@@ -247,7 +247,7 @@ class Layer:
         return self.param_propagate_down[index] if index < len(self.param_propagate_down) else True
 
     def to_proto(self, write_diff=False):
-        from .proto import caffe_pb2
+        from ..proto import caffe_pb2
         p = caffe_pb2.LayerParameter()
         p.CopyFrom(self.layer_param)
         del p.blobs[:]

@@ -1,14 +1,14 @@
 """Classify images with a deploy model (pycaffe's python/classify.py and caffe.Classifier).
 
 ``Classifier(model_file, pretrained_file, image_dims=None, mean=None, input_scale=None,
-raw_scale=None, channel_swap=None)`` is a TEST-phase :class:`~minicaffe.net.Net` that
+raw_scale=None, channel_swap=None)`` is a TEST-phase :class:`~minicaffe.network.net.Net` that
 resizes images to ``image_dims``, takes the centre crop or the ten oversampled crops of the
-net's input size, preprocesses them with a :class:`~minicaffe.io.Transformer` and returns
+net's input size, preprocesses them with a :class:`~minicaffe.compat.io.Transformer` and returns
 class probabilities (averaged over the crops).
 
 Command line (pycaffe's flags)::
 
-    python -m minicaffe.classify INPUT OUTPUT.npy --model_def deploy.prototxt \\
+    python -m minicaffe.compat.classify INPUT OUTPUT.npy --model_def deploy.prototxt \\
         --pretrained_model weights.caffemodel [--gpu] [--center_only] [--images_dim 256,256]
         [--mean_file mean.npy] [--input_scale S] [--raw_scale 255] [--channel_swap 2,1,0]
         [--ext jpg] [--labels_file synset_words.txt --print_results]
@@ -24,11 +24,11 @@ import time
 
 import numpy as np
 
-from . import context
+from ..core import context
 from . import io as caffe_io
-from . import protoio
-from .errors import MinicaffeError
-from .net import Net, TEST
+from ..core import protoio
+from ..core.errors import MinicaffeError
+from ..network.net import Net, TEST
 
 
 class Classifier(Net):

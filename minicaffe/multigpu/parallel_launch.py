@@ -12,7 +12,7 @@ Three ways to start it, all running :func:`train_rank` in each process:
   each process (F on a file system every process sees; it must not exist yet).
 
 Rank 0 writes the NCCL id to F; every process builds its solver, meets the others at a
-file barrier, then runs a :class:`~minicaffe.parallel.P2PManager` for its one rank.  A
+file barrier, then runs a :class:`~minicaffe.multigpu.parallel.P2PManager` for its one rank.  A
 failure is written to ``F.abort`` (the first message wins); every process watches that
 file and aborts its communicator when it appears, so no rank waits in a collective.
 """
@@ -22,10 +22,10 @@ import subprocess
 import sys
 import time
 
-from . import context, log
-from .config import env as config_env
+from ..core import context, log
+from ..core.config import env as config_env
 from .comm import CommAborted, FakeComm, NcclComm, share_uid_by_file, share_uid_by_mpi
-from .errors import MinicaffeError
+from ..core.errors import MinicaffeError
 from .parallel import P2PManager, ParallelError, prepare_solver_param, root_only_logging
 
 LAUNCHED_ENV = "MINICAFFE_LAUNCHED"   # set by launch(): children leave the error line to it
@@ -109,7 +109,7 @@ def train_rank(param, source, rank, world_size, device, share_uid, channel, snap
     """This process's rank of a process-mode run (see the module docstring).  ``share_uid``
     makes or fetches the communicator's id; ``channel`` is a File/MpiAbortChannel.  Returns
     the P2PManager; raises ParallelError naming the rank that failed."""
-    from .solvers import solver_class
+    from ..solvers import solver_class
     solver = None
     where = f"rank {rank} ({'GPU %d' % device if device is not None else 'CPU'})"
     with root_only_logging():
@@ -124,7 +124,7 @@ def train_rank(param, source, rank, world_size, device, share_uid, channel, snap
             comm_kind = comm_kind or (NcclComm if device is not None else FakeComm)
             uid = share_uid(comm_kind)
             p = prepare_solver_param(param, world_size, source, warn=rank == 0)
-            from .config import RunConfig
+            from ..core.config import RunConfig
             cfg = (config or RunConfig.from_environment()).replace(world_size=world_size,
                                                                    rank=rank)
             solver = solver_class(p.type, source or "solver")(p, source=source, config=cfg)
@@ -246,7 +246,7 @@ MODES = ("thread", "process")
 
 def check_multi_gpu(gpus):
     """The one-line errors for a multi-GPU request this machine cannot serve."""
-    from . import backend
+    from ..core import backend
     from .comm import nccl_module, why_no_nccl
     dups = sorted({g for g in gpus if gpus.count(g) > 1})
     if dups:
@@ -288,7 +288,7 @@ def train_parallel(flags, param, source, gpus, progress=None, describe=None):
     describe = describe or (lambda ids: None)
     from .comm import launched_by_mpirun, mpi_world
     from .parallel import train_threads
-    from .solvers.signal_handler import SignalHandler
+    from ..solvers.signal_handler import SignalHandler
     if flags.parallel not in MODES:
         raise MinicaffeError(f"--parallel must be thread or process (got '{flags.parallel}')")
     mpi_size = launched_by_mpirun()

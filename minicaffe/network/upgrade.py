@@ -5,9 +5,9 @@ V0 (``layers { layer { type: "conv" ... } }``) -> V1 -> V2 (``layer { type: "Con
 inside V1 data parameters -> ``transform_param``, and BatchNorm's forced ``param``
 specs dropped.
 """
-from . import log
-from .errors import ConfigError
-from .proto import caffe_pb2
+from ..core import log
+from ..core.errors import ConfigError
+from ..proto import caffe_pb2
 
 V1_TYPE_NAMES = {
     "NONE": "", "ABSVAL": "AbsVal", "ACCURACY": "Accuracy", "ARGMAX": "ArgMax", "BNLL": "BNLL",

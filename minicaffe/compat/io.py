@@ -7,8 +7,8 @@ clamping, the mapping skimage's ``resize`` uses.
 """
 import numpy as np
 
-from .errors import MinicaffeError
-from .proto import caffe_pb2
+from ..core.errors import MinicaffeError
+from ..proto import caffe_pb2
 
 
 # -- proto / datum / ndarray conversion ------------------------------------------------------

@@ -30,7 +30,7 @@ def gemm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=
         if beta == 0 and alpha == 1:
             return np.matmul(aa, bb, out=out)
         return _blend(aa @ bb, out, alpha, beta)
-    from .gpu import cublas
+    from ..gpu import cublas
     return cublas.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out,
                          trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta, tf32=tf32)
 
@@ -42,7 +42,7 @@ def gemm_batched(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.
         aa = a.swapaxes(-1, -2) if trans_a else a
         bb = b.swapaxes(-1, -2) if trans_b else b
         return _blend(np.matmul(aa, bb), out, alpha, beta)
-    from .gpu import cublas
+    from ..gpu import cublas
     return cublas.matmul_batched(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out,
                                  trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta,
                                  tf32=tf32)

@@ -9,11 +9,11 @@ the analytic gradient of every input at once).
 """
 import numpy as np
 
-from . import context
-from .blob import Blob
-from .proto import caffe_pb2
-from .protoio import parse_text
-from .registry import create_layer
+from ..core import context
+from ..core.blob import Blob
+from ..proto import caffe_pb2
+from ..core.protoio import parse_text
+from ..layers.registry import create_layer
 
 
 def layer_param(text, phase=caffe_pb2.TRAIN):

@@ -15,11 +15,11 @@ import os
 
 import numpy as np
 
-from . import context, fileio, log, protoio
-from .blob import Blob
-from .errors import ConfigError, MinicaffeError
-from .proto import caffe_pb2
-from .registry import create_layer
+from ..core import context, fileio, log, protoio
+from ..core.blob import Blob
+from ..core.errors import ConfigError, MinicaffeError
+from ..proto import caffe_pb2
+from ..layers.registry import create_layer
 from .upgrade import upgrade_net_as_needed
 
 TRAIN = caffe_pb2.TRAIN
@@ -197,7 +197,7 @@ class Net:
         if legacy:
             raise TypeError("Net() takes (network, phase, weights=None, level=0, stages=None)")
         if config is None:
-            from .config import RunConfig
+            from ..core.config import RunConfig
             config = RunConfig.from_environment()
         self.config = config
         param = read_net_param(network)
@@ -215,7 +215,7 @@ class Net:
 
     # -- construction ------------------------------------------------------------
     def _init(self, in_param):
-        from .config import offload_settings
+        from ..core.config import offload_settings
         self.phase = in_param.state.phase
         policy, budget = offload_settings(in_param, self.config)
         # each layer sees its net's offload settings (``RunConfig.offloads``: an offloading
@@ -349,8 +349,8 @@ class Net:
         ``layers/cudnn_layers.share_workspace``; ``config``: a RunConfig to price it by
         (``minicaffe memory --offload``), else the net's own."""
         if any(getattr(l, "candidates", None) for l in self.layers):
-            from .config import offload_settings
-            from .layers import cudnn_layers
+            from ..core.config import offload_settings
+            from ..layers import cudnn_layers
             policy, budget = offload_settings(self.net_param, config or self.config)
             price = (cudnn_layers.OFFLOAD_PRICE_PER_GIB if policy != "NONE" or budget else
                      cudnn_layers.PRICE_PER_GIB)
@@ -444,7 +444,7 @@ class Net:
     def _find_fusions(self):
         """The fused layer types of this net (layers/fused.py): pairs of adjacent layers the
         GPU engine computes as one, each logged once here.  The layers stay in the net."""
-        from .layers.fused import BatchNormScale, find_fusions
+        from ..layers.fused import BatchNormScale, find_fusions
         layers = self.layers
 
         def per_channel(i):
@@ -547,10 +547,10 @@ class Net:
 
     def flat_params(self):
         """The learnable parameters' data and diffs as one flat buffer each
-        (:class:`~minicaffe.flat_params.FlatBuffer`, in ``learnable_params`` order), made on
+        (:class:`~minicaffe.core.flat_params.FlatBuffer`, in ``learnable_params`` order), made on
         first use and again if a reshape detached a parameter; shared parameters follow
         their owners."""
-        from .flat_params import FlatBuffer
+        from ..core.flat_params import FlatBuffer
         fb = getattr(self, "_flat_params", None)
         if fb is None or not fb.intact():
             fb = self._flat_params = FlatBuffer(self.learnable_params)
@@ -621,7 +621,7 @@ class Net:
     def forward_layer_device(self, i, fused, ring_addr=0, counter=None, ring=1):
         """GPU: layer i's forward (or its fused pair's) with the hooks around it, nothing
         read back; its loss tops add into the ring (see ``forward_device``)."""
-        from .kernels.step import loss_accumulate
+        from ..kernels.step import loss_accumulate
         for cb in self._before_forward:
             cb(i)
         layer = self.layers[i]

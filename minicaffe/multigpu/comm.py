@@ -33,9 +33,9 @@ import time
 
 import numpy as np
 
-from . import backend
-from .errors import MinicaffeError
-from .gpu import nccl as _nccl
+from ..core import backend
+from ..core.errors import MinicaffeError
+from ..gpu import nccl as _nccl
 
 
 class CommAborted(MinicaffeError):

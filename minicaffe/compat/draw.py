@@ -21,9 +21,9 @@ import shutil
 import subprocess
 import sys
 
-from . import protoio
-from .errors import MinicaffeError
-from .proto import caffe_pb2
+from ..core import protoio
+from ..core.errors import MinicaffeError
+from ..proto import caffe_pb2
 
 LAYER_STYLE_DEFAULT = {"shape": "record", "fillcolor": "#6495ED", "style": "filled"}
 NEURON_LAYER_STYLE = {"shape": "record", "fillcolor": "#90EE90", "style": "filled"}
@@ -124,8 +124,8 @@ def _attrs(d):
 def fused_types(layers, phase=None):
     """{layer name: fused type} for the pairs of ``layers`` (LayerParameters, in order) that
     the GPU engine computes as one, with cuDNN (unless a layer asks for engine CAFFE)."""
-    from .layers.fused import find_fusions
-    from .registry import engine_name
+    from ..layers.fused import find_fusions
+    from ..layers.registry import engine_name
 
     def engine_of(i):
         return "CAFFE" if engine_name(layers[i]) == "CAFFE" else "CUDNN"
@@ -183,7 +183,7 @@ def get_dot(caffe_net, rankdir="LR", label_edges=True, phase=None, display_lrm=F
 def _as_net_param(net):
     if isinstance(net, caffe_pb2.NetParameter):
         return net
-    from .net import read_net_param
+    from ..network.net import read_net_param
     return read_net_param(net)
 
 
@@ -244,7 +244,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """``tools/draw_net.py`` / ``python -m minicaffe.draw``: exit status 0 or 1 (one-line
+    """``tools/draw_net.py`` / ``python -m minicaffe.compat.draw``: exit status 0 or 1 (one-line
     error, no traceback)."""
     args = parse_args(argv)
     try:

@@ -4,9 +4,9 @@ them, V0 type names map to V1 LayerType values, and each flat V0 field moves
 into the parameter message of its layer type.  The V1 -> V2 step follows in
 ``upgrade.py``.
 """
-from . import log
-from .errors import ConfigError
-from .proto import caffe_pb2
+from ..core import log
+from ..core.errors import ConfigError
+from ..proto import caffe_pb2
 
 V1 = caffe_pb2.V1LayerParameter
 

@@ -1,6 +1,6 @@
 """pycaffe's Python-side Net helpers, Timer and NCCL (python/caffe/pycaffe.py, _caffe.cpp).
 
-As pycaffe does, the helpers are attached to :class:`minicaffe.net.Net` here, so a Net
+As pycaffe does, the helpers are attached to :class:`minicaffe.network.net.Net` here, so a Net
 made anywhere (by a solver, a test, the CLI) has the whole pycaffe surface:
 
 - ``_layer_names``, ``_blob_names``, ``_inputs``, ``_outputs``, ``_top_ids(i)``,
@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from . import backend, context
-from .errors import MinicaffeError
-from .net import Net
+from ..core import backend, context
+from ..core.errors import MinicaffeError
+from ..network.net import Net
 
 
 # -- private pycaffe names ---------------------------------------------------------------
@@ -285,7 +285,7 @@ class Timer:
 
 # -- NCCL -------------------------------------------------------------------------------------------
 def _nccl_module():
-    from .comm import nccl_module
+    from ..multigpu.comm import nccl_module
     return nccl_module()
 
 
@@ -300,8 +300,8 @@ class NCCL:
     1/solver_count) and ``net.after_backward(nccl)`` (the same, layer by layer, when the
     solver's ``layer_wise_reduce`` is set).  One rank per process or per thread; each sets
     its device, ``set_solver_count`` and ``set_solver_rank`` first, as pycaffe's train.py.
-    Built on :class:`minicaffe.comm.NcclComm`; ``minicaffe train --gpu 0,1`` (P2PManager,
-    ``minicaffe.parallel``) is the bucketed, overlapped version of the same thing.
+    Built on :class:`minicaffe.multigpu.comm.NcclComm`; ``minicaffe train --gpu 0,1`` (P2PManager,
+    ``minicaffe.multigpu.parallel``) is the bucketed, overlapped version of the same thing.
 
     Without CuPy's NCCL (``has_nccl()`` False) making one raises a clear error."""
 
@@ -310,7 +310,7 @@ class NCCL:
             raise MinicaffeError("multi-GPU NCCL is not available: it needs CuPy with NCCL "
                                  "(cupy.cuda.nccl) and a CUDA GPU; "
                                  f"{backend.why_no_gpu() if backend.gpu_count() == 0 else 'NCCL missing'}")
-        from .comm import NcclComm
+        from ..multigpu.comm import NcclComm
         self.solver = solver
         self.count = context.solver_count()
         self.rank = context.solver_rank()
@@ -327,7 +327,7 @@ class NCCL:
         if _nccl_module() is None:
             raise MinicaffeError("multi-GPU NCCL is not available: it needs CuPy with NCCL "
                                  "(cupy.cuda.nccl)")
-        from .comm import NcclComm
+        from ..multigpu.comm import NcclComm
         return NcclComm.new_uid()
 
     def _layer_wise(self):

@@ -10,8 +10,8 @@ shape can tell (a pooling window clipped by Caffe's ceil-mode shape, an input of
 the cuDNN class still checks at reshape, running Caffe's body for that shape."""
 import difflib
 
-from . import log
-from .errors import ConfigError
+from ..core import log
+from ..core.errors import ConfigError
 
 _LAYERS = {}
 _CUDNN = {}
@@ -61,7 +61,7 @@ def _say_once(key, fn, *args):
 def cudnn_available():
     """(True, '') when the CUDNN engine can be chosen here, else (False, why): the
     registry's answer, which the Net's building passes ask too."""
-    from .gpu import cudnn
+    from ..gpu import cudnn
     return cudnn.available()
 
 
@@ -93,7 +93,7 @@ def choose_class(param):
                   "layer '%s' asks for engine CUDNN, but cuDNN is not available (%s); using "
                   "Caffe's engine", param.name, why)
     else:
-        from . import backend
+        from ..core import backend
         if backend.gpu_available():
             _say_once("cudnn-default", log.info, "cuDNN is not available (%s): layers use "
                       "Caffe's engine", why)
@@ -102,7 +102,7 @@ def choose_class(param):
 
 def _load_all():
     # Importing the layer package registers every built-in layer.
-    from . import layers  # noqa: F401
+    from .. import layers  # noqa: F401
 
 
 def layer_type_list():

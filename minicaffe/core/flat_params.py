@@ -3,7 +3,7 @@
 ``FlatBuffer(blobs)`` lays the blobs end to end, each starting at a multiple of
 ``ALIGN`` elements (1 KiB for float32: aligned loads for kernels and cuDNN, and
 bucket boundaries for NCCL), copies their current values in, and makes each blob's
-data (and diff) a :class:`~minicaffe.synced_memory.SyncedMemorySlice` of it.  Gaps
+data (and diff) a :class:`~minicaffe.core.synced_memory.SyncedMemorySlice` of it.  Gaps
 between blobs hold zeros, which every update rule maps to zero.
 
 What it buys:

@@ -42,9 +42,10 @@ import time
 
 import numpy as np
 
-from . import backend, comm as comm_mod, context, log
-from .errors import ConfigError, MinicaffeError
-from .net import read_net_param
+from ..core import backend, context, log
+from . import comm as comm_mod
+from ..core.errors import ConfigError, MinicaffeError
+from ..network.net import read_net_param
 
 NONE, SNAPSHOT, STOP = "none", "snapshot", "stop"
 
@@ -164,7 +165,7 @@ def prepare_solver_param(param, n, source=None, warn=True):
     ``test_net`` -> ``test_net_param``, resolved as the Solver resolves them) and every data
     layer's batch is divided by ``n`` (rounded up; one warning lists the batches ``n`` does
     not divide)."""
-    from .proto import caffe_pb2
+    from ..proto import caffe_pb2
     p = caffe_pb2.SolverParameter()
     p.CopyFrom(param)
     solver_dir = os.path.dirname(os.path.abspath(source)) if source else None
@@ -722,7 +723,7 @@ def train_threads(solver_param, devices, source=None, snapshot=None, weights=Non
     return a progress bar (``update(n)``).  ``config``: the run's RunConfig (the CLI's; the
     environment's by default), its ranks and devices set here.  Returns the P2PManager
     (its ``rates``, ``exposed`` and ``syncs[0].solver``, the root solver)."""
-    from .solvers import solver_class
+    from ..solvers import solver_class
     n = len(devices)
     param = prepare_solver_param(solver_param, n, source)
     py = python_layers(param)
@@ -742,7 +743,7 @@ def train_threads(solver_param, devices, source=None, snapshot=None, weights=Non
         else:
             context.set_mode_cpu()
         context.set_solver_rank(0)
-        from .config import RunConfig
+        from ..core.config import RunConfig
         config = (config or RunConfig.from_environment()).replace(world_size=n, rank=0)
         solver = solver_class(param.type, source or "solver")(param, source=source,
                                                               config=config)
