@@ -1,4 +1,5 @@
-"""CPU threads: how many threads numpy's BLAS (which runs minicaffe's CPU GEMMs) may use.
+"""CPU threads: how many threads numpy's BLAS (which runs minicaffe's CPU GEMMs) may use, and
+minicaffe's own kernel pool (batch-parallel numpy convolutions and poolings).
 
 No Caffe counterpart (Caffe leaves it to OpenBLAS/MKL and their environment variables).
 
@@ -10,6 +11,15 @@ in Python.  Why one: minicaffe's CPU step is a chain of small GEMMs and numpy el
 work; a second BLAS thread bought 0-10% on a quiet 2-core machine (CIFAR-10 quick 139 -> 124
 ms per step), and under outside load the spinning BLAS threads burned 4.7x the CPU for the
 same work and ran the LeNet example 3x slower (docs/cli.md, "CPU threads").
+
+With more than one thread (``--threads N``, ``set_num_threads(n)``, n > 1) minicaffe runs
+its own **kernel pool** of n threads instead: the numpy convolutions' batch chunks
+(kernels/conv.py) and the larger poolings' batch ranges (kernels/pooling.py) run in it, with
+results bit-identical to one thread (the weight-gradient partials are summed in the serial
+order), and numpy's BLAS stays on one thread (its idle threads spin and took the cores from
+the pool: CIFAR-10 quick 85 ms per step with one BLAS thread beside the pool, 130 ms with
+two).  PyTorch parallelises its CPU step the same way, over the batch.  The
+``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
 The count is set at run time through threadpoolctl (a core dependency: a small pure-Python
 package), which works whether or not numpy was imported first.  Without threadpoolctl the

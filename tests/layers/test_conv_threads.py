@@ -73,3 +73,28 @@ def test_pooling_in_the_kernel_pool_is_bit_identical_to_one_thread(k, stride, pa
         threads.set_kernel_threads(1)
     for serial, pooled in zip(*results):
         assert serial.dtype == pooled.dtype and np.array_equal(serial, pooled)
+
+
+def test_cifar10_quick_training_steps_with_two_threads_match_one_thread(monkeypatch):
+    """The public switch (``set_num_threads``, as ``--threads 2``): the same weights
+    after three solver steps of CIFAR-10 quick, convolutions and poolings split."""
+    import os
+    import minicaffe
+    from minicaffe.kernels import pooling
+    from minicaffe.synthetic import synthetic_solver
+    monkeypatch.setattr(pooling, "PARALLEL_MIN_WORK", 0)
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "models", "cifar10_quick",
+                         "train_val.prototxt")
+    weights = []
+    try:
+        for n in (1, 2):
+            minicaffe.set_num_threads(n)
+            assert minicaffe.get_num_threads() == n
+            solver, _ = synthetic_solver(model=model, batch=8)
+            solver.step(3)
+            weights.append([b.data.copy() for l in solver.net.layers for b in l.blobs])
+    finally:
+        minicaffe.set_num_threads(1)
+    assert len(weights[0]) == 10
+    for a, b in zip(*weights):
+        assert np.array_equal(a, b)
