@@ -16,9 +16,8 @@ With more than one thread (``--threads N``, ``set_num_threads(n)``, n > 1) minic
 its own **kernel pool** of n threads instead: the numpy convolutions' batch chunks
 (kernels/conv.py) and the larger poolings' batch ranges (kernels/pooling.py) run in it, with
 results bit-identical to one thread (the weight-gradient partials are summed in the serial
-order), and numpy's BLAS stays on one thread (its idle threads spin and took the cores from
-the pool: CIFAR-10 quick 85 ms per step with one BLAS thread beside the pool, 130 ms with
-two).  PyTorch parallelises its CPU step the same way, over the batch.  The
+order), and numpy's BLAS stays on one thread (its idle threads spin and take the cores from
+the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU step the same way, over the batch.  The
 ``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
 The count is set at run time through threadpoolctl (a core dependency: a small pure-Python
@@ -82,8 +81,8 @@ def check_threads(n, what="--threads"):
 def set_num_threads(n):
     """Use ``n`` CPU threads from now on (as ``torch.set_num_threads``).  With ``n > 1`` the
     numpy convolutions run their batch chunks in a pool of ``n`` threads (bit-identical to
-    one thread) and numpy's BLAS stays on one thread: its own idle threads spin, and beside
-    the pool they took the CIFAR-10 quick step from 85 back to 130 ms (docs/performance.md).
+    one thread) and numpy's BLAS stays on one thread: its own idle threads spin and take
+    the cores from the pool (docs/performance.md, "The kernel pool").
     ``get_num_threads`` then reports ``n``."""
     from .errors import MinicaffeError
     n = check_threads(n, "set_num_threads")
