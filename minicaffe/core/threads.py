@@ -17,8 +17,8 @@ its own **kernel pool** of n threads instead: the numpy convolutions' batch chun
 (kernels/conv.py) and the larger poolings' batch ranges (kernels/pooling.py) run in it, with
 results bit-identical to one thread (the weight-gradient partials are summed in the serial
 order), and numpy's BLAS stays on one thread (its idle threads spin and take the cores from
-the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU step the same way, over the batch.  The
-``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
+the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU step
+over the batch too.  The ``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
 The count is set at run time through threadpoolctl (a core dependency: a small pure-Python
 package), which works whether or not numpy was imported first.  Without threadpoolctl the

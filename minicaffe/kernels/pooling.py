@@ -49,7 +49,8 @@ path on strided views, with the same results (the general MAX/STOCHASTIC
 backward sums in float64: equal up to float rounding).  With a CPU kernel pool
 (core/threads.py: ``--threads N``, N > 1) MAX/AVE forward and backward split calls of at
 least ``PARALLEL_MIN_WORK`` into contiguous batch ranges run in the pool's threads: each
-image's output depends on that image alone, so the bits are the serial path's.  The CuPy bodies are RawKernels mirroring Caffe's (one thread per output element
+image's output depends on that image alone, so the bits are the serial path's.
+The CuPy bodies are RawKernels mirroring Caffe's (one thread per output element
 forward, one thread per input element backward: deterministic gathers, no
 atomics, unless the window geometry is not given to max/stochastic backward,
 when a scatter-add is used).
