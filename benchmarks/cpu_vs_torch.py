@@ -7,10 +7,12 @@ LeNet (batch 64) and CIFAR-10 quick (batch 100) from models/, with Input layers 
 of the data layers (random inputs, set once), and the same nets written in PyTorch.  Each
 round times ``--steps`` steps of minicaffe, then of PyTorch, so both see the same outside
 load; printed: the median and the minimum over the rounds of ms per step, and the ratio
-of the medians.  ``--threads`` sets the BLAS/OpenMP threads of both (numpy's OpenBLAS
-reads OPENBLAS_NUM_THREADS at import, so the script sets it before importing numpy;
-PyTorch takes ``torch.set_num_threads``).  On a shared machine two threads swing with the
-outside load; ``--threads 1`` (or ``taskset -c 0``) gives steadier figures.
+of the medians.  ``--threads`` sets the threads of both: PyTorch's
+``torch.set_num_threads``, minicaffe's ``set_num_threads`` (as its ``--threads`` flag: with
+more than one, the convolutions' batch chunks on a pool of that many threads and numpy's
+BLAS on one; ``--no-pool`` gives the BLAS the threads instead, as minicaffe did before).
+On a shared machine two threads swing with the outside load; ``--threads 1`` (or
+``taskset -c 0``) gives steadier figures.
 """
 import argparse
 import os
@@ -93,6 +95,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--no-pool", dest="pool", action="store_false",
+                    help="minicaffe without its kernel pool: numpy's BLAS on --threads "
+                         "threads instead (what minicaffe did before the pool)")
     a = ap.parse_args(argv)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(a.threads)
@@ -101,7 +106,12 @@ def main(argv=None):
     import torch
     torch.set_num_threads(a.threads)
     import minicaffe
-    print(f"{a.threads} thread(s) each; minicaffe {minicaffe.__version__}, numpy "
+    if a.pool:   # as `minicaffe ... --threads N` does: with N > 1 the convolutions'
+        minicaffe.set_num_threads(a.threads)   # batch-parallel pool, one BLAS thread
+    pool = "" if a.threads == 1 else (" (minicaffe: kernel pool)" if a.pool
+                                      else " (minicaffe: BLAS threads, no pool)")
+    print(f"{a.threads} thread(s) each{pool}; "
+          f"minicaffe {minicaffe.__version__}, numpy "
           f"{numpy.__version__}, PyTorch {torch.__version__}; {os.cpu_count()} CPUs; "
           f"load average {os.getloadavg()[0]:.2f} at start")
     for name, (path, batch, shape) in NETS.items():

@@ -87,8 +87,9 @@ flags:
   --sighup_effect E    train: what SIGHUP does: snapshot (default), stop or none
   --log FILE           also write the log to FILE (overwritten)
   --threads N          the CPU threads numpy's BLAS may use (default 1, or what
-                       OPENBLAS_NUM_THREADS/OMP_NUM_THREADS/MKL_NUM_THREADS say;
-                       docs/cli.md#cpu-threads)
+                       OPENBLAS_NUM_THREADS/OMP_NUM_THREADS/MKL_NUM_THREADS say); N > 1:
+                       batch-parallel convolutions and poolings on N threads, the BLAS
+                       on one (docs/cli.md#cpu-threads)
   --quiet              print only the progress (display lines, test scores) and the result,
                        and warnings; a --log file still gets every line
   --minloglevel N      glog's: 0 INFO (default), 1 WARNING, 2 ERROR (as GLOG_minloglevel)

@@ -60,9 +60,10 @@ def test_threads_flag_sets_the_blas_threads_of_the_run(cli, tmp_path):
                            "--threads", n)
         assert rc == 0, err
         said[n] = [m for m in _messages(err) if m.startswith("CPU threads")]
-    for n in ("2", "3"):   # what threadpoolctl read back from the BLAS during the run
-        assert len(said[n]) == 1 and said[n][0].startswith(f"CPU threads for numpy's BLAS: "
-                                                           f"{n} ")
+    for n in ("2", "3"):   # what threadpoolctl read back from the BLAS during the run:
+        # one BLAS thread beside the convolutions' pool of n threads
+        assert len(said[n]) == 1 and said[n][0].startswith("CPU threads for numpy's BLAS: 1 ")
+        assert f"convolutions batch-parallel on {n} threads" in said[n][0]
         assert said[n][0].endswith("(--threads)")
     assert get_num_threads() == before                 # held for the command only
     rc, out, err = cli("time", "--model", "net.prototxt", "--iterations", "1")

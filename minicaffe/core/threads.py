@@ -1,4 +1,5 @@
-"""CPU threads: how many threads numpy's BLAS (which runs minicaffe's CPU GEMMs) may use.
+"""CPU threads: how many threads numpy's BLAS (which runs minicaffe's CPU GEMMs) may use, and
+minicaffe's own kernel pool (batch-parallel numpy convolutions and poolings).
 
 No Caffe counterpart (Caffe leaves it to OpenBLAS/MKL and their environment variables).
 
@@ -10,6 +11,14 @@ in Python.  Why one: minicaffe's CPU step is a chain of small GEMMs and numpy el
 work; a second BLAS thread bought 0-10% on a quiet 2-core machine (CIFAR-10 quick 139 -> 124
 ms per step), and under outside load the spinning BLAS threads burned 4.7x the CPU for the
 same work and ran the LeNet example 3x slower (docs/cli.md, "CPU threads").
+
+With more than one thread (``--threads N``, ``set_num_threads(n)``, n > 1) minicaffe runs
+its own **kernel pool** of n threads instead: the numpy convolutions' batch chunks
+(kernels/conv.py) and the larger poolings' batch ranges (kernels/pooling.py) run in it, with
+results bit-identical to one thread (the weight-gradient partials are summed in the serial
+order), and numpy's BLAS stays on one thread (its idle threads spin and take the cores from
+the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU step
+over the batch too.  The ``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
 The count is set at run time through threadpoolctl (a core dependency: a small pure-Python
 package), which works whether or not numpy was imported first.  Without threadpoolctl the
@@ -70,7 +79,11 @@ def check_threads(n, what="--threads"):
 
 
 def set_num_threads(n):
-    """Let numpy's BLAS use ``n`` threads from now on (as ``torch.set_num_threads``)."""
+    """Use ``n`` CPU threads from now on (as ``torch.set_num_threads``).  With ``n > 1`` the
+    numpy convolutions run their batch chunks in a pool of ``n`` threads (bit-identical to
+    one thread) and numpy's BLAS stays on one thread: its own idle threads spin and take
+    the cores from the pool (docs/performance.md, "The kernel pool").
+    ``get_num_threads`` then reports ``n``."""
     from .errors import MinicaffeError
     n = check_threads(n, "set_num_threads")
     tpc = _threadpoolctl()
@@ -79,10 +92,74 @@ def set_num_threads(n):
                              "threadpoolctl); or set OPENBLAS_NUM_THREADS before starting "
                              "Python")
     import numpy  # noqa: F401  (its BLAS must be loaded to be found)
-    _limits.append(tpc.threadpool_limits(limits=n, user_api="blas"))
+    _limits.append(tpc.threadpool_limits(limits=blas_threads(n), user_api="blas"))
+    set_kernel_threads(n)
+
+
+def blas_threads(n):
+    """The BLAS threads of a run of ``n`` CPU threads: ``n`` without the kernel pool, one
+    beside it (the pool's threads are the parallelism)."""
+    return 1 if n > 1 else n
+
+
+# -- the kernel pool: batch chunks of the numpy convolutions in parallel ------------------------
+_pool = {"threads": 1, "executor": None, "blas": None}
+
+
+def set_kernel_threads(n):
+    """``n`` threads for minicaffe's own batch-parallel CPU kernels (1: none, the default).
+    Needs threadpoolctl (the pool's threads run their GEMMs on one BLAS thread each)."""
+    n = int(n)
+    if n == _pool["threads"]:
+        return
+    if _pool["executor"] is not None:
+        _pool["executor"].shutdown(wait=True)
+        _pool["executor"] = None
+    _pool["threads"] = n
+    if n > 1 and _threadpoolctl() is not None:
+        from concurrent.futures import ThreadPoolExecutor
+        _pool["executor"] = ThreadPoolExecutor(n, thread_name_prefix="minicaffe-cpu")
+
+
+def kernel_threads():
+    return _pool["threads"] if _pool["executor"] is not None else 1
+
+
+def kernel_pool():
+    """The thread pool of the batch-parallel kernels, or None (one thread)."""
+    return _pool["executor"]
+
+
+class single_blas:
+    """``with single_blas():`` the BLAS on one thread inside (the pool's threads share the
+    cores already), its count before after."""
+
+    def __enter__(self):
+        if _pool["blas"] is None:
+            import numpy  # noqa: F401
+            _pool["blas"] = _threadpoolctl().ThreadpoolController().select(user_api="blas")
+        self.saved = [(lib, lib.num_threads) for lib in _pool["blas"].lib_controllers]
+        for lib, count in self.saved:
+            if count != 1:
+                lib.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        for lib, count in self.saved:
+            if count != 1:
+                lib.set_num_threads(count)
+        return False
 
 
 def get_num_threads():
+    """The CPU threads of minicaffe's step: the kernel pool's when there is one
+    (``set_num_threads(n)``, n > 1), else the BLAS's (``blas_num_threads``)."""
+    if kernel_threads() > 1:
+        return kernel_threads()
+    return blas_num_threads()
+
+
+def blas_num_threads():
     """The threads numpy's BLAS uses now (threadpoolctl's report), or None when it cannot
     be read (no threadpoolctl: then the environment variable's value, if any)."""
     tpc = _threadpoolctl()
@@ -99,8 +176,9 @@ def get_num_threads():
 
 
 def describe():
-    """One line for the log: the BLAS, its thread count and who chose it."""
-    n = get_num_threads()
+    """One line for the log: the BLAS, its thread count and who chose it (and the kernel
+    pool's threads, if any)."""
+    n = blas_num_threads()
     var = asked_by_environment()
     tpc = _threadpoolctl()
     lib = ""
@@ -109,7 +187,9 @@ def describe():
         if libs:
             lib = f" ({libs[0]['internal_api']} {libs[0].get('version') or ''})".replace(" )",
                                                                                        ")")
-    return f"{n if n is not None else 'unknown'}{lib}", var
+    pool = (f"; convolutions batch-parallel on {kernel_threads()} threads"
+            if kernel_threads() > 1 else "")
+    return f"{n if n is not None else 'unknown'}{lib}{pool}", var
 
 
 class limit:
@@ -129,10 +209,13 @@ class limit:
             raise MinicaffeError("--threads needs threadpoolctl (pip install threadpoolctl); "
                                  "or set OPENBLAS_NUM_THREADS instead")
         import numpy  # noqa: F401
-        self._ctl = tpc.threadpool_limits(limits=self.n, user_api="blas")
+        self._ctl = tpc.threadpool_limits(limits=blas_threads(self.n), user_api="blas")
+        self._kernel = _pool["threads"]
+        set_kernel_threads(self.n)
         return self
 
     def __exit__(self, *exc):
         if self._ctl is not None:
             self._ctl.restore_original_limits()
+            set_kernel_threads(self._kernel)
         return False

@@ -9,6 +9,10 @@ backward_cpu_gemm / weight_cpu_gemm with ``im2col.cpp``.
   pixel, by a single strided copy; with stride 1 the data gradient is a full convolution
   of dy with the flipped kernel; layers with few input channels use Caffe's channel-major
   columns; a 1x1 kernel with stride 1 and no padding skips im2col.
+* numpy with a kernel pool (core/threads.py: ``--threads N``, N > 1): the chunks of the
+  batch run in the pool's threads, each with its own workspace; the weight-gradient
+  partials come back per chunk and are summed in chunk order, as the serial loop sums
+  them, so the results are bit-identical to one thread.
 * CuPy, or N-D: the whole-chunk ``im2col``/``col2im`` of kernels/im2col.py (CUDA kernels
   on the GPU, strided slicing for N-D) and batched GEMMs (blas.py).
 
@@ -19,6 +23,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from ..core import threads as _threads
 from .blas import gemm_batched
 from .im2col import (col2im, col2im_nd, col2im_padded_into, im2col, im2col_nd,
                      im2col_padded_into)
@@ -60,7 +65,7 @@ class ConvEngine:
         self.ns = len(self.kernel)
         self.is_1x1 = (all(k == 1 for k in self.kernel) and all(s == 1 for s in self.stride)
                        and all(p == 0 for p in self.pad))
-        self._ws = None  # numpy workspace: (dtype, chunk) -> buffers
+        self._ws = {}  # numpy workspaces: worker slot -> {key: (dtype, chunk), buffers}
         self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
 
     # -- chunking ----------------------------------------------------------------
@@ -119,11 +124,34 @@ class ConvEngine:
     # builds it moves contiguous runs of channels, and the GEMMs put the long axis
     # (n*OH*OW) first, which OpenBLAS ran 2-3.7x faster than the transposed
     # formulation for the channel counts of LeNet and CIFAR-10 (docs/vision.md).
-    def _workspace(self, dtype, n):
+    def _workspace(self, dtype, n, slot=0):
+        """The buffers of one worker (``slot``) for chunks of ``n`` images."""
         key = (np.dtype(dtype), n)
-        if self._ws is None or self._ws["key"] != key:
-            self._ws = {"key": key}
-        return self._ws
+        ws = self._ws.get(slot)
+        if ws is None or ws["key"] != key:
+            ws = self._ws[slot] = {"key": key}
+        return ws
+
+    def _chunks(self, N, step, dtype, body):
+        """``body(ws, n0, n)`` for each chunk of ``step`` images, in order; with a CPU
+        kernel pool (threads.kernel_pool) the chunks run in its threads, each with its
+        own workspace, and the results come back in chunk order (so what is summed
+        over chunks is summed in the serial order: bit-identical results)."""
+        starts = list(range(0, N, step))
+        pool = _threads.kernel_pool() if len(starts) > 1 else None
+        if pool is None:
+            ws = self._workspace(dtype, step)
+            return [body(ws, n0, min(N, n0 + step) - n0) for n0 in starts]
+        workers = pool._max_workers
+        slots = [starts[i::workers] for i in range(workers)]
+
+        def run(slot):
+            ws = self._workspace(dtype, step, slot)
+            return [(n0, body(ws, n0, min(N, n0 + step) - n0)) for n0 in slots[slot]]
+        with _threads.single_blas():   # the pool's threads, each with one BLAS thread
+            done = dict(r for f in [pool.submit(run, i) for i in range(workers)]
+                        for r in f.result())
+        return [done[n0] for n0 in starts]
 
     def _buffer(self, ws, name, shape, dtype, zero=False):
         """A workspace array made on first use (zero-filled if asked)."""
@@ -167,9 +195,8 @@ class ConvEngine:
         Og = O // G
         wr = self._w_rows(w)
         step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
-        ws = self._workspace(x.dtype, step)
-        for n0 in range(0, N, step):
-            n = min(N, n0 + step) - n0
+
+        def chunk(ws, n0, n):
             xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
             col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
             kc = col.shape[1] // G
@@ -178,6 +205,7 @@ class ConvEngine:
                 np.matmul(col[:, g * kc:(g + 1) * kc], wr[g].T, out=out)
                 y[n0:n0 + n, g * Og:(g + 1) * Og] = out.reshape(
                     n, *self.out_spatial, Og).transpose(0, 3, 1, 2)
+        self._chunks(N, step, x.dtype, chunk)
 
     def _full_conv_ok(self):
         """With stride 1 the data gradient is itself a convolution: dy padded by
@@ -194,7 +222,6 @@ class ConvEngine:
         Og, Cg = O // G, C // G
         (kh, kw) = self.kernel
         step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
-        ws = self._workspace(dy.dtype, step)
         full = dx is not None and self._full_conv_ok()
         if dx is not None:
             if full:  # wf[g][(i, j, o), c] = w[g*Og + o, c, kh-1-i, kw-1-j]
@@ -202,10 +229,8 @@ class ConvEngine:
                 wf = wf.transpose(0, 3, 4, 1, 2).reshape(G, -1, Cg)
             else:
                 wr = self._w_rows(w)
-        if dw is not None:
-            dwr = np.zeros((G, Og, kh * kw * Cg), dw.dtype)
-        for n0 in range(0, N, step):
-            n = min(N, n0 + step) - n0
+        def chunk(ws, n0, n):
+            parts = None
             if dw is not None or not full:
                 dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
                 dyr.reshape(n, *self.out_spatial, O)[...] = dy[n0:n0 + n].transpose(0, 2, 3, 1)
@@ -213,15 +238,20 @@ class ConvEngine:
                 xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
                 col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
                 kc = col.shape[1] // G
-                for g in range(G):
-                    dwr[g] += dyr[:, g * Og:(g + 1) * Og].T @ col[:, g * kc:(g + 1) * kc]
-            if dx is None:
-                continue
-            if full:
-                self._dx_full_conv(ws, wf, dy[n0:n0 + n], dx[n0:n0 + n], n)
-            else:
-                self._dx_col2im(ws, wr, dyr, dx[n0:n0 + n], n)
+                parts = [dyr[:, g * Og:(g + 1) * Og].T @ col[:, g * kc:(g + 1) * kc]
+                         for g in range(G)]
+            if dx is not None:
+                if full:
+                    self._dx_full_conv(ws, wf, dy[n0:n0 + n], dx[n0:n0 + n], n)
+                else:
+                    self._dx_col2im(ws, wr, dyr, dx[n0:n0 + n], n)
+            return parts
+        parts = self._chunks(N, step, dy.dtype, chunk)
         if dw is not None:
+            dwr = np.zeros((G, Og, kh * kw * Cg), dw.dtype)
+            for chunk_parts in parts:           # in chunk order, as the serial loop
+                for g in range(G):
+                    dwr[g] += chunk_parts[g]
             dw += dwr.reshape(O, kh, kw, Cg).transpose(0, 3, 1, 2)
 
     def _dx_full_conv(self, ws, wf, dy, dx, n):
@@ -297,10 +327,9 @@ class ConvEngine:
         Og = O // G
         w3 = w.reshape(G, Og, -1)
         step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
-        ws = self._workspace(x.dtype, step)
         direct = y.flags.c_contiguous
-        for n0 in range(0, N, step):
-            n = min(N, n0 + step) - n0
+
+        def chunk(ws, n0, n):
             col = self._cn_im2col(ws, x[n0:n0 + n], n)
             if direct:
                 col4 = col.reshape(G, -1, n, P)
@@ -308,26 +337,26 @@ class ConvEngine:
                     ys = y[n0 + s].reshape(G, Og, P)
                     for g in range(G):
                         np.matmul(w3[g], col4[g, :, s], out=ys[g])
-                continue
+                return
             out = self._buffer(ws, "cn_out", O * step * P, x.dtype)[:O * n * P]
             np.matmul(w3, col.reshape(G, -1, n * P), out=out.reshape(G, Og, n * P))
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).transpose(1, 0, 2, 3)
+        self._chunks(N, step, x.dtype, chunk)
 
     def _bwd_cn(self, x, w, dy, dw, dx, budget):
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         Og = O // G
         w3 = w.reshape(G, Og, -1)
-        dw3 = None if dw is None else np.zeros((G, Og, w3.shape[2]), dw.dtype)
         step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
-        ws = self._workspace(dy.dtype, step)
-        for n0 in range(0, N, step):
-            n = min(N, n0 + step) - n0
-            if dw3 is not None:
+
+        def chunk(ws, n0, n):
+            parts = None
+            if dw is not None:   # one product per image and group, summed in order below
                 col4 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n, P)
+                parts = []
                 for s in range(n):
                     d = dy[n0 + s].reshape(G, Og, P)
-                    for g in range(G):
-                        dw3[g] += d[g] @ col4[g, :, s].T
+                    parts.append([d[g] @ col4[g, :, s].T for g in range(G)])
             if dx is not None:
                 dy2 = self._buffer(ws, "cn_out", O * step * P, dy.dtype)[:O * n * P]
                 dy2.reshape(O, n, *self.out_spatial)[...] = dy[n0:n0 + n].transpose(1, 0, 2, 3)
@@ -337,7 +366,14 @@ class ConvEngine:
                 dcol = dcol.reshape(G, -1, n * P)
                 np.matmul(w3.transpose(0, 2, 1), dy3, out=dcol)
                 self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
-        if dw3 is not None:
+            return parts
+        parts = self._chunks(N, step, dy.dtype, chunk)
+        if dw is not None:
+            dw3 = np.zeros((G, Og, w3.shape[2]), dw.dtype)
+            for chunk_parts in parts:            # in image order, as the serial loop
+                for image_parts in chunk_parts:
+                    for g in range(G):
+                        dw3[g] += image_parts[g]
             dw += dw3.reshape(dw.shape)
 
     # -- generic (CuPy, N-D) ------------------------------------------------------------

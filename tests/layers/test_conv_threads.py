@@ -1,0 +1,100 @@
+"""The numpy convolutions' and poolings' batch-parallel path (threads.set_kernel_threads /
+--threads N):
+the same bits as one thread, forward and backward, for both column layouts."""
+import numpy as np
+import pytest
+
+from minicaffe.core import threads
+from minicaffe.kernels.conv import ConvEngine
+
+pytest.importorskip("threadpoolctl")
+
+GEOMETRIES = [  # C, O, groups, kernel, pad, stride, H
+    (3, 32, 1, 5, 2, 1, 16),     # few channels: channel-major columns
+    (16, 16, 1, 5, 2, 1, 12),    # channel-last patches, full-convolution data gradient
+    (16, 24, 2, 3, 1, 2, 15),    # groups, stride 2: col2im data gradient
+]
+
+
+@pytest.mark.parametrize("C,O,G,k,pad,stride,H", GEOMETRIES)
+def test_kernel_pool_is_bit_identical_to_one_thread(C, O, G, k, pad, stride, H):
+    OH = (H + 2 * pad - k) // stride + 1
+    engine = ConvEngine(C, O, G, (k, k), (pad, pad), (stride, stride), (1, 1), (H, H),
+                        (OH, OH))
+    rs = np.random.RandomState(1701)
+    x = rs.randn(24, C, H, H).astype(np.float32)
+    w = rs.randn(O, C // G, k, k).astype(np.float32)
+    dy = rs.randn(24, O, OH, OH).astype(np.float32)
+    budget = 4 * C * k * k * OH * OH * 3     # three images per chunk: 8 chunks
+    results = []
+    try:
+        for n in (1, 3):
+            threads.set_kernel_threads(n)
+            assert threads.kernel_threads() == n
+            y = np.empty((24, O, OH, OH), np.float32)
+            engine.forward(np, x, w, y, budget)
+            dw = np.full_like(w, 0.5)             # the weight gradient accumulates
+            dx = np.empty_like(x)
+            engine.backward(np, x, w, dy, budget, dw=dw, dx=dx)
+            results.append((y, dw, dx))
+    finally:
+        threads.set_kernel_threads(1)
+    for serial, pooled in zip(*results):
+        assert np.array_equal(serial, pooled)
+
+
+POOLS = [  # kernel, stride, pad, H: Caffe's rounded-up windows, overlapping and not
+    (3, 2, 0, 16),
+    (2, 2, 0, 12),
+    (3, 1, 1, 9),
+]
+
+
+@pytest.mark.parametrize("k,stride,pad,H", POOLS)
+def test_pooling_in_the_kernel_pool_is_bit_identical_to_one_thread(k, stride, pad, H,
+                                                                   monkeypatch):
+    from minicaffe.kernels import pooling
+    monkeypatch.setattr(pooling, "PARALLEL_MIN_WORK", 0)   # small inputs split, too
+    rs = np.random.RandomState(7)
+    x = rs.randn(10, 4, H, H).astype(np.float32)
+    x[1, 2] = 0.5                                    # ties: the first maximum wins
+    results = []
+    try:
+        for n in (1, 3):
+            threads.set_kernel_threads(n)
+            y, mask = pooling.max_pool_forward(x, k, stride, pad)
+            dy = np.random.RandomState(8).randn(*y.shape).astype(np.float32)
+            dx = pooling.max_pool_backward(dy, mask, x.shape)
+            out = np.full_like(y, np.nan)                 # into a given output, too
+            ya = pooling.ave_pool_forward(x, k, stride, pad, out=out)
+            dxa = pooling.ave_pool_backward(dy, x.shape, k, stride, pad)
+            results.append((y, mask, dx, ya, out, dxa))
+    finally:
+        threads.set_kernel_threads(1)
+    for serial, pooled in zip(*results):
+        assert serial.dtype == pooled.dtype and np.array_equal(serial, pooled)
+
+
+def test_cifar10_quick_training_steps_with_two_threads_match_one_thread(monkeypatch):
+    """The public switch (``set_num_threads``, as ``--threads 2``): the same weights
+    after three solver steps of CIFAR-10 quick, convolutions and poolings split."""
+    import os
+    import minicaffe
+    from minicaffe.kernels import pooling
+    from minicaffe.synthetic import synthetic_solver
+    monkeypatch.setattr(pooling, "PARALLEL_MIN_WORK", 0)
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "models", "cifar10_quick",
+                         "train_val.prototxt")
+    weights = []
+    try:
+        for n in (1, 2):
+            minicaffe.set_num_threads(n)
+            assert minicaffe.get_num_threads() == n
+            solver, _ = synthetic_solver(model=model, batch=8)
+            solver.step(3)
+            weights.append([b.data.copy() for l in solver.net.layers for b in l.blobs])
+    finally:
+        minicaffe.set_num_threads(1)
+    assert len(weights[0]) == 10
+    for a, b in zip(*weights):
+        assert np.array_equal(a, b)
