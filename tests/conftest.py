@@ -92,3 +92,21 @@ def mnist_dir():
                         "minicaffe.tools.fetch_data mnist data/mnist` once, or set "
                         "$MINICAFFE_MNIST_DIR to a folder holding the four files")
     return MNIST_CACHE
+
+
+@pytest.fixture
+def cli(capsys, tmp_path, monkeypatch):
+    """Run ``minicaffe.cli.main(argv)`` in this process, in tmp_path; returns (rc, stdout,
+    stderr).  The logging the CLI set up (handlers, level, log files) is put back after."""
+    from minicaffe.cli import main
+    from minicaffe.core import log
+    monkeypatch.chdir(tmp_path)
+    saved = log.save_config()
+
+    def run(*argv):
+        rc = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    yield run
+    log.restore_config(saved)

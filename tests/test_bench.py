@@ -15,7 +15,7 @@ from minicaffe.network.net import Net, TEST, TRAIN, read_net_param
 from minicaffe.proto import caffe_pb2
 
 from bench_nets import SMALL_NETS
-from test_cli import _error_line, cli  # noqa: F401  (the in-process CLI fixture)
+from test_cli import _error_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "models")

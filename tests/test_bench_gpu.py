@@ -11,7 +11,6 @@ from minicaffe.core import backend, context
 from minicaffe import bench, synthetic
 
 from bench_nets import SMALL_NETS
-from test_cli import _error_line, cli  # noqa: F401  (the in-process CLI fixture)
 
 pytestmark = pytest.mark.gpu
 

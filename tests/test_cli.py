@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from minicaffe.core import backend, log, protoio
-from minicaffe.cli import main, parse_args
+from minicaffe.core import backend, protoio
+from minicaffe.cli import parse_args
 from minicaffe.core.errors import MinicaffeError
 from minicaffe.proto import caffe_pb2
 from test_solver_nets import CONST_NET, DUMMY_NET
@@ -40,21 +40,6 @@ solver_mode: CPU
 """
 
 GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] ")
-
-
-@pytest.fixture
-def cli(capsys, tmp_path, monkeypatch):
-    """Run ``main(argv)`` in this process, in tmp_path; returns (rc, stdout, stderr)."""
-    monkeypatch.chdir(tmp_path)
-    saved = log.save_config()
-
-    def run(*argv):
-        rc = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    yield run
-    log.restore_config(saved)
 
 
 def _messages(err):

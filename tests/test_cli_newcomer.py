@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from minicaffe.core import backend
-from test_cli import REPO, SOLVER, _error_line, _messages, _setup, cli  # noqa: F401
+from test_cli import REPO, SOLVER, _error_line, _messages, _setup
 
 
 def test_install_hints_name_what_a_clone_can_install(cli, tmp_path, monkeypatch):

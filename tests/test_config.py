@@ -28,23 +28,6 @@ BAD = {
 }
 
 
-@pytest.fixture
-def cli(capsys, tmp_path, monkeypatch):
-    """Run ``main(argv)`` in this process, in tmp_path; returns (rc, stdout, stderr)."""
-    from minicaffe.core import log
-    from minicaffe.cli import main
-    monkeypatch.chdir(tmp_path)
-    saved = log.save_config()
-
-    def run(*argv):
-        rc = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    yield run
-    log.restore_config(saved)
-
-
 def test_every_variable_has_a_bad_value_here():
     assert sorted(BAD) == sorted(config.VARIABLES)
 

@@ -370,22 +370,6 @@ def test_memory_report_rows():
     assert "needs a budget" in summary["DYNAMIC"]["error"]
 
 
-@pytest.fixture
-def cli(capsys, tmp_path, monkeypatch):
-    from minicaffe.core import log
-    from minicaffe.cli import main
-    monkeypatch.chdir(tmp_path)
-    saved = log.save_config()
-
-    def run(*argv):
-        rc = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    yield run
-    log.restore_config(saved)
-
-
 def test_memory_command(cli, tmp_path):
     (tmp_path / "net.prototxt").write_text(CHAIN)
     rc, out, err = cli("memory", "--model", "net.prototxt", "--offload", "NONE")

@@ -10,7 +10,7 @@ from minicaffe.engine.schedule import (allreduce_pass, compile_iteration, fusion
                                        run_device, run_eager, schedule_for)
 from minicaffe.proto import caffe_pb2
 
-from test_cli import REPO, cli  # noqa: F401  (the cli fixture)
+from test_cli import REPO
 from test_fusion import RESIDUAL
 from test_memory_plan import CHAIN
 

@@ -8,7 +8,6 @@ saying how to install it, where it is missing).
 """
 import html.parser
 import json
-import logging
 import os
 import pathlib
 import re
@@ -17,15 +16,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from minicaffe.core import log
-from minicaffe.cli import main
 from minicaffe.watch import RunRecord, serve
 from minicaffe.watch.logparse import REGEX_LR, parse_log
 from minicaffe.watch.server import parse_address, token_required
@@ -34,27 +30,6 @@ from test_parse_log import CAFFE_LOG
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 INSTALL_BROWSER = "apt-get update && apt-get install -y chromium"
-
-
-@pytest.fixture
-def cli(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    logger = log.logger
-    saved = (list(logger.handlers), logger.level, log._default_handler)
-
-    def run(*argv):
-        rc = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    yield run
-    for h in list(logger.handlers):
-        logger.removeHandler(h)
-        if isinstance(h, logging.FileHandler):
-            h.close()
-    for h in saved[0]:
-        logger.addHandler(h)
-    logger.setLevel(saved[1])
-    log._default_handler = saved[2]
 
 
 def _get(url):

@@ -300,12 +300,16 @@ class DBLoader:
             self._open()
         out = []
         for _ in range(n):
-            while self.pos % self.count != self.rank:
-                self._next()
+            self._to_shard()
             key = self.cursor.key()
             out.append((key, f"{self.source}: key {key_text(key)}"))
             self._next()
         return out
+
+    def _to_shard(self):
+        """Skip to the next record of this reader's shard (every count-th, from rank)."""
+        while self.pos % self.count != self.rank:
+            self._next()
 
     def read(self, n):
         """The next ``n`` (key, Datum) records of this shard."""
@@ -313,8 +317,7 @@ class DBLoader:
             self._open()
         out = []
         for _ in range(n):
-            while self.pos % self.count != self.rank:
-                self._next()
+            self._to_shard()
             self.key = self.cursor.key()
             out.append((self.key, parse_datum(self.cursor.value(), self.where())))
             self._next()
