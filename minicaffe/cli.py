@@ -14,7 +14,8 @@
                     [--repeats 5] [--warmup 3] [--phase TRAIN|TEST] [--compare torch]
                     [--tf32] [--json FILE] [--num_classes K] [--input_shape C,H,W]
     minicaffe memory --model M | --solver S [--batch N] [--input_shape C,H,W] [--gpu 0]
-                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit BYTES] [--schedule]
+                     [--offload NONE|ALL|CONV|DYNAMIC] [--gpu_mem_limit SIZE|N%|auto]
+                     [--schedule]
                      (CPU mode: host memory; the GPU plan with --gpu, --offload or
                      --gpu_mem_limit)
     minicaffe draw | extract_features | upgrade_net_proto_text | upgrade_net_proto_binary
@@ -109,10 +110,14 @@ flags:
   --input_shape C,H,W  bench: the data shape when the model's data cannot be read
   --schedule           memory: also print the schedule of one training iteration (the
                        engine's ops: forward, backward, fused pairs, offload copies, update)
-  --offload POLICY     train/memory: offload feature maps to host memory: NONE, ALL, CONV
+  --offload POLICY     train/bench/memory: offload feature maps to host memory: NONE, ALL, CONV
                        or DYNAMIC (overrides the net's offload_param; docs/offload.md)
-  --gpu_mem_limit B    train/memory: the device bytes the training step may plan for
-                       (overrides offload_param's gpu_memory_budget)
+  --gpu_mem_limit L    train/bench/memory: the device memory the training step may plan
+                       for: 12GiB, 12000MiB, 12GB (KB/MB/GB are powers of 1000, KiB/MiB/GiB
+                       and K/M/G of 1024), bytes (12000000000), a share of the device (60%)
+                       or auto (its free memory less a margin); overrides offload_param's
+                       gpu_memory_budget; with DYNAMIC a net larger than the budget trains
+                       by offloading (docs/offload.md)
   --dashboard [H:]P    train: serve a live page of the run (curves, facts) on port P of
                        127.0.0.1, or of host H (then a token in the printed URL is needed)
   --tensorboard DIR    train: write TensorBoard event files into DIR (the solver's
@@ -154,7 +159,7 @@ FLAGS = {
     "num_classes": ("int", 0),
     "input_shape": ("str", ""),
     "offload": ("str", ""),
-    "gpu_mem_limit": ("int", 0),
+    "gpu_mem_limit": ("str", ""),
     "dashboard": ("str", ""),
     "tensorboard": ("str", ""),
     "threads": ("int", 0),
@@ -186,7 +191,7 @@ COMMAND_FLAGS = {
     "device_query": ("gpu",) + _EVERY,
     "bench": ("model", "solver", "gpu", "batch", "iterations", "repeats", "warmup", "phase",
               "compare", "tf32", "json", "num_classes", "input_shape", "level",
-              "stage") + _EVERY,
+              "stage", "offload", "gpu_mem_limit") + _EVERY,
     "memory": ("model", "solver", "gpu", "batch", "input_shape", "num_classes", "offload",
                "gpu_mem_limit", "level", "stage", "schedule") + _EVERY,
 }
@@ -770,6 +775,7 @@ def memory(flags):
         print(line)
     if flags.schedule:
         policy, budget = offload.settings(net.net_param, config)
+        budget = offload.resolve_budget(budget)
         oplan = None
         if policy != "NONE":
             times = offload.estimate_times(net) if policy == "DYNAMIC" else None
@@ -879,7 +885,8 @@ def validate(command, flags):
     _at_least(flags, "num_classes", 1)
     _at_least(flags, "world_size", 1)
     _at_least(flags, "rank", 0)
-    _at_least(flags, "gpu_mem_limit", 0, " bytes")
+    if "gpu_mem_limit" in flags.given:
+        flags.gpu_mem_limit = config.parse_gpu_mem_limit(flags.gpu_mem_limit)
     if "batch" in flags.given:
         _at_least(flags, "batch", 1, " (leave it out for the model's own batch)")
         if flags.batch > MAX_BATCH:

@@ -8,6 +8,8 @@ the Solver, which hands it to its Nets, which hand it to their layers (``Layer.c
   TensorFloat-32); a solver's ``minicaffe_precision`` sets it for that solver's nets only;
 - ``offload_policy`` / ``offload_budget``: the command line's ``--offload`` and
   ``--gpu_mem_limit``, which override every net's ``offload_param`` (None: the net's own);
+  a budget is bytes, or ``"auto"`` / ``"N%"`` resolved on the device when the step is
+  planned (``parse_gpu_mem_limit``, ``budget_bytes``);
 - ``cuda_graphs``: None keeps the solver's ``cuda_graph`` field; True/False overrides it;
 - ``workspace_limit``: bytes of workspace cuDNN's Find may try (None: the default rule);
 - ``rank``, ``world_size``: this solver's place in a data-parallel run (its data layers
@@ -141,17 +143,94 @@ def parse_offload_policy(text):
     return name
 
 
+# --gpu_mem_limit: sizes with units, a share of the device's memory, or what it has free
+_SIZE_UNITS = {"": 1, "b": 1,
+               "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+               "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+# ``auto``: the device's free memory when the step is planned, plus what this process's
+# allocator already holds in use (parameters the plan counts, blobs the arena replaces),
+# less this margin (CUDA graphs' pools, a test net, cuDNN's Find, other processes)
+AUTO_MARGIN_SHARE = 0.05
+AUTO_MARGIN_MIN = 512 << 20
+
+
+def parse_gpu_mem_limit(text):
+    """A device memory budget as written on the command line or given to RunConfig:
+    bytes as a whole number (``12000000000``, ``12e9``: the old spelling), a size with a
+    unit (``12GiB``, ``12000MiB``, ``12GB`` -- KB/MB/GB/TB are powers of 1000,
+    KiB/MiB/GiB/TiB and the one letters K/M/G/T powers of 1024, as docker's --memory),
+    a share of the device's total memory (``60%``) or ``auto`` (what the device has
+    free, less a margin).  Returns int bytes, ``"auto"`` or ``"N%"`` (resolved by
+    ``budget_bytes`` on the device); 0 means no budget.  A ConfigError naming
+    --gpu_mem_limit for anything else."""
+    if isinstance(text, bool):
+        raise ConfigError(f"--gpu_mem_limit {text!r}: give a size like 12GiB, a share of "
+                          "the device like 60%, or auto")
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        text = repr(text)
+    t = str(text).strip().lower().replace(" ", "").replace("_", "")
+    bad = ConfigError(f"--gpu_mem_limit {text!r}: give a size like 12GiB or 12000MiB (or "
+                      "bytes), a share of the device like 60%, or auto")
+    if t == "auto":
+        return "auto"
+    if t.endswith("%"):
+        try:
+            share = float(t[:-1])
+        except ValueError:
+            raise bad from None
+        if not 0 < share <= 100:
+            raise ConfigError(f"--gpu_mem_limit {text!r}: a share of the device's memory "
+                              "must be above 0% and at most 100%")
+        return f"{share:g}%"
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    if unit not in _SIZE_UNITS or not num:
+        raise bad
+    try:
+        value = float(num)
+    except ValueError:
+        raise bad from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"--gpu_mem_limit must be at least 0 bytes (got {text!r})")
+    n = value * _SIZE_UNITS[unit]
+    if unit in ("", "b") and n != int(n):
+        raise ConfigError(f"--gpu_mem_limit {text!r}: a number alone is bytes (whole); a "
+                          "share of the device is written 60%")
+    return int(n)
+
+
+def budget_bytes(spec, free, total, held=0):
+    """The bytes of a parsed budget (``parse_gpu_mem_limit``) on a device with ``free``
+    and ``total`` bytes, this process's allocator holding ``held`` bytes in use."""
+    if spec == "auto":
+        margin = max(AUTO_MARGIN_MIN, int(AUTO_MARGIN_SHARE * total))
+        return max(1, int(free) + int(held) - margin)
+    if isinstance(spec, str) and spec.endswith("%"):
+        return max(1, int(float(spec[:-1]) / 100 * total))
+    return int(spec)
+
+
+def describe_budget(spec):
+    """How a parsed budget reads in a message: '12.00 GiB', 'auto', '60%'."""
+    return spec if isinstance(spec, str) else f"{int(spec) / (1 << 30):.2f} GiB"
+
+
 def offload_settings(net_param, config=None):
     """(policy name, budget bytes) of a NetParameter's ``offload_param`` under a run's
     ``config`` (``offload_policy``/``offload_budget``: the command line's ``--offload`` and
-    ``--gpu_mem_limit``), which overrides each field it sets.  Here, not in offload.py, so
-    that the Net reads its settings without importing the offload engine."""
+    ``--gpu_mem_limit``), which overrides each field it sets.  A budget with no policy
+    named anywhere (neither ``--offload`` nor ``offload_param { policy }``) is DYNAMIC's:
+    the net trains within it, offloading only what must move.  Here, not in offload.py,
+    so that the Net reads its settings without importing the offload engine."""
     from ..proto import caffe_pb2
     p = net_param.offload_param
     over_policy = config.offload_policy if config is not None else None
     over_budget = config.offload_budget if config is not None else None
     policy = over_policy or caffe_pb2.OffloadParameter.Policy.Name(p.policy)
     budget = over_budget if over_budget is not None else int(p.gpu_memory_budget)
+    if budget and not over_policy and not p.HasField("policy"):
+        policy = "DYNAMIC"     # a budget alone: fit it, offloading what must move
     return policy, budget
 
 
@@ -179,10 +258,7 @@ class RunConfig:
             raise ConfigError(f"--data_workers {self.data_workers}: expected the number of "
                               "data worker processes (0 reads in the prefetch thread)")
         if self.offload_budget is not None:
-            if int(self.offload_budget) < 0:
-                raise ConfigError(f"--gpu_mem_limit must be a number of bytes >= 0 (got "
-                                  f"{self.offload_budget})")
-            object.__setattr__(self, "offload_budget", int(self.offload_budget))
+            object.__setattr__(self, "offload_budget", parse_gpu_mem_limit(self.offload_budget))
 
     @classmethod
     def from_environment(cls, **fields):

@@ -82,6 +82,24 @@ def settings(net_param, config=None):
     return offload_settings(net_param, config)
 
 
+def resolve_budget(budget):
+    """Bytes of a budget from ``settings``: ints as they are; ``"auto"`` and ``"N%"``
+    (``--gpu_mem_limit auto``, ``60%``) from the current device's memory, logged; a
+    ConfigError where there is no device to ask."""
+    from ..core.config import budget_bytes
+    if not isinstance(budget, str):
+        return int(budget or 0)
+    if not context.is_gpu() or backend.cp is None:
+        raise ConfigError(f"--gpu_mem_limit {budget} reads the GPU's memory: it needs GPU "
+                          f"mode (--gpu N); give a size such as 12GiB to plan without one")
+    free, total = backend.device_memory()
+    held = backend.used_gpu_bytes()
+    n = budget_bytes(budget, free, total, held)
+    log.info("gpu_mem_limit %s: %.2f GiB (device: %.2f GiB free, %.2f GiB held by this "
+             "process, %.2f GiB in all)", budget, n / GiB, free / GiB, held / GiB, total / GiB)
+    return n
+
+
 def check_solver(solver):
     """A warning (training goes on) where a net asks for offload that will not happen."""
     policy, _ = settings(solver.net.net_param, solver.net.config)
@@ -585,6 +603,7 @@ def memory_lines(net, history_sets=1, config=None):
     ``--gpu_mem_limit`` applied) -- all four policies when it asks for none, else NONE
     and that one -- per layer and per policy, DYNAMIC from estimated layer times."""
     policy, budget = settings(net.net_param, config or net.config)
+    budget = resolve_budget(budget)
     policies = POLICIES if policy == "NONE" else ("NONE", policy)
     rows, summary = memory_rows(net, policies, budget, history_sets)
     return format_memory_report(net, rows, summary, budget, estimated=True)
@@ -608,6 +627,7 @@ class Offloader:
         policy, budget = settings(net.net_param, net.config)
         if policy == "NONE" and not budget:
             return None
+        budget = resolve_budget(budget)
         hist = len(step.solver.history_flat)
         if policy == "DYNAMIC":
             if not budget:

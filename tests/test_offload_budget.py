@@ -1,0 +1,156 @@
+"""The device memory budget a user can say (``--gpu_mem_limit``, RunConfig.offload_budget):
+sizes with units, a share of the device, ``auto``; a budget alone means DYNAMIC; a budget
+below what the net needs is one line naming the layer and the bytes, before anything runs
+(on the fake device of test_offload.py).  CPU only."""
+import types
+
+import pytest
+
+from minicaffe import Net
+from minicaffe.core import backend, config, context
+from minicaffe.core.config import RunConfig, budget_bytes, parse_gpu_mem_limit
+from minicaffe.core.errors import ConfigError
+from minicaffe.engine import offload
+from minicaffe.proto import caffe_pb2
+
+from test_offload import CHAIN, _fake_cupy, _net
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.mark.parametrize("text,value", [
+    ("12GiB", 12 * GiB), ("12gib", 12 * GiB), ("12G", 12 * GiB), ("12000MiB", 12000 * MiB),
+    ("12GB", 12 * 10 ** 9), ("1.5GiB", 3 * GiB // 2), ("512KiB", 512 << 10), ("2TB", 2 * 10 ** 12),
+    ("12000000000", 12000000000), ("12e9", 12 * 10 ** 9), ("0", 0), ("4096B", 4096),
+    (12000000000, 12000000000), (" 12 GiB ", 12 * GiB),
+    ("auto", "auto"), ("AUTO", "auto"), ("60%", "60%"), ("12.5%", "12.5%"), ("100%", "100%"),
+])
+def test_gpu_mem_limit_spellings(text, value):
+    assert parse_gpu_mem_limit(text) == value
+    assert RunConfig(offload_budget=text).offload_budget == value
+
+
+@pytest.mark.parametrize("text,words", [
+    ("0.6", "a share of the device is written 60%"), ("-1", "at least 0 bytes"),
+    ("12 parsecs", "give a size like 12GiB"), ("GiB", "give a size like 12GiB"),
+    ("", "give a size like 12GiB"), ("150%", "at most 100%"), ("0%", "above 0%"),
+    ("lots%", "give a size like 12GiB"), ("nan", "give a size like 12GiB"),
+])
+def test_gpu_mem_limit_mistakes_name_the_flag(text, words):
+    with pytest.raises(ConfigError, match="--gpu_mem_limit") as e:
+        parse_gpu_mem_limit(text)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_and_shares_resolve_against_the_device():
+    total = 80 * GiB
+    margin = int(config.AUTO_MARGIN_SHARE * total)
+    assert budget_bytes("auto", free=70 * GiB, total=total, held=2 * GiB) == 72 * GiB - margin
+    # a small device: the margin is at least AUTO_MARGIN_MIN
+    assert budget_bytes("auto", free=2 * GiB, total=4 * GiB) == 2 * GiB - config.AUTO_MARGIN_MIN
+    assert budget_bytes("50%", free=1, total=total) == 40 * GiB
+    assert budget_bytes(123, free=1, total=total) == 123
+
+
+def test_a_budget_alone_means_dynamic():
+    p = caffe_pb2.NetParameter()
+    assert offload.settings(p, RunConfig(offload_budget="12GiB")) == ("DYNAMIC", 12 * GiB)
+    assert offload.settings(p, RunConfig(offload_budget="auto")) == ("DYNAMIC", "auto")
+    # a policy named anywhere is kept: NONE with a budget still refuses a net too large
+    assert offload.settings(p, RunConfig(offload_policy="NONE", offload_budget=5)) == ("NONE", 5)
+    p.offload_param.policy = caffe_pb2.OffloadParameter.NONE
+    assert offload.settings(p, RunConfig(offload_budget=5)) == ("NONE", 5)
+    p.offload_param.gpu_memory_budget = 7
+    assert offload.settings(p) == ("NONE", 7)
+    q = caffe_pb2.NetParameter()
+    q.offload_param.gpu_memory_budget = 7
+    assert offload.settings(q) == ("DYNAMIC", 7)
+
+
+def test_auto_needs_a_device_to_read():
+    assert offload.resolve_budget(0) == 0 and offload.resolve_budget(5) == 5
+    with pytest.raises(ConfigError, match="--gpu_mem_limit auto reads the GPU's memory"):
+        offload.resolve_budget("auto")
+
+
+# -- the command line --------------------------------------------------------------------------
+def test_memory_command_takes_units(cli, tmp_path):
+    (tmp_path / "net.prototxt").write_text(CHAIN)
+    rc, out, err = cli("memory", "--model", "net.prototxt", "--offload", "ALL",
+                       "--gpu_mem_limit", "1KiB")
+    assert rc == 0, err
+    assert "budget: 0.00 GiB" in out and "over the budget" in out
+    rc, out, err = cli("memory", "--model", "net.prototxt", "--gpu_mem_limit", "1GiB")
+    assert rc == 0, err
+    assert "budget: 1.00 GiB" in out
+    # a budget alone: NONE and DYNAMIC are shown, DYNAMIC fits
+    assert [l.split(":")[0].strip() for l in out.splitlines() if "planned peak" in l
+            and ":" in l[:9]] == ["NONE", "DYNAMIC"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (("memory", "--model", "net.prototxt", "--gpu_mem_limit", "auto"),
+     "--gpu_mem_limit auto reads the GPU's memory: it needs GPU mode"),
+    (("memory", "--model", "net.prototxt", "--gpu_mem_limit", "0.6"),
+     "--gpu_mem_limit '0.6': a number alone is bytes"),
+    (("bench", "--model", "net.prototxt", "--gpu_mem_limit", "12 parsecs"),
+     "--gpu_mem_limit '12 parsecs': give a size like 12GiB"),
+    (("time", "--model", "net.prototxt", "--gpu_mem_limit", "1GiB"),
+     "--gpu_mem_limit is not a flag of 'time'"),
+])
+def test_budget_mistakes_are_one_line(cli, tmp_path, args, words):
+    (tmp_path / "net.prototxt").write_text(CHAIN)
+    rc, out, err = cli(*args)
+    lines = [l for l in err.splitlines() if l.startswith("minicaffe: error:")]
+    assert rc == 1 and len(lines) == 1 and words in lines[0], err
+    assert "Traceback" not in err
+
+
+# -- below the floor on the fake device: one line before anything runs ---------------------
+def _step_on_fake_device(monkeypatch, net_config, free, total):
+    fake, _ = _fake_cupy(early=False)
+    fake.cuda.runtime.memGetInfo = lambda: (free, total)
+    monkeypatch.setattr(backend, "cp", fake)
+    monkeypatch.setattr(context, "is_gpu", lambda: True)
+    monkeypatch.setattr(backend, "used_gpu_bytes", lambda: 0)
+    net = Net(CHAIN, phase=caffe_pb2.TRAIN, config=net_config)
+    return types.SimpleNamespace(net=net, plan=None,
+                                 solver=types.SimpleNamespace(history_flat=[]))
+
+
+@pytest.mark.parametrize("budget", ["64KiB", "auto"])
+def test_budget_below_the_floor_is_one_line_naming_layer_and_bytes(monkeypatch, budget):
+    step = _step_on_fake_device(monkeypatch, RunConfig(offload_policy="ALL",
+                                                       offload_budget=budget),
+                                free=config.AUTO_MARGIN_MIN + (64 << 10), total=1 << 30)
+    with pytest.raises(offload.BudgetError) as e:
+        offload.Offloader.for_step(step)
+    msg = str(e.value)
+    assert "\n" not in msg and "even with offload policy ALL" in msg
+    named = [n for n in step.net.layer_names if f"layer '{n}'" in msg]
+    assert len(named) == 1
+    need = int(msg.split(" needs ")[1].split(" bytes")[0])
+    assert need > 64 << 10
+    assert step.plan is None          # refused before any plan was applied
+
+
+def test_auto_budget_between_all_and_none_trains_under_dynamic(monkeypatch):
+    net = _net()
+    none, every = offload.build(net, "NONE"), offload.build(net, "ALL")
+    target = (none.peak + every.peak) // 2
+    step = _step_on_fake_device(monkeypatch, RunConfig(offload_budget="auto"),
+                                free=target + config.AUTO_MARGIN_MIN, total=1 << 30)
+    off = offload.Offloader.for_step(step)
+    assert off is not None and off.policy == "DYNAMIC" and off.budget == target
+    assert off.pending_profile and step.plan.peak <= every.peak   # ALL until profiled
+    off.detach()
+
+
+def test_bench_takes_the_offload_flags(cli, tmp_path):
+    (tmp_path / "net.prototxt").write_text(CHAIN)
+    rc, out, err = cli("bench", "--model", "net.prototxt", "--offload", "ALL", "--gpu_mem_limit",
+                       "1GiB", "--iterations", "1", "--repeats", "1", "--warmup", "0")
+    assert rc == 0, err
+    warn = [l for l in err.splitlines() if l.startswith("W") and "offload_param" in l]
+    assert len(warn) == 1 and "policy ALL" in warn[0] and "CPU mode" in warn[0]
+    assert "chain" in out
