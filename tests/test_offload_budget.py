@@ -13,7 +13,7 @@ from minicaffe.core.errors import ConfigError
 from minicaffe.engine import offload
 from minicaffe.proto import caffe_pb2
 
-from test_offload import CHAIN, _fake_cupy, _net
+from test_offload import CHAIN, _fake_cupy, _net, resnet  # noqa: F401 (a fixture)
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -154,3 +154,36 @@ def test_bench_takes_the_offload_flags(cli, tmp_path):
     warn = [l for l in err.splitlines() if l.startswith("W") and "offload_param" in l]
     assert len(warn) == 1 and "policy ALL" in warn[0] and "CPU mode" in warn[0]
     assert "chain" in out
+
+
+# -- what the floor is made of (``minicaffe memory``) ---------------------------------------
+def test_floor_parts_add_up(resnet):
+    for net in (_net(), resnet):
+        for policy in ("NONE", "ALL"):
+            plan = offload.build(net, policy, history_sets=2).plan
+            f = offload.floor_parts(plan)
+            side = sum(f[k] for k in ("params", "diffs", "history", "workspace", "scratch",
+                                      "state", "cublas"))
+            assert side == plan.side_bytes and f["history"] == 2 * f["params"] > 0
+            arena = sum(v for key in ("maps", "map_diffs", "kept") for _, v in f[key])
+            assert f["total"] == side + arena == offload.floor_bytes(plan) <= plan.peak
+            assert f["layer"] in net.layer_names and f["direction"] in ("forward", "backward")
+    # the chain's worst step is a convolution's backward: its input, its output's diff and
+    # its input's diff at once
+    f = offload.floor_parts(offload.build(_net(), "ALL").plan)
+    assert f["maps"] and f["map_diffs"]
+
+
+def test_memory_command_shows_the_floor(cli, tmp_path):
+    (tmp_path / "net.prototxt").write_text(CHAIN)
+    rc, out, err = cli("memory", "--model", "net.prototxt", "--offload", "ALL")
+    assert rc == 0, err
+    lines = out.splitlines()
+    k = next(i for i, l in enumerate(lines) if l.startswith("floor under any offload policy"))
+    f = offload.floor_parts(offload.build(_net(), "ALL").plan)
+    assert f"{f['total'] / MiB:.2f} MiB, at layer '{f['layer']}' ({f['direction']})" in lines[k]
+    block = "\n".join(lines[k:k + 6])
+    for words in ("parameters", "their diffs", "solver history", "cuDNN workspace", "scratch",
+                  "layer state", "feature maps it reads or writes", "activation diffs alive",
+                  "inputs, outputs and losses"):
+        assert words in block, block

@@ -492,13 +492,18 @@ def build(net, policy, budget=0, history_sets=1, times=None, entries_from=None):
     return op
 
 
-def floor_bytes(plan):
-    """A lower bound on the planned peak of any offload policy: at each step, the diffs
-    alive then, the data the step itself touches and what lives the whole iteration;
-    the largest of those plus everything beside the arena.  (Offload moves feature maps
-    between their uses; it cannot take away what one layer's forward or backward reads
-    and writes at once.)"""
-    worst = 0
+def floor_parts(plan):
+    """What the floor (``floor_bytes``) is made of: a dict with the worst step's
+    ``layer`` and ``direction``, ``total`` bytes, the parts beside the arena
+    (``params``, ``diffs`` (the parameters'), ``history``, ``workspace``, ``scratch``,
+    ``state``, ``cublas``) and the arena's at that step: ``maps`` (the data that step
+    reads or writes), ``map_diffs`` (the activations' diffs alive then) and ``kept``
+    (what lives the whole iteration: inputs, outputs, losses), each of these three a
+    list of (name, bytes), largest first.  At each step, the diffs alive then, the
+    data the step itself touches and what lives the whole iteration: offload moves
+    feature maps between their uses; it cannot take away what one layer's forward or
+    backward reads and writes at once."""
+    worst, at = -1, 0
     for s in range(plan.steps):
         n = 0
         for b in plan.buffers:
@@ -508,8 +513,67 @@ def floor_bytes(plan):
                 n += b.nbytes if b.start <= s <= b.end else 0
             elif s in b.writes or s in b.reads or s in b.bwd_reads:
                 n += b.nbytes
-        worst = max(worst, n)
-    return worst + plan.side_bytes
+        if n > worst:
+            worst, at = n, s
+    maps, diffs, kept = [], [], []
+    for b in plan.buffers:
+        if b.part == "backward":
+            continue
+        if b.pinned and b.start <= at <= b.end:
+            kept.append((b.names[0], b.nbytes))
+        elif b.kind == "diff" and b.start <= at <= b.end:
+            diffs.append((b.names[0], b.nbytes))
+        elif b.kind == "data" and (at in b.writes or at in b.reads or at in b.bwd_reads):
+            maps.append((b.names[0], b.nbytes))
+    hist = plan.param_bytes_total // plan.params_bytes - 2 if plan.params_bytes else 0
+    i, direction = step_layer(plan.net, at) if plan.steps == 2 * len(plan.net.layers) else \
+        (at, "forward")
+    out = {"layer": plan.net.layer_names[i], "direction": direction,
+           "params": plan.params_bytes, "diffs": plan.params_bytes if plan.train else 0,
+           "history": plan.params_bytes * hist if plan.train else 0,
+           "workspace": plan.workspace_bytes, "scratch": plan.scratch_bytes,
+           "state": plan.state_bytes, "cublas": plan.fixed_bytes}
+    for key, items in (("maps", maps), ("map_diffs", diffs), ("kept", kept)):
+        out[key] = sorted(items, key=lambda x: -x[1])
+    out["total"] = max(worst, 0) + plan.side_bytes
+    return out
+
+
+def floor_bytes(plan):
+    """A lower bound on the planned peak of any offload policy: the total of
+    ``floor_parts`` (the worst step's maps and diffs plus everything beside the arena)."""
+    return floor_parts(plan)["total"]
+
+
+def floor_lines(plan):
+    """``minicaffe memory``'s account of the floor: what no offload policy can take off
+    the device, part by part (in GiB, or MiB for a floor under 1 GiB)."""
+    f = floor_parts(plan)
+    unit, size = ("GiB", GiB) if f["total"] >= GiB else ("MiB", MiB)
+
+    def amount(v):
+        return f"{v / size:.3f}" if unit == "GiB" else f"{v / size:.2f}"
+
+    def names(items, n=4):
+        text = ", ".join(f"{k} {amount(v)}" for k, v in items[:n])
+        return text + (f" and {len(items) - n} more" if len(items) > n else "")
+
+    side = [("parameters", f["params"]), ("their diffs", f["diffs"]),
+            ("solver history", f["history"]), ("cuDNN workspace", f["workspace"]),
+            ("scratch", f["scratch"]), ("layer state", f["state"]),
+            ("cuBLAS workspace", f["cublas"])]
+    arena = [("feature maps it reads or writes", f["maps"]),
+             ("activation diffs alive then", f["map_diffs"]),
+             ("inputs, outputs and losses (kept all iteration)", f["kept"])]
+    out = [f"floor under any offload policy: {amount(f['total'])} {unit}, at layer "
+           f"'{f['layer']}' ({f['direction']}):"]
+    out.append(f"  beside the arena: {amount(sum(v for _, v in side))} {unit} (" + ", ".join(
+        f"{k} {amount(v)}" for k, v in side[:3]) + ",")
+    out.append("    " + ", ".join(f"{k} {amount(v)}" for k, v in side[3:]) + ")")
+    for what, items in arena:
+        out.append(f"  {what}: {amount(sum(v for _, v in items))} {unit}"
+                   + (f" ({names(items)})" if items else ""))
+    return out
 
 
 def _none_too_big(net, plan, budget):
@@ -606,7 +670,9 @@ def memory_lines(net, history_sets=1, config=None):
     budget = resolve_budget(budget)
     policies = POLICIES if policy == "NONE" else ("NONE", policy)
     rows, summary = memory_rows(net, policies, budget, history_sets)
-    return format_memory_report(net, rows, summary, budget, estimated=True)
+    from ..gpu.plan import MemoryPlan
+    floor = floor_lines(MemoryPlan(net, train=True, history_sets=history_sets))
+    return format_memory_report(net, rows, summary, budget, estimated=True) + [""] + floor
 
 
 # -- the CUDA side ----------------------------------------------------------------------------
