@@ -2,7 +2,8 @@
 offload policy, with PyTorch's ``save_on_cpu(pin_memory=True)`` as the peer, in one run.
 
     python benchmarks/offload.py [--nets vgg16,resnet50] [--batch 256] [--iters 5]
-                                 [--budgets 0.5,0.65,0.75] [--json OUT.json]
+                                 [--budgets 0.5,0.65,0.75] [--limits 12GiB] [--json OUT.json]
+                                 [--no-timeline] [--timeline-steps all|waits]
 
 Each configuration runs in a child process of its own (a clean device: its peak is its
 own), synthetic inputs on the GPU (minicaffe.synthetic, through benchmarks/gpu_step.py), SGD with
@@ -13,8 +14,16 @@ slowdown against the same framework without offload, the bytes moved per iterati
 and the bound those bytes put on an iteration at the copy bandwidth measured first in
 the same run: max(NONE's ms, bytes out / device->host GB/s, bytes back / host->device
 GB/s) -- how close each policy comes to it.  DYNAMIC runs under budgets given as
-fractions of NONE's planned peak (``--budgets``); a budget even ALL cannot meet prints
+fractions of NONE's planned peak (``--budgets``) and under budgets as the user writes them
+(``--limits 12GiB``, ``--gpu_mem_limit``'s spellings); a budget even ALL cannot meet prints
 the one-line error instead of a row.
+
+Then, per configuration, its timeline (``offload.trace_iteration``: one more
+forward-backward run eagerly with CUDA events): per layer and direction when the compute
+stream ran it, how long it stood still for copies and for which, how busy each copy
+stream was meanwhile; every copy with its start, end and rate; and the sums against the
+copy bound and the timeline model's prediction (``--timeline-steps waits``: only the
+steps that waited or overlapped a copy).
 """
 import argparse
 import json
@@ -39,10 +48,12 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
     from minicaffe.engine import offload
     from minicaffe.gpu import options, pool
     from minicaffe.proto import caffe_pb2
+    from minicaffe.core.config import parse_gpu_mem_limit
     log.init_log()
     options.set_tf32(False)
     context.set_mode_gpu()
     pool.ensure()
+    budget = offload.resolve_budget(parse_gpu_mem_limit(budget))   # 12GiB, auto...
     net = synthetic(MODELS[net_name], batch, [3, 224, 224])
     net.offload_param.policy = caffe_pb2.OffloadParameter.Policy.Value(policy)
     net.offload_param.gpu_memory_budget = int(budget)
@@ -81,6 +92,8 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
     else:
         out.update(moved=0, back=0, n=0, host=0)
     out["floor"] = offload.floor_bytes(st.plan)
+    if os.environ.get("OFFLOAD_BENCH_TIMELINE", "1") == "1":
+        out["timeline"] = offload.trace_iteration(st).as_dict()
     return out
 
 
@@ -202,7 +215,7 @@ def child(argv):
         res = bandwidth()
     elif kind == "minicaffe":
         net, batch, policy, budget, iters, repeats = argv[1:]
-        res = run_minicaffe(net, int(batch), policy, int(budget), int(iters), int(repeats))
+        res = run_minicaffe(net, int(batch), policy, budget, int(iters), int(repeats))
     else:
         net, batch, mode, iters, repeats = argv[1:]
         res = run_torch(net, int(batch), mode, int(iters), int(repeats))
@@ -235,9 +248,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budgets", default="0.5,0.65,0.75",
                     help="DYNAMIC budgets, as fractions of NONE's planned peak")
+    ap.add_argument("--limits", default="",
+                    help="DYNAMIC budgets as --gpu_mem_limit takes them: 12GiB,12000MiB")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-timeline", action="store_true")
+    ap.add_argument("--timeline-steps", default="waits", choices=("all", "waits"))
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    os.environ["OFFLOAD_BENCH_TIMELINE"] = "0" if a.no_timeline else "1"
     report = {"bandwidth": spawn("bandwidth")}
     bw = report["bandwidth"]
     print(f"pinned copies: {bw.get('d2h', 0):.1f} GB/s device->host, "
@@ -255,15 +273,35 @@ def main():
             rows.append((f"minicaffe DYNAMIC {f:g}xNONE ({budget / GiB:.1f} GiB)",
                          spawn("minicaffe", name, a.batch, "DYNAMIC", budget, a.iters,
                                a.repeats)))
+        from minicaffe.core.config import parse_gpu_mem_limit
+        for text in [x for x in a.limits.split(",") if x]:
+            parse_gpu_mem_limit(text)          # a mistake stops here, not in a child
+            rows.append((f"minicaffe DYNAMIC {text}",
+                         spawn("minicaffe", name, a.batch, "DYNAMIC", text, a.iters,
+                               a.repeats)))
         if not a.no_torch:
             for mode in ("none", "save_on_cpu"):
                 rows.append((f"PyTorch {mode}", spawn("torch", name, a.batch, mode, a.iters,
                                                       a.repeats)))
         report[name] = {"rows": rows}
         print_table(name, a.batch, rows, bw)
+        print_timelines(rows, a.timeline_steps)
         if a.json:                 # after each net: a run cut short keeps what it measured
             with open(a.json, "w") as f:
                 json.dump(report, f, indent=1)
+
+
+def print_timelines(rows, which):
+    from minicaffe.engine.offload import timeline_lines
+    for label, r in rows:
+        tl = r.get("timeline")
+        if not tl:
+            continue
+        steps = tl["rows"] if which == "all" else [
+            x for x in tl["rows"] if x["wait"] > 0.05 or x["out"] > 0 or x["in"] > 0]
+        print(flush=True)
+        for line in timeline_lines(steps, tl["summary"], tl["copies"], label):
+            print(line, flush=True)
 
 
 def print_table(name, batch, rows, bw):

@@ -13,9 +13,14 @@ from minicaffe.core.errors import ConfigError
 from minicaffe.engine import offload
 from minicaffe.proto import caffe_pb2
 
-from test_offload import CHAIN, _fake_cupy, _net, resnet  # noqa: F401 (a fixture)
+from test_offload import CHAIN, _fake_cupy, _net, _synthetic
 
 GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return _synthetic("models/resnet50/train_val.prototxt", 2, [3, 224, 224])
 
 
 @pytest.mark.parametrize("text,value", [
@@ -187,3 +192,69 @@ def test_memory_command_shows_the_floor(cli, tmp_path):
                   "layer state", "feature maps it reads or writes", "activation diffs alive",
                   "inputs, outputs and losses"):
         assert words in block, block
+
+
+# -- the timeline (benchmarks/offload.py) on the fake device ----------------------------------
+def test_timeline_records_every_step_and_copy_on_the_fake_device(monkeypatch):
+    import itertools
+    from test_offload import _FakeEvent, _run_on_fake_device
+    clock = itertools.count()
+    real_record = _FakeEvent.record
+
+    def record(self, stream=None):
+        real_record(self, stream)
+        self.t = float(next(clock))
+    monkeypatch.setattr(_FakeEvent, "record", record)
+    monkeypatch.setattr(backend, "elapsed_ms", lambda a, b: b.t - a.t)
+    net = _net()
+    op = offload.build(net, "ALL")
+    tls = []
+    real_init = offload.Offloader.__init__
+
+    def init(self, *a, **k):           # a timeline on the net the harness drives
+        real_init(self, *a, **k)
+        tl = offload.Timeline(types.SimpleNamespace(net=net, offload=self))
+        net._offload_timeline = tl
+        tls.append(tl)
+    monkeypatch.setattr(offload.Offloader, "__init__", init)
+    _run_on_fake_device(monkeypatch, net, op, early=False, iterations=1)
+    net._offload_timeline = None
+    tl = tls[0]
+    tl.read(tl.copies[0][3])
+    L, first = len(net.layers), offload.n_prologue(net)
+    rows = tl.rows()
+    assert [r["step"] for r in rows] == list(range(first, 2 * L))
+    assert [r["layer"] for r in rows[:L - first]] == net.layer_names[first:]
+    outs = [c for c in tl.copy_times if c[0] == "out"]
+    ins = [c for c in tl.copy_times if c[0] == "in"]
+    assert sorted(e.name for _, e, *_ in outs) == sorted(e.name for e in op.entries)
+    assert sorted(e.name for _, e, *_ in ins) == sorted(e.name for e in op.entries
+                                                       if e.bwd is not None)
+    for k, e, s, a, b in tl.copy_times:     # issued where the plan says
+        assert s == (e.d2h_after if k == "out" else e.prefetch) and b > a
+    sm = tl.summary()
+    assert sm["out_bytes"] == op.moved_bytes and sm["in_bytes"] == op.returned_bytes
+    assert sm["compute"] == sum(r["ms"] for r in rows) and sm["model"] > 0
+    d = tl.as_dict()
+    lines = offload.timeline_lines(d["rows"], d["summary"], d["copies"], "chain ALL")
+    assert lines[0].startswith("timeline of chain ALL")
+    assert sum(1 for l in lines if l.startswith("    ")) == len(tl.copy_times)
+
+
+def test_timeline_waits_are_the_copies_compute_stood_still_for():
+    """``rows()`` charges a step with the time from the previous step's end to the end of
+    the copies it waited for (no more than its own start)."""
+    net = _net()
+    op = offload.build(net, "ALL")
+    e = next(x for x in op.entries if x.release is not None)
+    r = e.release
+    off = types.SimpleNamespace(table=op.tables(), oplan=op)
+    tl = offload.Timeline.__new__(offload.Timeline)
+    tl.net, tl.step = net, types.SimpleNamespace(offload=off)
+    tl.steps = {r - 1: (0.0, 1.0), r: (5.0, 6.0)}
+    tl.copy_times = [("out", e, e.d2h_after, 0.5, 4.0)]
+    rows = {x["step"]: x for x in tl.rows()}
+    assert rows[r]["wait"] == pytest.approx(3.0) and rows[r]["waited_for"] == [f"out {e.name}"]
+    assert rows[r - 1]["wait"] == 0 and rows[r - 1]["out"] == pytest.approx(0.5)
+    tl.copy_times = [("out", e, e.d2h_after, 0.5, 0.9)]     # done in time: no wait
+    assert {x["step"]: x for x in tl.rows()}[r]["wait"] == 0

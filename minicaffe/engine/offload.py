@@ -732,6 +732,8 @@ class Offloader:
         self.h2d = context.kept_stream("offload_h2d")
         self._use(oplan)
         net = self.net
+        if not hasattr(net, "_offload_timeline"):
+            net._offload_timeline = None
         if not getattr(net, "_offload_hooks", False):     # the Net's hooks, once per net
             net._offload_hooks = True
             L = len(net.layers)
@@ -818,10 +820,14 @@ class Offloader:
                 self.fork[s].record(c)
                 self.h2d.wait_event(self.fork[s])
                 self.used[1] = True
+                tl = self.net._offload_timeline
                 for e in fetch:
                     self.h2d.wait_event(self.out_done[id(e)])
+                    mark = tl.copy_begins(self.h2d) if tl is not None else None
                     _memcpy(e.bwd.view.data.ptr, self.host[id(e)].ctypes.data, e.copy_bytes,
                             _H2D, self.h2d)
+                    if mark is not None:
+                        tl.copy_ends(mark, self.h2d, "in", e, s)
                     self.in_done[id(e)].record(self.h2d)
             for e in acts.get("need", ()):
                 c.wait_event(self.in_done[id(e)])
@@ -843,9 +849,13 @@ class Offloader:
             self.fork[s].record(c)
             self.d2h.wait_event(self.fork[s])
             self.used[0] = True
+            tl = self.net._offload_timeline
             for e in out:
+                mark = tl.copy_begins(self.d2h) if tl is not None else None
                 _memcpy(self.host[id(e)].ctypes.data, e.fwd.view.data.ptr, e.copy_bytes,
                         _D2H, self.d2h)
+                if mark is not None:
+                    tl.copy_ends(mark, self.d2h, "out", e, s)
                 self.out_done[id(e)].record(self.d2h)
 
     # -- DYNAMIC ----------------------------------------------------------------------
@@ -892,3 +902,194 @@ _D2H, _H2D = 2, 1   # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
 
 def _memcpy(dst, src, nbytes, kind, stream):
     backend.memcpy_async(dst, src, nbytes, kind, stream)
+
+
+# -- the timeline: what the compute stream and the two copy streams did --------------------
+class Timeline:
+    """One forward-backward of a GpuStep as CUDA events: each step's start and end on
+    the compute stream (its start recorded after the waits the offloader put before
+    it), and each copy's start and end on its copy stream.  ``trace_iteration`` makes
+    one; ``rows()``/``lines()`` read it.  The events are recorded by the Net's hooks
+    (compute) and by the Offloader (copies) while ``net._offload_timeline`` is set."""
+
+    def __init__(self, step):
+        self.net = step.net
+        self.step = step
+        self.marks = {}             # plan step -> (start event, end event)
+        self.copies = []            # (kind, entry, issuing step, start event, end event)
+        net = self.net
+        if not hasattr(net, "_offload_timeline"):
+            net._offload_timeline = None
+        if not getattr(net, "_timeline_hooks", False):
+            net._timeline_hooks = True
+            L = len(net.layers)
+
+            def hook(fn, to_step):
+                return lambda i: net._offload_timeline is not None and \
+                    fn(net._offload_timeline, to_step(i))
+            net.add_hook("before_forward", hook(Timeline._begins, lambda i: i))
+            net.add_hook("after_forward", hook(Timeline._ends, lambda i: i))
+            net.add_hook("before_backward", hook(Timeline._begins, lambda i: 2 * L - 1 - i))
+            net.add_hook("after_backward", hook(Timeline._ends, lambda i: 2 * L - 1 - i))
+
+    def _begins(self, s):
+        ev = backend.new_event()
+        ev.record(backend.current_stream())
+        self.marks[s] = (ev, None)
+
+    def _ends(self, s):
+        if s in self.marks:
+            ev = backend.new_event()
+            ev.record(backend.current_stream())
+            self.marks[s] = (self.marks[s][0], ev)
+
+    def copy_begins(self, stream):
+        ev = backend.new_event()
+        ev.record(stream)
+        return ev
+
+    def copy_ends(self, start, stream, kind, entry, s):
+        ev = backend.new_event()
+        ev.record(stream)
+        self.copies.append((kind, entry, s, start, ev))
+
+    def read(self, t0):
+        """Milliseconds from event ``t0``: ``self.steps`` {step: (start, end)} and
+        ``self.copy_times`` [(kind, entry, issuing step, start, end)]."""
+        ms = lambda ev: backend.elapsed_ms(t0, ev)  # noqa: E731
+        self.steps = {s: (ms(a), ms(b)) for s, (a, b) in self.marks.items() if b is not None}
+        self.copy_times = [(k, e, s, ms(a), ms(b)) for k, e, s, a, b in self.copies]
+        self.marks, self.copies = {}, []
+
+    def rows(self):
+        """Per step that ran, in order: {'step', 'layer', 'dir', 'start', 'ms', 'wait',
+        'waited_for', 'out', 'in'}: ``wait`` the milliseconds the compute stream stood
+        still before it for copies (the latest end among the copies the offloader made
+        it wait for, past the previous step's end), ``waited_for`` those copies' names,
+        ``out``/``in`` the milliseconds each copy stream was busy during the step."""
+        off = self.step.offload
+        table = off.table if off is not None else {}
+        end_of = {}
+        for k, e, s, a, b in self.copy_times:
+            end_of[(k, id(e))] = b
+        out, prev_end = [], None
+        busy = {"out": [(a, b) for k, _, _, a, b in self.copy_times if k == "out"],
+                "in": [(a, b) for k, _, _, a, b in self.copy_times if k == "in"]}
+        for s in sorted(self.steps):
+            a, b = self.steps[s]
+            i, direction = step_layer(self.net, s)
+            acts = table.get(s, {})
+            waits = [("out", e) for e in acts.get("wait_out", ())] + \
+                [("in", e) for e in acts.get("need", ())]
+            wait, names = 0.0, []
+            for k, e in waits:
+                done = end_of.get((k, id(e)))
+                if done is not None and prev_end is not None and done > prev_end:
+                    wait = max(wait, min(done, a) - prev_end)
+                    names.append(f"{k} {e.name}")
+            row = {"step": s, "layer": self.net.layer_names[i], "dir": direction,
+                   "start": a, "ms": b - a, "wait": wait, "waited_for": names}
+            for k in ("out", "in"):
+                row[k] = sum(max(0.0, min(b, z) - max(a, y)) for y, z in busy[k])
+            out.append(row)
+            prev_end = b
+        return out
+
+    def summary(self, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
+        """{'span', 'compute', 'wait', 'gaps', 'out_ms', 'in_ms', 'out_bytes', 'in_bytes',
+        'bound'} in ms: the forward-backward's span, the compute stream's busy time, its
+        waits for copies, its other idle time (launch gaps), each copy stream's busy
+        time and bytes, and the copy bound max(compute, bytes out / d2h, bytes in / h2d)."""
+        rows = self.rows()
+        span = max([r["start"] + r["ms"] for r in rows] +
+                   [b for *_, b in self.copy_times], default=0.0)
+        first = min((r["start"] for r in rows), default=0.0)
+        compute = sum(r["ms"] for r in rows)
+        wait = sum(r["wait"] for r in rows)
+        out_b = sum(e.copy_bytes for k, e, *_ in self.copy_times if k == "out")
+        in_b = sum(e.copy_bytes for k, e, *_ in self.copy_times if k == "in")
+        model = None
+        off = self.step.offload
+        if off is not None and rows:        # the timeline model over the measured steps
+            times = [0.0] * (2 * len(self.net.layers))
+            for r in rows:
+                times[r["step"]] = r["ms"] * 1e-3
+            model = simulate(times, off.oplan.entries, n_prologue(self.net), d2h, h2d,
+                             lazy=True)[0] * 1e3
+        return {"span": span - first, "compute": compute, "wait": wait, "model": model,
+                "gaps": max(0.0, span - first - compute - wait),
+                "out_ms": sum(b - a for k, _, _, a, b in self.copy_times if k == "out"),
+                "in_ms": sum(b - a for k, _, _, a, b in self.copy_times if k == "in"),
+                "out_bytes": out_b, "in_bytes": in_b,
+                "bound": max(compute, out_b / d2h * 1e3, in_b / h2d * 1e3)}
+
+    def as_dict(self):
+        """The rows, the copies and the summary, for JSON."""
+        return {"rows": self.rows(), "summary": self.summary(),
+                "copies": [{"kind": k, "name": e.name, "bytes": e.copy_bytes,
+                            "after" if k == "out" else "during":
+                            "%s %s" % (self.net.layer_names[step_layer(self.net, s)[0]],
+                                       step_layer(self.net, s)[1]),
+                            "start": a, "end": b} for k, e, s, a, b in self.copy_times]}
+
+
+def trace_iteration(step):
+    """One forward-backward of GpuStep ``step`` (no update: the weights do not change),
+    run eagerly with the timeline's events; returns the read Timeline.  For benchmarks
+    (benchmarks/offload.py): eager launches add the host's dispatch between layers, which
+    a replayed graph does not have."""
+    tl = Timeline(step)
+    net = step.net
+    saved = step.graphs_on
+    step.graphs_on = False
+    net._offload_timeline = tl
+    try:
+        t0 = backend.new_event()
+        t0.record(step.stream)
+        step.forward_backward(first=True, with_update=False)
+    finally:
+        net._offload_timeline = None
+        step.graphs_on = saved
+    step.stream.synchronize()
+    if step.offload is not None:
+        step.offload.d2h.synchronize()
+        step.offload.h2d.synchronize()
+    tl.read(t0)
+    return tl
+
+
+def timeline_lines(rows, summary, copies=(), label=""):
+    """The printed timeline (from ``Timeline.as_dict()``'s parts): one line per step,
+    the copies, and the summary."""
+    out = [f"timeline{' of ' + label if label else ''}: ms from the start of the forward; "
+           f"compute = the step on the compute stream, wait = it stood still for the copies "
+           f"named, out/in = ms the device->host / host->device stream copied during it"]
+    out.append(f"  {'layer':24s} {'dir':3s} {'start':>8s} {'compute':>8s} {'wait':>7s} "
+               f"{'out':>7s} {'in':>7s}  waited for")
+    for r in rows:
+        out.append(f"  {r['layer'][:24]:24s} {r['dir'][:3]:3s} {r['start']:8.2f} "
+                   f"{r['ms']:8.2f} {r['wait']:7.2f} {r['out']:7.2f} {r['in']:7.2f}  "
+                   f"{', '.join(r['waited_for'])}")
+    if copies:
+        out.append("  copies: name, direction, MiB, issued, start..end ms, GB/s")
+        for c in copies:
+            dt = c["end"] - c["start"]
+            rate = c["bytes"] / (dt * 1e-3) / 1e9 if dt > 0 else float("nan")
+            where = c.get("after") or c.get("during")
+            out.append(f"    {c['name'][:24]:24s} {c['kind']:3s} {c['bytes'] / MiB:9.1f} "
+                       f"{'after' if c['kind'] == 'out' else 'during'} {where:28s} "
+                       f"{c['start']:8.2f}..{c['end']:8.2f} {rate:6.1f}")
+    sm = summary
+    out.append(f"  span {sm['span']:.1f} ms: compute {sm['compute']:.1f}, waits for copies "
+               f"{sm['wait']:.1f}, other idle (launches) {sm['gaps']:.1f}; device->host busy "
+               f"{sm['out_ms']:.1f} ms ({sm['out_bytes'] / GiB:.2f} GiB), host->device busy "
+               f"{sm['in_ms']:.1f} ms ({sm['in_bytes'] / GiB:.2f} GiB); copy bound "
+               f"{sm['bound']:.1f} ms" + (f"; the timeline model ({D2H_BYTES_PER_S / 1e9:.0f}/"
+                                          f"{H2D_BYTES_PER_S / 1e9:.0f} GB/s) says "
+                                          f"{sm['model']:.1f} ms" if sm.get("model") else ""))
+    worst = sorted((r for r in rows if r["wait"] > 0), key=lambda r: -r["wait"])[:5]
+    if worst:
+        out.append("  longest waits: " + "; ".join(
+            f"{r['layer']} {r['dir']} {r['wait']:.1f} ms ({', '.join(r['waited_for'])})"
+            for r in worst))
+    return out
