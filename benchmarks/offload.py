@@ -42,7 +42,7 @@ GiB = float(1 << 30)
 
 
 # -- one configuration per process ---------------------------------------------------------
-def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
+def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True):
     from gpu_step import make, synthetic
     from minicaffe.core import backend, context, log
     from minicaffe.engine import offload
@@ -54,6 +54,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
     context.set_mode_gpu()
     pool.ensure()
     budget = offload.resolve_budget(parse_gpu_mem_limit(budget))   # 12GiB, auto...
+    offload.HIDE = hide            # off: the lives of vDNN's points (the schedule before)
     net = synthetic(MODELS[net_name], batch, [3, 224, 224])
     net.offload_param.policy = caffe_pb2.OffloadParameter.Policy.Value(policy)
     net.offload_param.gpu_memory_budget = int(budget)
@@ -85,6 +86,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
            "peak": pool.peak_bytes() + st.private_bytes(), "planned": st.plan.peak,
            "allocator": pool.name(), "graphs": bool(st.graphs)}
     if off is not None:
+        out["lengthened"] = off.oplan.info.get("lengthened", 0)
         out.update(moved=off.oplan.moved_bytes, back=off.oplan.returned_bytes,
                    n=len(off.oplan.entries), host=off.oplan.host_bytes,
                    model_ms=off.oplan.info.get("total_s", 0) * 1e3,
@@ -92,6 +94,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats):
     else:
         out.update(moved=0, back=0, n=0, host=0)
     out["floor"] = offload.floor_bytes(st.plan)
+    out["floor_lines"] = offload.floor_lines(st.plan)
     if os.environ.get("OFFLOAD_BENCH_TIMELINE", "1") == "1":
         out["timeline"] = offload.trace_iteration(st).as_dict()
     return out
@@ -214,8 +217,9 @@ def child(argv):
     if kind == "bandwidth":
         res = bandwidth()
     elif kind == "minicaffe":
-        net, batch, policy, budget, iters, repeats = argv[1:]
-        res = run_minicaffe(net, int(batch), policy, budget, int(iters), int(repeats))
+        net, batch, policy, budget, iters, repeats, hide = argv[1:]
+        res = run_minicaffe(net, int(batch), policy, budget, int(iters), int(repeats),
+                            hide == "1")
     else:
         net, batch, mode, iters, repeats = argv[1:]
         res = run_torch(net, int(batch), mode, int(iters), int(repeats))
@@ -250,6 +254,9 @@ def main():
                     help="DYNAMIC budgets, as fractions of NONE's planned peak")
     ap.add_argument("--limits", default="",
                     help="DYNAMIC budgets as --gpu_mem_limit takes them: 12GiB,12000MiB")
+    ap.add_argument("--policies", default="ALL,CONV", help="the fixed policies after NONE")
+    ap.add_argument("--vdnn", action="store_true",
+                    help="also run each offloading row with vDNN's lives (hide_copies off)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--timeline-steps", default="waits", choices=("all", "waits"))
@@ -263,22 +270,21 @@ def main():
           f"{bw.get('error', '')}", flush=True)
     for name in a.nets.split(","):
         rows = []
-        none = spawn("minicaffe", name, a.batch, "NONE", 0, a.iters, a.repeats)
+        none = spawn("minicaffe", name, a.batch, "NONE", 0, a.iters, a.repeats, 1)
         rows.append(("minicaffe NONE", none))
-        for policy in ("ALL", "CONV"):
-            rows.append((f"minicaffe {policy}", spawn("minicaffe", name, a.batch, policy, 0,
-                                                      a.iters, a.repeats)))
+        from minicaffe.core.config import parse_gpu_mem_limit
+        runs = [(p, 0, p) for p in a.policies.split(",") if p]
         for f in [float(x) for x in a.budgets.split(",") if x and "planned" in none]:
             budget = int(f * none["planned"])
-            rows.append((f"minicaffe DYNAMIC {f:g}xNONE ({budget / GiB:.1f} GiB)",
-                         spawn("minicaffe", name, a.batch, "DYNAMIC", budget, a.iters,
-                               a.repeats)))
-        from minicaffe.core.config import parse_gpu_mem_limit
+            runs.append(("DYNAMIC", budget, f"DYNAMIC {f:g}xNONE ({budget / GiB:.1f} GiB)"))
         for text in [x for x in a.limits.split(",") if x]:
             parse_gpu_mem_limit(text)          # a mistake stops here, not in a child
-            rows.append((f"minicaffe DYNAMIC {text}",
-                         spawn("minicaffe", name, a.batch, "DYNAMIC", text, a.iters,
-                               a.repeats)))
+            runs.append(("DYNAMIC", text, f"DYNAMIC {text}"))
+        for policy, budget, label in runs:
+            for hide in ((1, 0) if a.vdnn else (1,)):
+                rows.append((f"minicaffe {label}{'' if hide else ' vDNN lives'}",
+                             spawn("minicaffe", name, a.batch, policy, budget, a.iters,
+                                   a.repeats, hide)))
         if not a.no_torch:
             for mode in ("none", "save_on_cpu"):
                 rows.append((f"PyTorch {mode}", spawn("torch", name, a.batch, mode, a.iters,
@@ -302,6 +308,8 @@ def print_timelines(rows, which):
         print(flush=True)
         for line in timeline_lines(steps, tl["summary"], tl["copies"], label):
             print(line, flush=True)
+        for line in r.get("floor_lines", ()):
+            print("  " + line, flush=True)
 
 
 def print_table(name, batch, rows, bw):

@@ -258,3 +258,79 @@ def test_timeline_waits_are_the_copies_compute_stood_still_for():
     assert rows[r - 1]["wait"] == 0 and rows[r - 1]["out"] == pytest.approx(0.5)
     tl.copy_times = [("out", e, e.d2h_after, 0.5, 0.9)]     # done in time: no wait
     assert {x["step"]: x for x in tl.rows()}[r]["wait"] == 0
+
+
+# -- a budget lowers the floor: a smaller cuDNN workspace ------------------------------------
+def _fake_cudnn_conv(layer, sizes_times):
+    """Give ``layer`` Find's results: per call [(algorithm, workspace bytes, ms)]."""
+    from minicaffe.gpu import cudnn
+    layer._cudnn_key = ("fake",)
+    layer.candidates = {k: list(sizes_times) for k in ("fwd", "bwd_data", "bwd_filter")}
+
+    def use_workspace(cap):
+        picks = [cudnn.pick(layer.candidates[k], cap) for k in ("fwd", "bwd_data", "bwd_filter")]
+        layer.workspace_bytes = max(p[1] for p in picks)
+    layer.use_workspace = use_workspace
+    use_workspace(max(a[1] for a in sizes_times))
+
+
+def test_a_budget_under_the_floor_takes_a_smaller_workspace():
+    net = _net()
+    conv = net.layers[net.layer_names.index("conv1b")]
+    _fake_cudnn_conv(conv, [(0, 0, 3.0), (1, 8 * MiB, 2.0), (2, 64 * MiB, 1.0)])
+    before = offload.floor_bytes(offload.build(net, "ALL").plan)
+    assert offload.build(net, "ALL").plan.workspace_bytes == 64 * MiB
+    # a budget the floor meets: nothing changes
+    assert offload.fit_workspace(net, before) is None and conv.workspace_bytes == 64 * MiB
+    # 40 MiB too little: the largest workspace within that, 8 MiB
+    assert offload.fit_workspace(net, before - 40 * MiB) == (64 * MiB, 8 * MiB)
+    assert conv.workspace_bytes == 8 * MiB
+    assert offload.floor_bytes(offload.build(net, "ALL").plan) <= before - 40 * MiB
+    # far too little: the least-workspace algorithms; the budget error still names the layer
+    conv.use_workspace(64 * MiB)
+    assert offload.fit_workspace(net, before - 63 * MiB) == (64 * MiB, 0)
+    with pytest.raises(offload.BudgetError, match="layer '"):
+        offload.build(net, "ALL", before - 100 * MiB)
+
+
+# -- hiding the copies: longer lives within the memory -------------------------------------------
+@pytest.mark.parametrize("policy", ["ALL", "CONV", "DYNAMIC"])
+def test_hide_copies_lengthens_lives_within_the_memory(monkeypatch, resnet, policy):
+    from test_offload import _fake_times, _run_on_fake_device, check_plan
+    net = resnet
+    times = _fake_times(net, conv=2e-5, other=2e-6)   # copies long against compute
+    first = offload.n_prologue(net)
+    budget = 0
+    if policy == "DYNAMIC":
+        none, every = offload.build(net, "NONE"), offload.build(net, "ALL")
+        budget = (none.peak + 2 * every.peak) // 3
+    plain = offload.build(net, policy, budget, times=times, hide=False)
+    hidden = offload.build(net, policy, budget, times=times, hide=True)
+    check_plan(hidden)
+    assert [e.name for e in hidden.entries] == [e.name for e in plain.entries]
+    assert hidden.info["lengthened"] > 0
+    assert hidden.peak <= max(plain.peak, budget)
+    vdnn = {e.name: e for e in plain.entries}
+    moved = held = 0
+    for e in hidden.entries:
+        p = vdnn[e.name]
+        assert e.hold >= p.hold == p.fwd_end
+        held += e.hold > p.hold
+        if e.bwd is not None:
+            assert e.prefetch <= p.prefetch       # never later than vDNN's point
+            moved += e.prefetch < p.prefetch
+    assert moved and held
+    # the model over the same times: no worse, and the copies out wait less
+    t_plain, stall_plain = offload.simulate(times, plain.entries, first, lazy=True)
+    t_hidden, stall_hidden = offload.simulate(times, hidden.entries, first, lazy=True)
+    assert t_hidden <= t_plain and stall_hidden < stall_plain
+    # and the offloader still reads only what was written, on the fake device
+    assert _run_on_fake_device(monkeypatch, net, hidden, early=False, iterations=1) > 0
+
+
+def test_hide_copies_keeps_the_order_copies_are_needed_in():
+    net = _net()
+    times = [1e-3] * (2 * len(net.layers))
+    op = offload.build(net, "ALL", times=times)
+    back = sorted((e for e in op.entries if e.bwd is not None), key=lambda e: e.bwd_first)
+    assert [e.prefetch for e in back] == sorted(e.prefetch for e in back)
