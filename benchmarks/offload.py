@@ -3,6 +3,7 @@ offload policy, with PyTorch's ``save_on_cpu(pin_memory=True)`` as the peer, in 
 
     python benchmarks/offload.py [--nets vgg16,resnet50] [--batch 256] [--iters 5]
                                  [--budgets 0.5,0.65,0.75] [--limits 12GiB] [--json OUT.json]
+                                 [--policies ALL,CONV] [--vdnn ALL,CONV,DYNAMIC]
                                  [--no-timeline] [--timeline-steps all|waits]
 
 Each configuration runs in a child process of its own (a clean device: its peak is its
@@ -255,8 +256,9 @@ def main():
     ap.add_argument("--limits", default="",
                     help="DYNAMIC budgets as --gpu_mem_limit takes them: 12GiB,12000MiB")
     ap.add_argument("--policies", default="ALL,CONV", help="the fixed policies after NONE")
-    ap.add_argument("--vdnn", action="store_true",
-                    help="also run each offloading row with vDNN's lives (hide_copies off)")
+    ap.add_argument("--vdnn", default="",
+                    help="policies (ALL,CONV,DYNAMIC) also run with vDNN's lives "
+                         "(hide_copies off), for comparison in the same run")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--timeline-steps", default="waits", choices=("all", "waits"))
@@ -281,7 +283,7 @@ def main():
             parse_gpu_mem_limit(text)          # a mistake stops here, not in a child
             runs.append(("DYNAMIC", text, f"DYNAMIC {text}"))
         for policy, budget, label in runs:
-            for hide in ((1, 0) if a.vdnn else (1,)):
+            for hide in ((1, 0) if policy in a.vdnn.split(",") else (1,)):
                 rows.append((f"minicaffe {label}{'' if hide else ' vDNN lives'}",
                              spawn("minicaffe", name, a.batch, policy, budget, a.iters,
                                    a.repeats, hide)))

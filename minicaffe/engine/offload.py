@@ -278,12 +278,13 @@ def simulate(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S, 
     compute stream (``times[s]`` seconds each), the copies on a device->host and a
     host->device stream, with the schedule's event waits.  The compute stream waits for
     a buffer's device->host copy before ``release`` (``lazy``: as placed) or else right
-    after its last forward reader, and for its host->device copy before its first
+    after its forward place is let go (``hold``: its last forward reader, unless
+    ``hide_copies`` kept it longer), and for its host->device copy before its first
     backward reader.  Returns (total, stall), stall being the time compute waited."""
     after, release, fetch, need = (collections.defaultdict(list) for _ in range(4))
     for e in entries:
         after[e.d2h_after].append(e)
-        r = e.release if lazy else e.fwd_end + 1
+        r = e.release if lazy else e.hold + 1
         if r is not None:
             release[r].append(e)
         if e.bwd_first is not None:
@@ -306,6 +307,20 @@ def simulate(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S, 
             d2h_free = out_done[id(e)] = max(d2h_free, t) + e.copy_bytes / d2h
     total = max(t, d2h_free, h2d_free)
     return total, stall + (total - t)
+
+
+def fifo_bound(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
+    """Modelled seconds of one forward-backward with these copies (each stream FIFO, in
+    the schedule's order) and no memory limit on the lives: no forward place is reused
+    before the end, and every map may come back as soon as it is out and backward has
+    begun -- what the same copies could do at best with the device's memory to spare."""
+    import types
+    L = len(times) // 2
+    free = [types.SimpleNamespace(d2h_after=e.d2h_after, hold=10 ** 9, release=None,
+                                  bwd_first=e.bwd_first, copy_bytes=e.copy_bytes,
+                                  prefetch=L if e.bwd_first is not None else None)
+            for e in sorted(entries, key=lambda e: (e.bwd_first is None, e.bwd_first or 0))]
+    return simulate(times, free, first, d2h, h2d)[0]
 
 
 def estimate_times(net):
@@ -429,48 +444,101 @@ def _copy_model(times, entries, first, d2h, h2d):
     return start, out_t, latest
 
 
-def hide_copies(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
-    """Lengthen the lives of offloaded ``entries`` (not yet split) so that their copies
-    have time to run, keeping the planned live bytes plus ``plan.side_bytes`` within
-    ``target``: the host->device copy starts early enough, by the model of
-    ``_copy_model`` over ``times`` (seconds per step), to end before its first backward
-    reader (``prefetch`` moves earlier: never later than vDNN's point), taken in the
-    order the maps are needed; then the forward place is kept (``hold``) until the step
-    the model says the device->host copy has ended, so that the compute stream does not
-    wait for it before reusing the place.  Each as far as the memory allows.  Returns
-    the number of lives lengthened.  Pure Python."""
+def _lengthen(plan, entries, times, target, d2h, h2d, scale=1.0, prefetch=True, hold=True,
+              judge=False, tries=6):
+    """One way to lengthen the lives (see ``hide_copies``): in the order the maps are
+    needed back, the host->device copy starts earlier than vDNN's point (never later),
+    up to the step by which the copies back, FIFO, would end before their first backward
+    readers (``_copy_model`` over ``times`` x ``scale``: a larger scale asks for less);
+    then, in the order the maps go out, the forward place is kept (``hold``) past the
+    last forward reader up to the step by which the device->host copy has ended.  Each
+    as far as the live bytes stay within ``target``; with ``judge``, only as far as the
+    model (``simulate`` over ``times``) gets shorter, among ``tries`` steps."""
     net = plan.net
     L = len(net.layers)
     first = n_prologue(net)
-    start, out_t, latest = _copy_model(times, entries, first, d2h, h2d)
+    start, out_t, latest = _copy_model([t * scale for t in times], entries, first, d2h, h2d)
     room = target - plan.side_bytes
     cur = live_bytes_with(plan, entries)
-    changed = 0
-    for e in sorted((e for e in entries if e.bwd_first is not None),
-                    key=lambda e: (e.bwd_first, e.prefetch)):
-        want = e.prefetch             # the last step at whose start the copy may begin
-        while want > L and start[want] > latest[id(e)]:
-            want -= 1
-        s = e.prefetch
-        while s - 1 >= max(L, e.hold + 2, want) and cur[s - 1] + e.nbytes <= room:
-            s -= 1
-            cur[s] += e.nbytes
-        if s < e.prefetch:
-            e.prefetch, e.on_demand = s, False
-            changed += 1
-    for e in sorted(entries, key=lambda e: e.d2h_after):
-        end = min(2 * L - 1 if e.bwd_first is None else e.prefetch - 2, 2 * L - 1)
-        want = e.hold                 # the last step that starts before the copy ends
-        while want + 1 <= end and start[want + 1] < out_t[id(e)]:
-            want += 1
-        h = e.hold
-        while h + 1 <= want and cur[h + 1] + e.nbytes <= room:
-            h += 1
-            cur[h] += e.nbytes
-        if h > e.hold:
-            e.hold = h
-            changed += 1
-    return changed
+    best = simulate(times, entries, first, d2h, h2d)[0] if judge else None
+
+    def choose(e, attr, candidates):
+        nonlocal best
+        old = pick = getattr(e, attr)
+        if not judge:
+            return candidates[-1] if candidates else old
+        for c in candidates:
+            setattr(e, attr, c)
+            total, _ = simulate(times, entries, first, d2h, h2d)
+            if total < best - 1e-9:
+                best, pick = total, c
+        setattr(e, attr, old)
+        return pick
+
+    def spread(a, z):              # up to ``tries`` steps from a (excluded) to z
+        if z == a:
+            return []
+        n = min(tries, abs(z - a))
+        return [a + (z - a) * k // n for k in range(1, n + 1)]
+
+    if prefetch:
+        for e in sorted((e for e in entries if e.bwd_first is not None),
+                        key=lambda e: (e.bwd_first, e.prefetch)):
+            want = e.prefetch
+            while want > L and start[want] > latest[id(e)]:
+                want -= 1
+            s = e.prefetch
+            while s - 1 >= max(L, e.hold + 2, want) and cur[s - 1] + e.nbytes <= room:
+                s -= 1
+            pick = choose(e, "prefetch", spread(e.prefetch, s))
+            if pick < e.prefetch:
+                cur[pick:e.prefetch] += e.nbytes
+                e.prefetch, e.on_demand = pick, False
+    if hold:
+        for e in sorted(entries, key=lambda e: e.d2h_after):
+            end = min(2 * L - 1 if e.bwd_first is None else e.prefetch - 2, 2 * L - 1)
+            want = e.hold
+            while want + 1 <= end and start[want + 1] < out_t[id(e)]:
+                want += 1
+            h = e.hold
+            while h + 1 <= want and cur[h + 1] + e.nbytes <= room:
+                h += 1
+            pick = choose(e, "hold", spread(e.hold, h))
+            if pick > e.hold:
+                cur[e.hold + 1:pick + 1] += e.nbytes
+                e.hold = pick
+
+
+# the ways hide_copies tries: (scale of the times, prefetch, hold, judged by the model)
+HIDE_WAYS = [(1.0, True, True, True), (1.0, True, True, False), (2.0, True, True, False),
+             (4.0, True, True, False), (1.0, True, False, False), (1.0, False, True, False)]
+
+
+def hide_copies(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
+    """Lengthen the lives of offloaded ``entries`` (not yet split) so that their copies
+    have time to run, keeping the planned live bytes plus ``plan.side_bytes`` within
+    ``target``: a host->device copy may start earlier than vDNN's point, a forward place
+    may be kept while its device->host copy runs (``_lengthen``).  Several ways of doing
+    so (``HIDE_WAYS``: greedy at several paces, prefetch or hold alone, or one map at a
+    time judged by the model) are tried, and the one the timeline model (``simulate``
+    over ``times``, seconds per step) finds shortest is kept -- none where none is
+    shorter than vDNN's lives.  Returns the number of lives lengthened.  Pure Python."""
+    first = n_prologue(plan.net)
+    base = [(e.prefetch, e.hold, e.on_demand) for e in entries]
+
+    def reset(state):
+        for e, (p, h, o) in zip(entries, state):
+            e.prefetch, e.hold, e.on_demand = p, h, o
+
+    best, best_state = simulate(times, entries, first, d2h, h2d)[0], base
+    for scale, prefetch, hold, judge in HIDE_WAYS:
+        reset(base)
+        _lengthen(plan, entries, times, target, d2h, h2d, scale, prefetch, hold, judge)
+        total, _ = simulate(times, entries, first, d2h, h2d)
+        if total < best - 1e-9:
+            best, best_state = total, [(e.prefetch, e.hold, e.on_demand) for e in entries]
+    reset(best_state)
+    return sum(1 for e, (p, h, _) in zip(entries, base) if e.prefetch != p or e.hold != h)
 
 
 def live_bytes_with(plan, entries):
@@ -590,6 +658,8 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
         plan = MemoryPlan(net, train=True, history_sets=history_sets)
         by_name = {e.name: e for e in candidates(plan, "ALL" if policy != "CONV" else "CONV")}
         entries = [by_name[n] for n in names]
+        for e, was in zip(entries, op.entries):     # fetched on demand to fit, say
+            e.prefetch, e.on_demand = was.prefetch, was.on_demand
         n = hide_copies(plan, entries, times, target)
         if not n:
             return op
@@ -600,6 +670,35 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
             return hidden
         target = min(target, live) - (hidden.peak - limit)
     return op
+
+
+def _fetch_on_demand(net, policy, names, budget, history_sets):
+    """The OffloadPlan of ``policy`` offloading the maps named ``names`` (with their
+    vDNN prefetch points among ``policy``'s candidates), where that plan is over
+    ``budget``: maps whose backward life covers the planned peak are fetched on demand
+    instead (by their first backward reader, not ahead of it), the largest first, until
+    the plan fits or none is left.  A prefetch ahead of a layer adds its map to that
+    layer's working set (VGG-16: conv1_1's output coming back while pool1 runs backward
+    over conv1_2's output and diff); on demand, that wait is the price of the budget."""
+    from ..gpu.plan import MemoryPlan
+    pool = "CONV" if policy == "CONV" else "ALL"
+    late = set()
+    while True:
+        plan = MemoryPlan(net, train=True, history_sets=history_sets)
+        by_name = {e.name: e for e in candidates(plan, pool)}
+        entries = [by_name[n] for n in names]
+        for e in entries:
+            if e.name in late:
+                e.prefetch, e.on_demand = e.bwd_first, True
+        op = OffloadPlan(plan, entries, policy, budget)
+        if not budget or op.peak <= budget:
+            return op
+        s = int(np.argmax(live_bytes(op.plan)))
+        more = [e for e in op.entries if e.bwd is not None and e.name not in late and
+                e.prefetch <= s < e.bwd_first]
+        if not more:
+            return op
+        late.add(max(more, key=lambda e: e.nbytes).name)
 
 
 def _build(net, policy, budget, history_sets, times):
@@ -613,15 +712,23 @@ def _build(net, policy, budget, history_sets, times):
     if policy in ("ALL", "CONV"):
         op = OffloadPlan(plan, candidates(plan, policy), policy, budget)
         if budget and op.peak > budget:
-            raise budget_error(net, plan, budget, policy)
+            op = _fetch_on_demand(net, policy, [e.name for e in op.entries], budget,
+                                  history_sets)
+        if budget and op.peak > budget:
+            raise budget_error(net, op.plan, budget, policy)
         return op
     # DYNAMIC
     if times is None:
         raise ValueError("DYNAMIC needs layer times (a profile or estimate_times)")
     if budget and plan.peak > budget:
         every = MemoryPlan(net, train=True, history_sets=history_sets)
+        names = [e.name for e in candidates(every, "ALL")]
         if OffloadPlan(every, candidates(every, "ALL"), "ALL").peak > budget:
-            raise budget_error(net, every, budget, "ALL")
+            fit = _fetch_on_demand(net, "ALL", names, budget, history_sets)
+            if fit.peak > budget:
+                raise budget_error(net, fit.plan, budget, "ALL")
+            fit.policy, fit.info = "DYNAMIC", {"on_demand_to_fit": True}
+            return fit            # ALL's maps, some fetched on demand to fit
     entries = candidates(plan, "ALL")
     chosen, info = choose_dynamic(plan, entries, times, budget)
     op = OffloadPlan(plan, chosen, "DYNAMIC", budget, info)
@@ -635,6 +742,10 @@ def _build(net, policy, budget, history_sets, times):
             plan = MemoryPlan(net, train=True, history_sets=history_sets)
             all_e = {e.name: e for e in candidates(plan, "ALL")}
             op = OffloadPlan(plan, [all_e[n] for n in chosen], "DYNAMIC", budget, info)
+        if op.peak > budget:
+            op = _fetch_on_demand(net, "DYNAMIC", [e.name for e in op.entries], budget,
+                                  history_sets)
+            op.info = info
         if op.peak > budget:
             raise budget_error(net, plan, budget, "DYNAMIC (everything offloaded)")
     return op
@@ -874,7 +985,9 @@ class Offloader:
     def __init__(self, step, oplan, policy, budget):
         self.step, self.net = step, step.net
         self.policy, self.budget = policy, budget
-        self.pending_profile = policy == "DYNAMIC"
+        # DYNAMIC chooses its maps, and every policy times its copies' lives
+        # (hide_copies), from one iteration timed layer by layer
+        self.pending_profile = policy == "DYNAMIC" or HIDE
         self.active = False
         self.profiling = False
         self.bodies = 0
@@ -1010,8 +1123,9 @@ class Offloader:
 
     # -- DYNAMIC ----------------------------------------------------------------------
     def profile(self, run_body):
-        """Run one body timed layer by layer (eagerly, under ALL), choose DYNAMIC's
-        buffers from those times, and apply the new plan (the step's ``plan``)."""
+        """Run one body timed layer by layer (eagerly; DYNAMIC under ALL), choose
+        DYNAMIC's buffers and every policy's lives (``hide_copies``) from those times,
+        and apply the new plan (the step's ``plan``)."""
         self.profiling = True
         try:
             run_body()
@@ -1027,7 +1141,7 @@ class Offloader:
         self.times = times
         step = self.step
         hist = len(step.solver.history_flat)
-        op = build(self.net, "DYNAMIC", self.budget, hist, times=times)
+        op = build(self.net, self.policy, self.budget, hist, times=times)
         for line in op.describe():
             log.info("%s", line)
         self.d2h.synchronize()
@@ -1158,7 +1272,7 @@ class Timeline:
         wait = sum(r["wait"] for r in rows)
         out_b = sum(e.copy_bytes for k, e, *_ in self.copy_times if k == "out")
         in_b = sum(e.copy_bytes for k, e, *_ in self.copy_times if k == "in")
-        model = None
+        model = unlimited = None
         off = self.step.offload
         if off is not None and rows:        # the timeline model over the measured steps
             times = [0.0] * (2 * len(self.net.layers))
@@ -1166,7 +1280,10 @@ class Timeline:
                 times[r["step"]] = r["ms"] * 1e-3
             model = simulate(times, off.oplan.entries, n_prologue(self.net), d2h, h2d,
                              lazy=True)[0] * 1e3
+            unlimited = fifo_bound(times, off.oplan.entries, n_prologue(self.net), d2h,
+                                   h2d) * 1e3
         return {"span": span - first, "compute": compute, "wait": wait, "model": model,
+                "unlimited": unlimited,
                 "gaps": max(0.0, span - first - compute - wait),
                 "out_ms": sum(b - a for k, _, _, a, b in self.copy_times if k == "out"),
                 "in_ms": sum(b - a for k, _, _, a, b in self.copy_times if k == "in"),
@@ -1236,7 +1353,9 @@ def timeline_lines(rows, summary, copies=(), label=""):
                f"{sm['in_ms']:.1f} ms ({sm['in_bytes'] / GiB:.2f} GiB); copy bound "
                f"{sm['bound']:.1f} ms" + (f"; the timeline model ({D2H_BYTES_PER_S / 1e9:.0f}/"
                                           f"{H2D_BYTES_PER_S / 1e9:.0f} GB/s) says "
-                                          f"{sm['model']:.1f} ms" if sm.get("model") else ""))
+                                          f"{sm['model']:.1f} ms" if sm.get("model") else "")
+               + (f", and with no memory limit on the lives {sm['unlimited']:.1f} ms"
+                  if sm.get("unlimited") else ""))
     worst = sorted((r for r in rows if r["wait"] > 0), key=lambda r: -r["wait"])[:5]
     if worst:
         out.append("  longest waits: " + "; ".join(
