@@ -89,7 +89,7 @@ def resolve_budget(budget):
     from ..core.config import budget_bytes
     if not isinstance(budget, str):
         return int(budget or 0)
-    if not context.is_gpu() or backend.cp is None:
+    if not context.is_gpu():
         raise ConfigError(f"--gpu_mem_limit {budget} reads the GPU's memory: it needs GPU "
                           f"mode (--gpu N); give a size such as 12GiB to plan without one")
     free, total = backend.device_memory()
