@@ -28,7 +28,18 @@ not a branch inside any layer:
   layer by layer with CUDA events, and then buffers are offloaded one at a time, those
   live at the planned peak first, only where the copies hide under compute (a timeline
   model of the compute and copy streams at ``D2H_BYTES_PER_S``/``H2D_BYTES_PER_S``) until
-  the planned peak fits ``gpu_memory_budget``.
+  the planned peak fits ``gpu_memory_budget``;
+- **hiding the copies** (``hide_copies``): the lives then grow where the copies need
+  time and the budget (or, without one, the plan's own peak) allows -- a copy back
+  starting before vDNN's point, a forward place held while its copy out runs -- in the
+  way the timeline model finds shortest, from estimated step times and then, for every
+  policy, from one timed iteration (the plan is made again);
+- **the budget** (``--gpu_mem_limit 12GiB``/``auto``: ``resolve_budget``): a budget
+  under the plan's peak but over the floor fetches maps on demand rather than ahead
+  (``_fetch_on_demand``); a floor over the budget takes a smaller cuDNN workspace
+  (``fit_workspace``); ``floor_parts`` says what the floor is made of;
+- **the timeline** (``Timeline``, ``trace_iteration``): CUDA events on the compute and
+  both copy streams over one eager forward-backward, for benchmarks/offload.py.
 
 What the plan does not hold stays where it was: parameters, their diffs and the solver's
 history, cuDNN's workspace, what layers keep from forward to backward
