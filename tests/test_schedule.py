@@ -6,8 +6,8 @@ import numpy as np
 from minicaffe import Net
 from minicaffe.multigpu import parallel
 from minicaffe.layers import registry
-from minicaffe.engine.schedule import (allreduce_pass, compile_iteration, fusion_pass,
-                                       run_device, run_eager, schedule_for)
+from minicaffe.engine.executor import run_ops
+from minicaffe.engine.schedule import allreduce_pass, compile_iteration, fusion_pass, schedule_for
 from minicaffe.proto import caffe_pb2
 
 from test_cli import REPO
@@ -77,7 +77,7 @@ def test_the_eager_executor_runs_the_schedule_in_order_through_the_net_hooks():
     rng = np.random.RandomState(0)
     net.blobs["data"].data[...] = rng.randn(*net.blobs["data"].shape)
     net.blobs["label"].data[...] = rng.randint(0, 5, net.blobs["label"].shape)
-    losses = run_eager(s, net)
+    losses = run_ops(s, net)
     want = [("forward" if op.kind == "prologue" else op.kind, i) for op in s
             if op.kind in ("prologue", "forward", "backward") for i in
             (op.layers if op.kind != "backward" else reversed(op.layers))]
@@ -88,9 +88,10 @@ def test_the_eager_executor_runs_the_schedule_in_order_through_the_net_hooks():
 
 
 def test_the_gpu_steps_body_runs_the_same_ops_without_reading_the_loss():
-    """``run_device`` (the GPU step's body) walks the same ops as the eager executor from
-    the first layer after the data prologue, through the same hooks, to the same
-    gradients; here on the CPU with no loss ring (the step adds losses on the device)."""
+    """The one executor's walker with a loss ring (the GPU step's body) walks the same ops
+    as in host mode from the first layer after the data prologue, through the same hooks,
+    to the same gradients; here on the CPU with a null ring address (the step adds the
+    losses on the device)."""
     grads, orders = [], []
     for runner in ("eager", "device"):
         net = _net()
@@ -104,9 +105,9 @@ def test_the_gpu_steps_body_runs_the_same_ops_without_reading_the_loss():
         net.blobs["label"].data[...] = rng.randint(0, 5, net.blobs["label"].shape)
         s = schedule_for(net)
         if runner == "eager":
-            run_eager(s, net)
+            assert len(run_ops(s, net)) == 1
         else:
-            run_device(s, net, 1, 0, None, 1)
+            assert run_ops(s, net, (0, None, 1), first=1) == []
         grads.append((runner, [p.data.copy() for p in net.learnable_params],
                       [p.diff.copy() for p in net.learnable_params]))
         orders.append([x for x in seen if x != ("forward", 0)])

@@ -25,13 +25,10 @@ Passes rewrite the list, each a plain function of a schedule and what it reads:
   add: none exists yet.
 
 ``schedule_for(net, iter_size, oplan, buckets)`` runs the passes; ``str(schedule)`` prints
-it one op per line (``minicaffe memory --schedule``).  ``run_eager(schedule, net)``
-executes its forward and backward ops in order, layer by layer through the Net's hooks:
-it is the iteration of the CPU and of a GPU without the GPU step (engine/executor.py).
-``run_device(schedule, net, ...)`` is the GPU step's body (engine/step.py): the same ops
-with the losses added on the device, run eagerly or captured once as a CUDA graph and
-replayed; its copies and all-reduces are made from the Net's hooks by the same plans
-the passes print.
+it one op per line (``minicaffe memory --schedule``).  One executor runs it
+(engine/executor.py ``run_ops``): eagerly with numpy on the CPU, eagerly with CuPy, or
+captured once as a CUDA graph and replayed (the GPU step's body, engine/step.py); its
+copies and all-reduces are made from the Net's hooks by the same plans the passes print.
 """
 import dataclasses
 
@@ -217,47 +214,3 @@ def schedule_for(net, iter_size=1, oplan=None, buckets=None):
     s = fusion_pass(s, net)
     s = offload_pass(s, net, oplan)
     return allreduce_pass(s, net, buckets)
-
-
-def run_device(schedule, net, first, ring_addr, counter, ring):
-    """The GPU step's body (engine/step.py), one pass: the forward ops of layers ``first``
-    on (the data prologue ran before, outside any graph) with nothing read back, each loss
-    added into the mapped ring at ``ring_addr`` (``Net.forward_layer_device``), then the
-    backward ops (``Net.backward_layer``).  Captured as a CUDA graph or run eagerly by the
-    step; the copy and all-reduce ops are the hooks'."""
-    fused = net.begin_pass()
-    for op in schedule.ops:
-        if op.kind == "forward":
-            for i in op.layers:
-                if i >= first:
-                    net.forward_layer_device(i, fused, ring_addr, counter, ring)
-        elif op.kind == "backward":
-            for i in reversed(op.layers):
-                net.backward_layer(i)
-
-
-def run_eager(schedule, net):
-    """Execute the forward and backward ops of ``schedule`` on ``net`` in order, layer by
-    layer (``Net.forward_layer``/``backward_layer``: the Net's hooks around each), one
-    pass of iter_size at a time (``Net.begin_pass``/``end_pass``).  Returns the loss of
-    each pass.  The loss and update ops are the caller's (the Solver reads the loss and
-    updates), the copy and all-reduce ops the hooks' (the offloader, P2PSync)."""
-    losses = []
-    fused = None
-    in_backward = False
-    for op in schedule.ops:
-        if op.kind in ("prologue", "forward"):
-            if fused is None or in_backward:
-                if in_backward:
-                    net.end_pass()
-                fused, in_backward = net.begin_pass(), False
-                losses.append(0.0)
-            for i in op.layers:
-                losses[-1] += net.forward_layer(i, fused)
-        elif op.kind == "backward":
-            in_backward = True
-            for i in reversed(op.layers):
-                net.backward_layer(i)
-    if in_backward:
-        net.end_pass()
-    return losses

@@ -35,7 +35,8 @@ from ..core.blob import Blob
 from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
-from .schedule import run_device, schedule_for
+from .executor import run_ops
+from .schedule import schedule_for
 from ..solvers.fused import FusedUpdate
 from ..core.synced_memory import SyncedMemory, HEAD_AT_CPU
 
@@ -237,9 +238,10 @@ class GpuStep:
             off = self.offload
             if off is not None:          # the offload copies run from the layer hooks
                 off.begin()
-            # the schedule's forward and backward ops (engine/schedule.py)
-            run_device(self.schedule, net, self.first_body, self.losses.ptr, self.counter,
-                       RING)
+            # the schedule's forward and backward ops, the losses into the ring (the one
+            # walker of engine/executor.py, here eagerly or under capture)
+            run_ops(self.schedule, net, (self.losses.ptr, self.counter, RING),
+                    self.first_body)
             if off is not None:
                 off.end()
             if with_update:

@@ -338,10 +338,8 @@ class Solver:
         """What runs this solver's iterations (engine/executor.py): the GPU step of the
         SGD family where it applies (``uses_gpu_step``), else the eager executor of the
         schedule, layer by layer in this thread's mode."""
-        from ..engine.executor import EagerExecutor, GraphExecutor
-        if self.uses_gpu_step:
-            return GraphExecutor(self, self._gpu_step())
-        return EagerExecutor(self)
+        from ..engine.executor import Executor
+        return Executor(self, self._gpu_step() if self.uses_gpu_step else None)
 
     def _account_loss(self, loss, start_iter, iteration=None):
         """One iteration's loss (averaged over iter_size): refused when not finite, then
