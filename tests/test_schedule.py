@@ -130,3 +130,44 @@ def test_memory_prints_the_schedule_with_the_offload_copies(cli):  # noqa: F811
     assert "schedule of one training iteration (passes: offload ALL)" in out
     assert "copy_out conv2 (51200 bytes device->host)" in out
     assert "copy_in pool1 (46080 bytes host->device)" in out
+
+
+def test_the_memory_plan_is_a_pass_reading_the_ops_reads_and_writes():
+    """engine/plan.py's ``memory_pass`` takes every buffer's lifetime from what the
+    schedule's ops read and write (``accesses``): each buffer lives over every step that
+    touches it; a layer's backward reads only the data it retains; iter_size repeats the
+    same steps and the plan; ``MemoryPlan(net)`` is the pass over the net's own schedule."""
+    from minicaffe.engine.plan import MemoryPlan, memory_pass
+    from minicaffe.engine.schedule import accesses
+    net = _net()
+    s = schedule_for(net)
+    plan = memory_pass(s, net)
+    where = {(id(b.mem)): b for b in plan.buffers}
+    ids = {n: i for i, n in enumerate(net.layer_names)}
+    touched = 0
+    for op in s:
+        for acc in accesses(net, op):
+            for u in acc.reads + acc.writes:
+                blob = (net.top_vecs if u.side == "top" else net.bottom_vecs)[acc.layer][u.j]
+                b = where.get(id(blob.data_mem if u.kind == "data" else blob.diff_mem))
+                if b is not None:
+                    assert b.start <= acc.step <= b.end, (str(op), u)
+                    touched += 1
+    assert touched > 2 * len(net.layers)
+    # a max pooling's backward reads no data (its mask is its state); a convolution's
+    # reads its bottom; a ReLU in place reads its top
+    L = len(net.layers)
+    back = {op.index: op for op in s if op.kind == "backward"}
+    pool = accesses(net, back[ids["pool1"]])[0]
+    assert pool.step == 2 * L - 1 - ids["pool1"]
+    assert [u for u in pool.reads if u.kind == "data"] == []
+    conv = accesses(net, back[ids["conv2"]])[0]
+    assert [(u.kind, u.side, net.blob_names[u.blob]) for u in conv.reads if u.kind == "data"] \
+        == [("data", "bottom", "pool1")]
+    assert where[id(net.blobs["pool1"].data_mem)].bwd_reads == [conv.step]
+    # iter_size repeats the steps: the same plan; the net's own schedule: the same plan
+    two = memory_pass(schedule_for(net, iter_size=2), net)
+    for p in (two, MemoryPlan(net)):
+        assert (p.arena_bytes, p.peak) == (plan.arena_bytes, plan.peak)
+        assert [(b.names, b.start, b.end, b.offset) for b in p.buffers] == \
+            [(b.names, b.start, b.end, b.offset) for b in plan.buffers]

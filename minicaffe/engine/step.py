@@ -105,9 +105,10 @@ class GpuStep:
         self.offload = None
         if reason is None:
             # every layer declares what it keeps: activations' diffs can share memory
-            from ..gpu.plan import MemoryPlan
             from .offload import Offloader
-            self.plan = MemoryPlan(net, train=True, history_sets=len(solver.history_flat))
+            from .plan import memory_pass
+            self.plan = memory_pass(self.schedule, net, train=True,
+                                    history_sets=len(solver.history_flat))
             # offload_param: a plan whose offloaded feature maps live twice (offload.py)
             self.offload = Offloader.for_step(self)
             self.plan.apply()
