@@ -37,7 +37,6 @@ from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
 from .executor import run_ops
 from .schedule import schedule_for
-from ..solvers.fused import FusedUpdate
 from ..core.synced_memory import SyncedMemory, HEAD_AT_CPU
 
 RING = 64
@@ -62,7 +61,7 @@ class GpuStep:
         cp = backend.gpu_module()
         self.solver = solver
         net = self.net = solver.net
-        self.update = FusedUpdate(solver)
+        self.update = solver.fused_update()   # the solver's update op (solvers/fused.py)
         p = solver.param
         self.iter_size = p.iter_size
         self.clip = p.clip_gradients >= 0

@@ -114,6 +114,13 @@ class SGDSolver(Solver):
             self.history.extend(hist)
         self._temp = {}
 
+    def fused_update(self):
+        """The update op the engine's GPU step runs (engine/step.py): this solver's rule
+        as one kernel over the flat buffers (solvers/fused.py).  The solver hands it to
+        the engine, which imports nothing of the solvers."""
+        from .fused import FusedUpdate
+        return FusedUpdate(self)
+
     # -- helpers ------------------------------------------------------------------------
     def _tmp(self, xp, i, shape, dtype, k=0):
         """A scratch array per (param, slot, array module), reused every iteration."""
