@@ -35,9 +35,6 @@ class Layer:
     # a data layer: its forward is host work plus a copy into its tops, run before the
     # captured part of the iteration each time (engine/step.py)
     graph_prologue = False
-    # set by the Net: a later layer rewrites one of this layer's tops in place, so a
-    # backward that reads the top data would read the later value (cuDNN's pooling does)
-    top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
     engine_name = "CAFFE"   # which engine's class this is (registry: 'CUDNN' for cuDNN's)
     in_place = False        # set by setup: a top is one of the bottoms
@@ -71,6 +68,13 @@ class Layer:
         """For a cuDNN class: None when cuDNN computes this LayerParameter as Caffe does,
         else the reason (the registry then builds Caffe's class, with one log line)."""
         return None
+
+    @classmethod
+    def cudnn_reads_top(cls, param):
+        """For a cuDNN class: True when its backward reads its top's data, which a later
+        layer rewriting that top in place would change (the Net knows: ``Net.top_rewritten``;
+        the registry then builds Caffe's class, with one log line)."""
+        return False
 
     def __init__(self, param):
         self.layer_param = param
