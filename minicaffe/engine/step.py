@@ -79,9 +79,6 @@ class GpuStep:
         while n < len(net.layers) and net.layers[n].graph_prologue:
             n += 1
         self.first_body = n
-        for layer in net.layers[:n]:
-            if hasattr(layer, "fixed_tops"):
-                layer.fixed_tops = True
         produced = set()
         inputs = []
         for i in range(n, len(net.layers)):
@@ -123,6 +120,17 @@ class GpuStep:
                      "(%.1f MiB unshared); planned peak %.1f MiB", net.name,
                      self.plan.arena_bytes / mib, self.plan.unshared_bytes / mib,
                      self.plan.peak / mib)
+        # the data layers' tops at fixed places (a replayed graph reads them there, and
+        # the host runs ahead): the plan's arena places, else device memory of their own
+        self.input_places = {}
+        for i in range(n):
+            for t in net.top_vecs[i]:
+                m = t.data_mem
+                if not isinstance(m, SyncedMemory) or m.size == 0:
+                    continue
+                if not m.planned:
+                    m.bind_device(backend.alloc_gpu(m.size, m.dtype))
+                self.input_places.setdefault(i, []).append([t, m.device_array])
         if graphs and graphs_reason:
             log.info("CUDA graph: off for net %s: %s; the iteration runs eagerly",
                      net.name, graphs_reason)
@@ -163,10 +171,36 @@ class GpuStep:
         with self.stream:
             for i in range(self.first_body):
                 net.run_hooks("before_forward", i)
+                self._note_places(i)
                 net.layers[i].forward_body(net.bottom_vecs[i], net.top_vecs[i])
+                self._tops_in_place(i)
                 net.run_hooks("after_forward", i)
             self._prepare()
             self._run(("fb", bool(first), bool(with_update)))
+
+    def _note_places(self, i):
+        """Before data layer i's forward: a top placed now (by the plan in force, or by
+        this step) keeps that place; one pointed elsewhere since (a user's forward
+        between iterations) goes back to the place it had."""
+        for entry in self.input_places.get(i, ()):
+            m = entry[0].data_mem
+            if isinstance(m, SyncedMemory) and m.planned:
+                entry[1] = m.device_array
+
+    def _tops_in_place(self, i):
+        """Data layer i's tops back at their fixed places: a top its forward pointed at a
+        batch's buffer (data/prefetch.py hands batches over so) is copied there, on the
+        step's stream; a top written in place needs nothing.  (This replaces a flag the
+        step used to set on the data layers.)"""
+        for entry in self.input_places.get(i, ()):
+            t, place = entry
+            m = t.data_mem
+            if not isinstance(m, SyncedMemory) or m.device_array is place:
+                continue
+            if m.size > place.size:     # a larger batch: a larger place of its own (the
+                place = entry[1] = backend.alloc_gpu(m.size, m.dtype)   # shapes changed:
+            place[:m.size] = m.gpu_data()[:m.size]                 # graphs are captured anew
+            m.bind_device(place, keep_contents=False)
 
     def apply_update(self):
         with self.stream:
