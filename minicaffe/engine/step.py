@@ -36,7 +36,7 @@ from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
 from .executor import run_ops
-from .schedule import schedule_for
+from .schedule import Schedule, schedule_for
 from ..core.synced_memory import SyncedMemory, HEAD_AT_CPU
 
 RING = 64
@@ -89,6 +89,8 @@ class GpuStep:
                 produced.add(id(t))
         self.input_blobs = inputs
         self.schedule = schedule_for(net)     # one pass: the solver loops over iter_size
+        # its prologue ops (the data layers), run eagerly before the body each time
+        self.prologue = Schedule([op for op in self.schedule if op.kind == "prologue"])
         reason = why_not_capturable(net, n)
         if reason is None and self.iter_size > 1 and solver.config.world_size > 1:
             # the all-reduce runs in the last of iter_size passes only: a pass's graph
@@ -170,11 +172,11 @@ class GpuStep:
             self._h2d = None
         with self.stream:
             for i in range(self.first_body):
-                net.run_hooks("before_forward", i)
                 self._note_places(i)
-                net.layers[i].forward_body(net.bottom_vecs[i], net.top_vecs[i])
+            # the prologue ops through the same walker, eagerly, nothing read back
+            run_ops(self.prologue, net, (0, None, 1))
+            for i in range(self.first_body):
                 self._tops_in_place(i)
-                net.run_hooks("after_forward", i)
             self._prepare()
             self._run(("fb", bool(first), bool(with_update)))
 
