@@ -199,9 +199,11 @@ class GpuStep:
             m = t.data_mem
             if not isinstance(m, SyncedMemory) or m.device_array is place:
                 continue
-            if m.size > place.size:     # a larger batch: a larger place of its own (the
-                place = entry[1] = backend.alloc_gpu(m.size, m.dtype)   # shapes changed:
-            place[:m.size] = m.gpu_data()[:m.size]                 # graphs are captured anew
+            if m.size > place.size:
+                # a larger batch: a larger place of its own (the input shapes changed, so
+                # the graphs are captured anew, at this address)
+                place = entry[1] = backend.alloc_gpu(m.size, m.dtype)
+            place[:m.size] = m.gpu_data()[:m.size]
             m.bind_device(place, keep_contents=False)
 
     def apply_update(self):
