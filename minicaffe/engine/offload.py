@@ -2,7 +2,7 @@
 
 A feature map that backward needs much later leaves the GPU during forward and comes
 back just in time during backward, so the device holds only a window of layers.  Here
-that is a transformation of the step's memory plan (gpu/plan.py) and of its schedule,
+that is a transformation of the step's memory plan (engine/plan.py) and of its schedule,
 not a branch inside any layer:
 
 - **the plan**: an offloaded data buffer (a SyncedMemory, counted once however many
@@ -119,7 +119,7 @@ def fit_workspace(net, budget, history_sets=1):
     (``cudnn.choose_workspace``), or each call's least-workspace algorithm where none
     fits.  Returns (old bytes, new bytes), or None where nothing changed.  (Other
     algorithms may round differently in the last bits.)"""
-    from ..gpu.plan import MemoryPlan
+    from .plan import MemoryPlan
     convs = [l for l in net.layers if getattr(l, "_cudnn_key", None) is not None and
              getattr(l, "candidates", None) and hasattr(l, "use_workspace")]
     if not convs or not budget:
@@ -651,13 +651,13 @@ class OffloadPlan:
 
 
 def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
-    from ..gpu.plan import MemoryPlan
     """The OffloadPlan of ``policy`` for ``net``'s training step (a fresh MemoryPlan,
     split).  DYNAMIC needs ``times`` (seconds per step); a budget that even ALL cannot
     meet raises BudgetError.  Unless ``hide`` (default ``HIDE``) is false, the lives of
     the chosen maps are then lengthened where their copies need it (``hide_copies``,
     over ``times`` or ``estimate_times``) within the budget, or within the peak of the
     plan without it where there is no budget.  Pure Python: runs without a GPU."""
+    from .plan import MemoryPlan
     op = _build(net, policy, budget, history_sets, times)
     if not op.entries or not (HIDE if hide is None else hide):
         return op
@@ -691,7 +691,7 @@ def _fetch_on_demand(net, policy, names, budget, history_sets):
     the plan fits or none is left.  A prefetch ahead of a layer adds its map to that
     layer's working set (VGG-16: conv1_1's output coming back while pool1 runs backward
     over conv1_2's output and diff); on demand, that wait is the price of the budget."""
-    from ..gpu.plan import MemoryPlan
+    from .plan import MemoryPlan
     pool = "CONV" if policy == "CONV" else "ALL"
     late = set()
     while True:
@@ -713,7 +713,7 @@ def _fetch_on_demand(net, policy, names, budget, history_sets):
 
 
 def _build(net, policy, budget, history_sets, times):
-    from ..gpu.plan import MemoryPlan
+    from .plan import MemoryPlan
     policy = parse_policy(policy)
     plan = MemoryPlan(net, train=True, history_sets=history_sets)
     if policy == "NONE":
@@ -940,7 +940,7 @@ def memory_lines(net, history_sets=1, config=None):
     budget = resolve_budget(budget)
     policies = POLICIES if policy == "NONE" else ("NONE", policy)
     rows, summary = memory_rows(net, policies, budget, history_sets)
-    from ..gpu.plan import MemoryPlan
+    from .plan import MemoryPlan
     floor = floor_lines(MemoryPlan(net, train=True, history_sets=history_sets))
     return format_memory_report(net, rows, summary, budget, estimated=True) + [""] + floor
 

@@ -35,9 +35,6 @@ class Layer:
     # a data layer: its forward is host work plus a copy into its tops, run before the
     # captured part of the iteration each time (engine/step.py)
     graph_prologue = False
-    # set by the Net: a later layer rewrites one of this layer's tops in place, so a
-    # backward that reads the top data would read the later value (cuDNN's pooling does)
-    top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
     engine_name = "CAFFE"   # which engine's class this is (registry: 'CUDNN' for cuDNN's)
     in_place = False        # set by setup: a top is one of the bottoms
@@ -45,7 +42,7 @@ class Layer:
     # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
     # whose *data* the backward body reads.  None: all of them (the default, always safe).
     # A layer whose answer depends on its parameters, its engine or on running in place
-    # makes these properties.  The memory plan and offload read them (gpu/plan.py keeps a
+    # makes these properties.  The memory plan and offload read them (engine/plan.py keeps a
     # blob's data alive until the last backward that retains it); tests/layers/
     # test_registry.py checks each declaration against the math (the data not retained is
     # poisoned before backward, and the gradients must not change).
@@ -71,6 +68,13 @@ class Layer:
         """For a cuDNN class: None when cuDNN computes this LayerParameter as Caffe does,
         else the reason (the registry then builds Caffe's class, with one log line)."""
         return None
+
+    @classmethod
+    def cudnn_reads_top(cls, param):
+        """For a cuDNN class: True when its backward reads its top's data, which a later
+        layer rewriting that top in place would change (the Net knows: ``Net.top_rewritten``;
+        the registry then builds Caffe's class, with one log line)."""
+        return False
 
     def __init__(self, param):
         self.layer_param = param
@@ -184,7 +188,7 @@ class Layer:
         except Exception as e:
             raise self.failure(e) from e
 
-    # -- what the memory plan needs to know (gpu/plan.py) ---------------------------------
+    # -- what the memory plan needs to know (engine/plan.py) ---------------------------------
 
     def state_bytes(self, bottom, top):
         """Device bytes this layer keeps from forward to backward beside its tops (a mask,
