@@ -274,6 +274,8 @@ def main():
         rows = []
         none = spawn("minicaffe", name, a.batch, "NONE", 0, a.iters, a.repeats, 1)
         rows.append(("minicaffe NONE", none))
+        print(f"  ({name} NONE: " + (none["error"] if "error" in none else
+              f"{none['ms']:.1f} ms, peak {none['peak'] / GiB:.2f} GiB") + ")", flush=True)
         from minicaffe.core.config import parse_gpu_mem_limit
         runs = [(p, 0, p) for p in a.policies.split(",") if p]
         for f in [float(x) for x in a.budgets.split(",") if x and "planned" in none]:
@@ -287,6 +289,9 @@ def main():
                 rows.append((f"minicaffe {label}{'' if hide else ' vDNN lives'}",
                              spawn("minicaffe", name, a.batch, policy, budget, a.iters,
                                    a.repeats, hide)))
+                r = rows[-1][1]            # as it comes: a run cut short keeps its rows
+                print(f"  ({name} {rows[-1][0]}: " + (r["error"] if "error" in r else
+                      f"{r['ms']:.1f} ms, peak {r['peak'] / GiB:.2f} GiB") + ")", flush=True)
         if not a.no_torch:
             for mode in ("none", "save_on_cpu"):
                 rows.append((f"PyTorch {mode}", spawn("torch", name, a.batch, mode, a.iters,
