@@ -1158,9 +1158,7 @@ class Offloader:
         self.d2h.synchronize()
         self.h2d.synchronize()
         old, old_slab = self.oplan.entries, self.slab
-        step.plan.release()
-        step.plan = op.plan
-        step.plan.apply()            # (what ALL had parked is copied from the old slab)
+        step.replan(op.plan)         # (what ALL had parked is copied from the old slab)
         self._use(op)
         kept = {id(e.buf.mem) for e in op.entries}
         for e in old:                # no host side may point into the old slab

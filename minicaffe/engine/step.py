@@ -180,6 +180,20 @@ class GpuStep:
             self._prepare()
             self._run(("fb", bool(first), bool(with_update)))
 
+    def replan(self, plan):
+        """Put ``plan`` in force in place of the present one (offload's re-plan after its
+        timed iteration): the old arena goes back before the new one is made -- the data
+        tops' fixed places in it are let go first and follow them into the new one."""
+        for entries in self.input_places.values():
+            for entry in entries:
+                if entry[0].data_mem.planned:
+                    entry[1] = None
+        self.plan.release()
+        self.plan = plan
+        plan.apply()
+        for i in range(self.first_body):
+            self._note_places(i)
+
     def _note_places(self, i):
         """Before data layer i's forward: a top placed now (by the plan in force, or by
         this step) keeps that place; one pointed elsewhere since (a user's forward
