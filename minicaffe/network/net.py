@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ..core import context, fileio, log, protoio
+from ..core import context, fileio, log, precision, protoio
 from ..core.blob import Blob
 from ..core.errors import ConfigError, MinicaffeError
 from ..proto import caffe_pb2
@@ -225,6 +225,11 @@ class Net:
         log.info("Initializing net from parameters: \n%s", _short_text(filtered))
         param = insert_splits(_batchnorm_out_of_place(filtered))
         self.net_param = param
+        # the storage type of every blob (core/precision.py: NVIDIA Caffe's type fields
+        # under the run's --precision); reduced types are kept by rounding (hooks below)
+        self.types = precision.resolve(param, self.config.precision)
+        if self.types.reduced:
+            log.info("Precision: %s", self.types.describe())
         self.name = param.name
         self.layers = []
         self.layer_names = []
@@ -342,6 +347,7 @@ class Net:
         self.layer_names_index = {n: i for i, n in enumerate(self.layer_names)}
         self.share_weights()
         self._share_workspace()
+        self._round_to_storage()
         log.info("Network initialization done.")
 
     def _share_workspace(self, config=None):
@@ -358,6 +364,40 @@ class Net:
             if cap != getattr(self, "_workspace_cap", None):
                 log.info("cuDNN workspace for %s: %.1f MiB", self.name, cap / 2 ** 20)
             self._workspace_cap = cap
+
+    def _round_to_storage(self):
+        """Where a blob is stored in a reduced type (``self.types``), round what a layer
+        writes to that type's values: its tops' data after its forward, its bottoms' diffs
+        after its backward (core/precision.round_to), the first of the Net's hooks.  The
+        arithmetic stays fp32; the values are the reduced storage's, on every device."""
+        t = self.types
+        if not t.reduced:
+            return
+        FLOAT = precision.FLOAT
+        tops, bottoms = [], []
+        for i in range(len(self.layers)):
+            tops.append([(self._blobs[b], t.data.get(self.blob_names[b], FLOAT))
+                         for b in self.top_id_vecs[i]])
+            tops[-1] = [(b, s) for b, s in tops[-1] if s != FLOAT]
+            bottoms.append([(self._blobs[b], t.diff.get(self.blob_names[b], FLOAT))
+                            for j, b in enumerate(self.bottom_id_vecs[i])
+                            if self.bottom_need_backward[i][j]])
+            bottoms[-1] = [(b, s) for b, s in bottoms[-1] if s != FLOAT]
+
+        def after_forward(i):
+            if tops[i]:
+                xp = context.xp()
+                for blob, storage in tops[i]:
+                    precision.round_to(xp, blob.mutable_data_for(xp), storage)
+
+        def after_backward(i):
+            if bottoms[i] and self.layer_need_backward[i]:
+                xp = context.xp()
+                for blob, storage in bottoms[i]:
+                    precision.round_to(xp, blob.mutable_diff_for(xp), storage)
+
+        self.add_hook("after_forward", after_forward)
+        self.add_hook("after_backward", after_backward)
 
     def _check_unique_names(self):
         """Weights are matched to layers by name, so two layers of one name where either has
