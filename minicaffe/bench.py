@@ -491,6 +491,7 @@ def run(flags, gpu=None, out=None):
     machine, versions = machine_info(gpu, torch_mod)
     report = {"command": " ".join(["minicaffe"] + list(getattr(flags, "argv", ["bench"]))),
               "machine": machine, "versions": versions, "dtype": "float32",
+              "precision": config.precision or "fp32",
               "tf32": {"minicaffe": minicaffe_tf32(config),
                        "torch": bool(flags.tf32) if torch_mod is not None else None},
               "cudnn_benchmark": True if torch_mod is not None and gpu is not None else None,
@@ -537,6 +538,9 @@ def _print_header(report, flags, out):
     print("versions: " + ", ".join(vs), file=out)
     tf = report["tf32"]
     line = f"dtype: {report['dtype']}; TF32: minicaffe {'on' if tf['minicaffe'] else 'off'}"
+    if report.get("precision", "fp32") != "fp32":
+        line = (f"precision: minicaffe {report['precision']} (feature maps and diffs; "
+                f"fp32 master weights); " + line)
     if tf["torch"] is not None:
         line += f", torch {'on' if tf['torch'] else 'off'}"
     if report["cudnn_benchmark"]:

@@ -179,3 +179,104 @@ def test_reduced_forward_backward_tracks_fp32(prec, tol):
     g, g0 = low.params["conv"][0].diff, ref.params["conv"][0].diff
     assert np.abs(g - g0).max() <= 2 * tol * np.abs(g0).max()
     assert not np.array_equal(low.blobs["conv"].data, ref.blobs["conv"].data)
+
+
+# -- the solver: loss scaling, skipped steps, fp32 snapshots, exact resume ----------------------
+SOLVER = """
+net_param { %s }
+base_lr: 0.1 momentum: 0.9 weight_decay: 0.0005 lr_policy: "fixed" max_iter: 100
+display: 0 snapshot_after_train: false random_seed: 1701 solver_mode: CPU
+"""
+
+
+def solver_of(net_text=NET, precision=None, extra=""):
+    from minicaffe.solvers import SGDSolver
+    from minicaffe.core.protoio import parse_text
+    sp = parse_text(SOLVER % net_text + extra, caffe_pb2.SolverParameter())
+    return SGDSolver(sp, config=RunConfig(precision=precision))
+
+
+def test_bf16_needs_no_scaling_and_fp16_scales_dynamically():
+    assert solver_of(precision="bf16").loss_scaler is None
+    s = solver_of(precision="fp16")
+    assert s.loss_scaler.dynamic and s.loss_scaler.scale == 2.0 ** 16
+    s.step(3)
+    assert s.loss_scaler.skipped == 0 and np.isfinite(s.net.params["ip"][0].data).all()
+    s2 = solver_of(NET + "global_grad_scale: 4", precision="bf16")
+    assert not s2.loss_scaler.dynamic and s2.loss_scaler.scale == 4.0
+
+
+def test_loss_scale_multiplies_the_gradient_and_the_update_divides_it_back():
+    """Through FLOAT16 diffs, a loss weighted 1e-6: with a scale of 1 the gradients fall
+    into fp16's subnormals and lose their digits; with 2^16 they keep them; after the
+    unscale both are in fp32 units, the loss weight is put back."""
+    grads = {}
+    for prec, scale in ((None, 1.0), ("fp16", 1.0), ("fp16", 65536.0)):
+        s = solver_of(NET + "global_grad_scale: %g" % scale, precision=prec)
+        s.net.blob_by_name("loss").diff[...] = 1e-6
+        s.net.clear_param_diffs()
+        s.net.forward()
+        s.net.backward()
+        assert float(s.net.blob_by_name("loss").diff) == pytest.approx(1e-6)
+        assert s.loss_scaler is None or s.loss_scaler.unscale()
+        grads[prec, scale] = s.net.params["conv"][0].diff.copy()
+    ref = grads[None, 1.0]
+
+    def err(g):
+        return np.abs(g - ref).max() / np.abs(ref).max()
+    assert err(grads["fp16", 65536.0]) < 1e-2
+    assert err(grads["fp16", 1.0]) > 5e-2
+
+
+def test_overflowing_step_is_skipped_counted_and_the_scale_backs_off():
+    s = solver_of(precision="fp16")
+    w0 = [b.data.copy() for b in s.net.learnable_params]
+    s.loss_scaler.scale = 2.0 ** 40          # the diffs overflow fp16
+    s.step(1)
+    assert s.loss_scaler.skipped == 1 and s.loss_scaler.scale == 2.0 ** 39
+    assert all(np.array_equal(a, b.data) for a, b in zip(w0, s.net.learnable_params))
+    assert s.iter == 1
+    s.loss_scaler.scale = 2.0 ** 10
+    s.step(1)
+    assert s.loss_scaler.skipped == 1
+    assert not all(np.array_equal(a, b.data) for a, b in zip(w0, s.net.learnable_params))
+
+
+def test_fp16_snapshot_is_fp32_caffemodel_and_resume_is_exact(tmp_path):
+    prefix = str(tmp_path / "p")
+    s = solver_of(precision="fp16", extra=f'snapshot_prefix: "{prefix}"')
+    s.step(2)
+    s.loss_scaler.scale = 2.0 ** 40          # one overflow: the scale's state must travel
+    s.step(1)
+    s.snapshot()
+    s.step(3)
+    want = [b.data.copy() for b in s.net.learnable_params]
+    with open(prefix + "_iter_3.caffemodel", "rb") as f:
+        weights = caffe_pb2.NetParameter.FromString(f.read())
+    conv = [l for l in weights.layer if l.name == "conv"][0]
+    assert len(conv.blobs[0].data) == 3 * 2 * 3 * 3 and not len(conv.blobs[0].double_data)
+    r = solver_of(precision="fp16", extra=f'snapshot_prefix: "{prefix}"')
+    r.restore(prefix + "_iter_3.solverstate")
+    assert r.loss_scaler.state() == (2.0 ** 39, 0, 1)
+    r.step(3)
+    for a, b in zip(want, r.net.learnable_params):
+        assert np.array_equal(a, b.data)
+
+
+def test_solver_field_and_cli_flag(cli, tmp_path):
+    s = solver_of(precision=None, extra='minicaffe_precision: "BF16"')
+    assert s.config.precision == "bf16" and s.net.types.reduced
+    assert s.test_nets == [] or s.test_nets[0].types.reduced
+    with pytest.raises(ConfigError, match="minicaffe_precision"):
+        solver_of(extra='minicaffe_precision: "FP8"')
+    with pytest.raises(ConfigError, match="solver_data_type DOUBLE"):
+        solver_of(extra="solver_data_type: DOUBLE")
+    (tmp_path / "solver.prototxt").write_text(SOLVER % NET.replace("\n", " ") +
+                                              "max_iter: 2 display: 1")
+    rc, out, err = cli("train", "--solver", tmp_path / "solver.prototxt", "--precision", "fp16")
+    assert rc == 0, err
+    assert "Precision: storage types" in err and "loss scale 65536 (dynamic)" in err
+    rc, out, err = cli("train", "--solver", tmp_path / "solver.prototxt", "--precision", "fp8")
+    assert rc == 1 and err.strip().splitlines()[-1].endswith(
+        "--precision 'fp8': expected fp32, tf32, bf16 or fp16")
+    assert "Traceback" not in err
