@@ -160,9 +160,12 @@ def bench_minicaffe(run, net, iterations, repeats, warmup, gpu, iter_size=1, pea
     return Result("minicaffe", ms, _images_per_iter(net, iter_size), peak, what)
 
 
-def bench_torch(net, blobs, solver_param, iterations, repeats, warmup, gpu, train=True):
+def bench_torch(net, blobs, solver_param, iterations, repeats, warmup, gpu, train=True,
+                precision=None):
     """(eager Result, CUDA-graph Result or None, twin notes): the same net and step in
-    PyTorch (see torch_twin), eager and, on the GPU, captured as one CUDA graph."""
+    PyTorch (see torch_twin), eager and, on the GPU, captured as one CUDA graph;
+    ``precision`` bf16/fp16 (GPU): under torch.autocast in that type with channels_last
+    convolutions (fp16 without a GradScaler: the time of the step, not its scaling)."""
     import torch
     from .torch_twin import TorchTwin, make_optimizer
     device = f"cuda:{gpu}" if gpu is not None else "cpu"
@@ -180,6 +183,13 @@ def bench_torch(net, blobs, solver_param, iterations, repeats, warmup, gpu, trai
     twin = TorchTwin(net, device, blobs=blobs)
     twin.train(train)
     inputs = twin.inputs_from(net)
+    if precision in ("bf16", "fp16") and gpu is not None:
+        twin.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+        twin.to_channels_last()
+        inputs = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
+                  for k, v in inputs.items()}
+        twin.notes.append(f"torch.autocast({precision}) + channels_last" +
+                          (" (no GradScaler)" if precision == "fp16" else ""))
     if train:
         opt = make_optimizer(twin, solver_param)
 
@@ -606,7 +616,8 @@ def _bench_one(source, flags, gpu, train, iterations, input_shape, stages, torch
     if torch_mod is not None:
         log.info("bench: timing the PyTorch twin of %s", net.name)
         eager, graph, notes = bench_torch(net, blobs, sp, iterations, flags.repeats,
-                                          flags.warmup, gpu, train)
+                                          flags.warmup, gpu, train,
+                                          precision=getattr(flags, "precision", None) or None)
         row["notes"] = notes
         row["results"].append(eager.as_dict())
         row["ratios"]["minicaffe/torch_eager"] = mc.median_ms / eager.median_ms

@@ -153,6 +153,24 @@ def _defaults(net_param, precision):
     return ft, bt, fm, bm
 
 
+def preserves(lp, backward=False):
+    """True when layer ``lp``'s forward (or backward) writes only values it read: its
+    output needs no rounding when its inputs are stored in the output's type (ReLU
+    without a slope, MAX pooling's forward, the data movers; Eltwise SUM's backward with
+    unit coefficients)."""
+    t = lp.type
+    if t == "ReLU":
+        return lp.relu_param.negative_slope == 0
+    if t in ("Flatten", "Reshape", "Slice", "Concat"):
+        return True
+    if backward:
+        return t == "Eltwise" and lp.eltwise_param.operation == 1 and \
+            all(c == 1 for c in lp.eltwise_param.coeff)
+    if t == "Split":
+        return True
+    return t == "Pooling" and lp.pooling_param.pool == 0
+
+
 def is_loss_type(layer_type):
     return layer_type.endswith("Loss")
 

@@ -51,6 +51,9 @@ class Layer:
     # poisoned before backward, and the gradients must not change).
     retain_inputs = None
     retain_outputs = None
+    # core/precision.LayerTypes: the storage and math types the Net resolved for this layer
+    # (None: built outside a Net, fp32); a layer with a reduced-type body reads it
+    types = None
     _config = None
 
     @property

@@ -268,6 +268,7 @@ class Net:
                                   f"either 0 or bottom_size times ({len(lp.bottom)})")
             layer = create_layer(lp)
             layer.config = layer_config
+            layer.types = self.types.layers[layer_id]     # its storage and math types
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             log.info("Creating Layer %s", lp.name)
@@ -370,31 +371,48 @@ class Net:
         writes to that type's values: its tops' data after its forward, its bottoms' diffs
         after its backward (core/precision.round_to), the first of the Net's hooks.  The
         arithmetic stays fp32; the values are the reduced storage's, on every device."""
+        from ..kernels.precision import round_storage
         t = self.types
         if not t.reduced:
             return
         FLOAT = precision.FLOAT
         tops, bottoms = [], []
-        for i in range(len(self.layers)):
+        for i, lp in enumerate(self.net_param.layer):
+            names = [self.blob_names[b] for b in self.bottom_id_vecs[i]]
+            ins = {t.data.get(n, FLOAT) for n in names}
             tops.append([(self._blobs[b], t.data.get(self.blob_names[b], FLOAT))
                          for b in self.top_id_vecs[i]])
-            tops[-1] = [(b, s) for b, s in tops[-1] if s != FLOAT]
-            bottoms.append([(self._blobs[b], t.diff.get(self.blob_names[b], FLOAT))
-                            for j, b in enumerate(self.bottom_id_vecs[i])
+            # a layer that writes only values it read, from inputs of the output's type,
+            # needs no rounding (ReLU, MAX pooling, the data movers)
+            tops[-1] = [(b, s) for b, s in tops[-1] if s != FLOAT and not (
+                precision.preserves(lp) and names and ins == {s})]
+            outs = {t.diff.get(self.blob_names[b], FLOAT) for b in self.top_id_vecs[i]}
+            bottoms.append([(self._blobs[b], t.diff.get(n, FLOAT))
+                            for j, (b, n) in enumerate(zip(self.bottom_id_vecs[i], names))
                             if self.bottom_need_backward[i][j]])
-            bottoms[-1] = [(b, s) for b, s in bottoms[-1] if s != FLOAT]
+            bottoms[-1] = [(b, s) for b, s in bottoms[-1] if s != FLOAT and not (
+                precision.preserves(lp, backward=True) and outs == {s})]
 
         def after_forward(i):
-            if tops[i]:
+            # a layer whose reduced-type body rounds what it writes (a cuDNN convolution
+            # in float16/bfloat16) says so (``rounds_outputs``); the first layer of a pair
+            # that ran fused (BatchNorm+Scale...) stores nothing: its pair's output is
+            if i in self._fused_pass:
+                return
+            if tops[i] and not getattr(self.layers[i], "rounds_outputs", False):
                 xp = context.xp()
                 for blob, storage in tops[i]:
-                    precision.round_to(xp, blob.mutable_data_for(xp), storage)
+                    round_storage(xp, blob.mutable_data_for(xp), storage)
 
         def after_backward(i):
-            if bottoms[i] and self.layer_need_backward[i]:
+            f, role = self.fusion_of(i)
+            if role == 1 and f.fuses_backward and f.index in self._fused_pass:
+                return      # computed inside its pair's backward: nothing stored between
+            if bottoms[i] and self.layer_need_backward[i] and \
+                    not getattr(self.layers[i], "rounds_outputs", False):
                 xp = context.xp()
                 for blob, storage in bottoms[i]:
-                    precision.round_to(xp, blob.mutable_diff_for(xp), storage)
+                    round_storage(xp, blob.mutable_diff_for(xp), storage)
 
         self.add_hook("after_forward", after_forward)
         self.add_hook("after_backward", after_backward)
