@@ -771,6 +771,7 @@ def memory(flags):
           f"{' on GPU ' + str(gpus[0]) if gpus else ' (no GPU: cuDNN workspaces not counted)'}")
     for line in plan.report():
         print(line)
+    _print_precision(net)
     mib = 1 << 20
     print(f"with the data that backward does not read sharing memory too: arena "
           f"{shared.arena_bytes / mib:.1f} MiB, peak {shared.peak / mib:.1f} MiB")
@@ -836,10 +837,27 @@ def _memory_cpu(solver, schedule=False):
     print(f"measured (tracemalloc, numpy buffers and Python objects): {before / mib:.1f} MiB "
           f"after set-up, {after / mib:.1f} MiB after one training step, peak {peak / mib:.1f} "
           f"MiB (the rest of the peak is scratch: im2col columns, temporaries)")
+    _print_precision(net)
     if schedule:
         _print_schedule(solver)
     solver.close()
     return 0
+
+
+def _print_precision(net):
+    """``memory --precision``: the storage types the net resolved (core/precision.py).
+    The blobs are fp32 buffers holding the reduced type's values (docs/precision.md), so
+    the bytes above are fp32's; the line says what reduced storage would hold."""
+    t = net.types
+    if not t.reduced:
+        return
+    full = sum(b.count() * 4 for b in net.blobs.values())
+    reduced = sum(t.bytes_of(n, b.count()) for n, b in net.blobs.items())
+    print(f"precision {t.precision or 'from the net'}: {t.describe()}")
+    print(f"feature-map data in its storage types: {reduced / (1 << 20):.1f} MiB (held as fp32 "
+          f"buffers: {full / (1 << 20):.1f} MiB)")
+    for line in t.lines():
+        print("  " + line)
 
 
 def _g(x):

@@ -306,3 +306,34 @@ def test_bvlc_lenet_scores_within_a_tenth_of_a_percent_of_fp32(prec, fixtures_di
         acc[p] = float((out.argmax(1) == y).mean())
     assert acc[None] > 0.98
     assert abs(acc[prec] - acc[None]) <= 0.001
+
+
+def test_memory_prints_the_types_and_the_casts(cli, tmp_path):
+    (tmp_path / "net.prototxt").write_text(NET)
+    rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "bf16",
+                       "--schedule")
+    assert rc == 0, err
+    assert "precision bf16: storage types BFLOAT16, FLOAT" in out
+    assert "conv (Convolution): forward BFLOAT16 (math FLOAT)" in out
+    lines = out.splitlines()
+    casts = [l.split(None, 3)[3] for l in lines if " cast " in l]   # "NAME (what)"
+    # rounded: what conv and ip compute, the gradients pool's and ip's backward write;
+    # not: ReLU's and MAX pooling's outputs, ReLU's gradient (values they read)
+    assert "conv (data to BFLOAT16)" in casts and "ip (data to BFLOAT16)" in casts
+    assert "pool (data to BFLOAT16)" not in casts
+    assert "pool (diff to BFLOAT16)" in casts and "conv (diff to BFLOAT16)" in casts
+    assert casts.count("conv (diff to BFLOAT16)") == 1        # pool's backward, not ReLU's
+
+
+def test_an_nvidia_caffe_fp16_net_trains_unchanged():
+    """NVIDIA Caffe's mixed-precision fields, no switch: FLOAT16 storage with FLOAT16
+    math, dynamic loss scaling, fp32 master weights that learn."""
+    text = ("default_forward_type: FLOAT16 default_backward_type: FLOAT16 "
+            "default_forward_math: FLOAT default_backward_math: FLOAT " + NET)
+    s = solver_of(text, extra="solver_data_type: FLOAT16")
+    assert s.config.precision is None and s.net.types.data["conv"] == "FLOAT16"
+    assert s.loss_scaler is not None and s.loss_scaler.dynamic
+    w0 = s.net.params["ip"][0].data.copy()
+    s.step(3)
+    assert not np.array_equal(w0, s.net.params["ip"][0].data)
+    assert s.net.params["ip"][0].data.dtype == np.float32

@@ -28,27 +28,24 @@ GROWTH, BACKOFF, INTERVAL = 2.0, 0.5, 2000
 
 
 def precision_pass(schedule, net):
-    """``cast`` ops where the Net's hooks round a blob to its reduced storage type."""
+    """``cast`` ops where the Net's hooks round a blob to its reduced storage type
+    (``Net.rounding``: not after a layer that writes only values it read; on the GPU a
+    cuDNN convolution in a reduced type, and a fused pair, round in their own kernels)."""
     t = getattr(net, "types", None)
-    if t is None or not t.reduced:
+    rounding = getattr(net, "rounding", None)
+    if t is None or not t.reduced or rounding is None:
         return schedule
     out = []
     for op in schedule.ops:
         out.append(op)
         if op.kind in ("prologue", "forward"):
             for i in op.layers:
-                for b in net.top_id_vecs[i]:
-                    name = net.blob_names[b]
-                    s = t.data.get(name, P.FLOAT)
-                    if s != P.FLOAT:
-                        out.append(Op("cast", i, name, f"data to {s}"))
+                for name, s in rounding[0][i]:
+                    out.append(Op("cast", i, name, f"data to {s}"))
         elif op.kind == "backward" and "hooks only" not in op.detail:
             for i in reversed(op.layers):
-                for j, b in enumerate(net.bottom_id_vecs[i]):
-                    name = net.blob_names[b]
-                    s = t.diff.get(name, P.FLOAT)
-                    if s != P.FLOAT and net.bottom_need_backward[i][j]:
-                        out.append(Op("cast", i, name, f"diff to {s}"))
+                for name, s in rounding[1][i]:
+                    out.append(Op("cast", i, name, f"diff to {s}"))
     return Schedule(out, schedule.passes + ["precision"])
 
 

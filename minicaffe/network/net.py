@@ -376,22 +376,28 @@ class Net:
         if not t.reduced:
             return
         FLOAT = precision.FLOAT
+        # per layer, (blob id, storage type) of the tops whose data its forward hook
+        # rounds and of the bottoms whose diff its backward hook rounds; ``rounding`` keeps
+        # their names (the precision pass prints them as cast ops)
         tops, bottoms = [], []
         for i, lp in enumerate(self.net_param.layer):
             names = [self.blob_names[b] for b in self.bottom_id_vecs[i]]
             ins = {t.data.get(n, FLOAT) for n in names}
-            tops.append([(self._blobs[b], t.data.get(self.blob_names[b], FLOAT))
-                         for b in self.top_id_vecs[i]])
+            outs = {t.diff.get(self.blob_names[b], FLOAT) for b in self.top_id_vecs[i]}
             # a layer that writes only values it read, from inputs of the output's type,
             # needs no rounding (ReLU, MAX pooling, the data movers)
-            tops[-1] = [(b, s) for b, s in tops[-1] if s != FLOAT and not (
-                precision.preserves(lp) and names and ins == {s})]
-            outs = {t.diff.get(self.blob_names[b], FLOAT) for b in self.top_id_vecs[i]}
-            bottoms.append([(self._blobs[b], t.diff.get(n, FLOAT))
-                            for j, (b, n) in enumerate(zip(self.bottom_id_vecs[i], names))
-                            if self.bottom_need_backward[i][j]])
-            bottoms[-1] = [(b, s) for b, s in bottoms[-1] if s != FLOAT and not (
-                precision.preserves(lp, backward=True) and outs == {s})]
+            tops.append([(b, s) for b, s in ((b, t.data.get(self.blob_names[b], FLOAT))
+                                              for b in self.top_id_vecs[i])
+                         if s != FLOAT and not (precision.preserves(lp) and names and
+                                                ins == {s})])
+            bottoms.append([(b, s) for j, (b, s) in enumerate(
+                (b, t.diff.get(n, FLOAT)) for b, n in zip(self.bottom_id_vecs[i], names))
+                if self.bottom_need_backward[i][j] and s != FLOAT and
+                not (precision.preserves(lp, backward=True) and outs == {s})])
+        self.rounding = ([[(self.blob_names[b], s) for b, s in x] for x in tops],
+                         [[(self.blob_names[b], s) for b, s in x] for x in bottoms])
+        tops = [[(self._blobs[b], s) for b, s in x] for x in tops]
+        bottoms = [[(self._blobs[b], s) for b, s in x] for x in bottoms]
 
         def after_forward(i):
             # a layer whose reduced-type body rounds what it writes (a cuDNN convolution
