@@ -124,6 +124,7 @@ def init_log(level=None, stderr=True, log_file=None, volume="caffe"):
 # The layer package doubles as NetSpec's ``layers`` pseudo-module (``L.Convolution(...)``):
 # layer types are CamelCase, the family submodules lower case, so they never collide.
 from . import layers as _layers_pkg  # noqa: E402  (registers the built-in layers)
+from .watch import tensorboard as _tensorboard  # noqa: E402,F401  (registers its solver observer)
 
 
 class _LayersModule(_types.ModuleType):

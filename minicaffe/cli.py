@@ -725,9 +725,9 @@ def bench(flags):
 
 
 def memory(flags):
-    """Print the memory plan of a training iteration (gpu/plan.py) before running anything:
+    """Print the memory plan of a training iteration (engine/plan.py) before running anything:
     per-layer bytes, the arena, and the planned peak."""
-    from .gpu.plan import MemoryPlan
+    from .engine.plan import MemoryPlan
     from .synthetic import synthetic_solver
     if not flags.model and not flags.solver:
         raise MinicaffeError("need a model (--model FILE) or a solver (--solver FILE) to plan")

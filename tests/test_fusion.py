@@ -8,7 +8,7 @@ import numpy as np
 
 from minicaffe import Net, draw
 from minicaffe.layers import registry
-from minicaffe.gpu.plan import MemoryPlan
+from minicaffe.engine.plan import MemoryPlan
 from minicaffe.layers.fused import find_fusions
 from minicaffe.proto import caffe_pb2
 from minicaffe.core.protoio import parse_text

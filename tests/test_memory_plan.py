@@ -1,10 +1,10 @@
-"""The static memory plan (gpu/plan.py): lifetimes, placement, what is kept."""
+"""The static memory plan (engine/plan.py): lifetimes, placement, what is kept."""
 import numpy as np
 import pytest
 
 from minicaffe import Net
 from minicaffe.core import context
-from minicaffe.gpu.plan import ALIGN, MemoryPlan
+from minicaffe.engine.plan import ALIGN, MemoryPlan
 from minicaffe.proto import caffe_pb2
 
 CHAIN = """

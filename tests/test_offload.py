@@ -14,7 +14,7 @@ from minicaffe import Net
 from minicaffe.engine import offload
 from minicaffe.core.config import RunConfig
 from minicaffe.core.errors import ConfigError
-from minicaffe.gpu.plan import MemoryPlan
+from minicaffe.engine.plan import MemoryPlan
 from minicaffe.proto import caffe_pb2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,8 +6,8 @@ import numpy as np
 from minicaffe import Net
 from minicaffe.multigpu import parallel
 from minicaffe.layers import registry
-from minicaffe.engine.schedule import (allreduce_pass, compile_iteration, fusion_pass,
-                                       run_device, run_eager, schedule_for)
+from minicaffe.engine.executor import run_ops
+from minicaffe.engine.schedule import allreduce_pass, compile_iteration, fusion_pass, schedule_for
 from minicaffe.proto import caffe_pb2
 
 from test_cli import REPO
@@ -77,7 +77,7 @@ def test_the_eager_executor_runs_the_schedule_in_order_through_the_net_hooks():
     rng = np.random.RandomState(0)
     net.blobs["data"].data[...] = rng.randn(*net.blobs["data"].shape)
     net.blobs["label"].data[...] = rng.randint(0, 5, net.blobs["label"].shape)
-    losses = run_eager(s, net)
+    losses = run_ops(s, net)
     want = [("forward" if op.kind == "prologue" else op.kind, i) for op in s
             if op.kind in ("prologue", "forward", "backward") for i in
             (op.layers if op.kind != "backward" else reversed(op.layers))]
@@ -88,9 +88,10 @@ def test_the_eager_executor_runs_the_schedule_in_order_through_the_net_hooks():
 
 
 def test_the_gpu_steps_body_runs_the_same_ops_without_reading_the_loss():
-    """``run_device`` (the GPU step's body) walks the same ops as the eager executor from
-    the first layer after the data prologue, through the same hooks, to the same
-    gradients; here on the CPU with no loss ring (the step adds losses on the device)."""
+    """The one executor's walker with a loss ring (the GPU step's body) walks the same ops
+    as in host mode from the first layer after the data prologue, through the same hooks,
+    to the same gradients; here on the CPU with a null ring address (the step adds the
+    losses on the device)."""
     grads, orders = [], []
     for runner in ("eager", "device"):
         net = _net()
@@ -104,9 +105,9 @@ def test_the_gpu_steps_body_runs_the_same_ops_without_reading_the_loss():
         net.blobs["label"].data[...] = rng.randint(0, 5, net.blobs["label"].shape)
         s = schedule_for(net)
         if runner == "eager":
-            run_eager(s, net)
+            assert len(run_ops(s, net)) == 1
         else:
-            run_device(s, net, 1, 0, None, 1)
+            assert run_ops(s, net, (0, None, 1), first=1) == []
         grads.append((runner, [p.data.copy() for p in net.learnable_params],
                       [p.diff.copy() for p in net.learnable_params]))
         orders.append([x for x in seen if x != ("forward", 0)])
@@ -129,3 +130,44 @@ def test_memory_prints_the_schedule_with_the_offload_copies(cli):  # noqa: F811
     assert "schedule of one training iteration (passes: offload ALL)" in out
     assert "copy_out conv2 (51200 bytes device->host)" in out
     assert "copy_in pool1 (46080 bytes host->device)" in out
+
+
+def test_the_memory_plan_is_a_pass_reading_the_ops_reads_and_writes():
+    """engine/plan.py's ``memory_pass`` takes every buffer's lifetime from what the
+    schedule's ops read and write (``accesses``): each buffer lives over every step that
+    touches it; a layer's backward reads only the data it retains; iter_size repeats the
+    same steps and the plan; ``MemoryPlan(net)`` is the pass over the net's own schedule."""
+    from minicaffe.engine.plan import MemoryPlan, memory_pass
+    from minicaffe.engine.schedule import accesses
+    net = _net()
+    s = schedule_for(net)
+    plan = memory_pass(s, net)
+    where = {(id(b.mem)): b for b in plan.buffers}
+    ids = {n: i for i, n in enumerate(net.layer_names)}
+    touched = 0
+    for op in s:
+        for acc in accesses(net, op):
+            for u in acc.reads + acc.writes:
+                blob = (net.top_vecs if u.side == "top" else net.bottom_vecs)[acc.layer][u.j]
+                b = where.get(id(blob.data_mem if u.kind == "data" else blob.diff_mem))
+                if b is not None:
+                    assert b.start <= acc.step <= b.end, (str(op), u)
+                    touched += 1
+    assert touched > 2 * len(net.layers)
+    # a max pooling's backward reads no data (its mask is its state); a convolution's
+    # reads its bottom; a ReLU in place reads its top
+    L = len(net.layers)
+    back = {op.index: op for op in s if op.kind == "backward"}
+    pool = accesses(net, back[ids["pool1"]])[0]
+    assert pool.step == 2 * L - 1 - ids["pool1"]
+    assert [u for u in pool.reads if u.kind == "data"] == []
+    conv = accesses(net, back[ids["conv2"]])[0]
+    assert [(u.kind, u.side, net.blob_names[u.blob]) for u in conv.reads if u.kind == "data"] \
+        == [("data", "bottom", "pool1")]
+    assert where[id(net.blobs["pool1"].data_mem)].bwd_reads == [conv.step]
+    # iter_size repeats the steps: the same plan; the net's own schedule: the same plan
+    two = memory_pass(schedule_for(net, iter_size=2), net)
+    for p in (two, MemoryPlan(net)):
+        assert (p.arena_bytes, p.peak) == (plan.arena_bytes, plan.peak)
+        assert [(b.names, b.start, b.end, b.offset) for b in p.buffers] == \
+            [(b.names, b.start, b.end, b.offset) for b in plan.buffers]

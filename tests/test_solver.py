@@ -587,3 +587,59 @@ def test_deprecated_solver_type_is_upgraded():
     p.type = "SGD"
     with pytest.raises(ConfigError, match="cannot both be given"):
         get_solver(p)
+
+
+FUSED_KINDS = {
+    "SGD": dict(momentum=0.9), "Nesterov": dict(momentum=0.9),
+    "AdaGrad": dict(delta=1e-6), "RMSProp": dict(rms_decay=0.9, delta=1e-6),
+    "AdaDelta": dict(momentum=0.95, delta=1e-6),
+    "Adam": dict(momentum=0.9, momentum2=0.999, delta=1e-8),
+}
+
+
+def _fused_body(rule, scalars, g, h, h2, lr, extra):
+    """Run a ``fused_rule``'s CUDA body on float32 numpy arrays, statement by statement
+    (each element as the GPU kernel computes it: one float32 operation at a time)."""
+    params, n_hist, body = rule
+    env = {p.split()[-1]: v for p, v in zip(params.split(","), scalars)}
+    # flat arrays indexed by every i at once (a fancy index reads a copy, as a register)
+    env.update(g=g.ravel().copy(), h=h.ravel().copy(), h2=h2.ravel().copy(),
+               i=np.arange(g.size), lr=np.float32(lr), sc=[None, np.float32(extra)],
+               sqrt=np.sqrt, T=np.float32)
+    for stmt in body.replace("(T)1", "T(1)").split(";"):
+        stmt = stmt.strip()
+        if stmt:
+            exec(stmt[2:] if stmt.startswith("T ") else stmt, env)
+    return tuple(env[k].reshape(g.shape) for k in ("u", "h", "h2")) + (n_hist,)
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED_KINDS))
+def test_each_rules_fused_kernel_body_rounds_as_its_array_body(kind):
+    """Each SGD-family rule is written once per form, side by side in its class: the array
+    body (``compute_update_value``, numpy/CuPy) and the fused GPU kernel's body
+    (``fused_rule``).  Run here on the CPU, the kernel's body gives the same bits, and
+    the history sets it uses are the solver's."""
+    s = get_solver(solver_param(memory_net(4), type=kind, base_lr=0.1, lr_policy="fixed",
+                                **FUSED_KINDS[kind]))
+    rng = np.random.RandomState(3)
+    n = len(s.net.learnable_params)
+    b = s.net.learnable_params[0]
+    g0 = rng.randn(*b.shape).astype(np.float32)
+    h0 = np.abs(rng.randn(*b.shape)).astype(np.float32)
+    h20 = np.abs(rng.randn(*b.shape)).astype(np.float32)
+    b.diff[...] = g0
+    s.history[0].data[...] = h0
+    if s.n_history_sets > 1:
+        s.history[n].data[...] = h20
+    s.iter = 3
+    rate = np.float32(0.1)
+    local = np.float32(rate * np.float32(s.net.params_lr[0]))
+    u, h, h2, n_hist = _fused_body(s.fused_rule, s.fused_scalars(), g0, h0, h20, local,
+                                   s.fused_extra())
+    s.compute_update_value(np, 0, rate)
+    assert n_hist == s.n_history_sets
+    np.testing.assert_array_equal(b.diff, u)
+    np.testing.assert_array_equal(s.history[0].data, h)
+    if n_hist > 1:
+        np.testing.assert_array_equal(s.history[n].data, h2)
+    assert not np.array_equal(u, g0)

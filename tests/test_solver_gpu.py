@@ -21,8 +21,10 @@ KINDS = {
 }
 
 
-def _run(kind, gpu, steps=4):
+def _run(kind, gpu, steps=4, debug_info=False):
     kw = dict(KINDS[kind])
+    if debug_info:      # the layer-by-layer executor: the array body of the rule on CuPy
+        kw["debug_info"] = True
     kw.setdefault("base_lr", 0.1)
     if gpu:
         context.set_mode_gpu()
@@ -39,10 +41,13 @@ def _run(kind, gpu, steps=4):
         context.set_mode_cpu()
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "array_body"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_gpu_update_matches_cpu(kind):
+def test_gpu_update_matches_cpu(kind, eager):
+    """The GPU step's fused kernel (``fused_rule``) and, with debug_info, the array body
+    on CuPy (``compute_update_value``): each rule's two writings, against the CPU."""
     cpu_w, cpu_h = _run(kind, False)
-    gpu_w, gpu_h = _run(kind, True)
+    gpu_w, gpu_h = _run(kind, True, debug_info=eager)
     for a, b in zip(cpu_w + cpu_h, gpu_w + gpu_h):
         scale = max(np.abs(a).max(), 1e-12)
         assert np.abs(a - b).max() / scale < 1e-5

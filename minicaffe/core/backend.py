@@ -103,6 +103,15 @@ def alloc_gpu(size, dtype):
     return cp.zeros(size, dtype=dtype)
 
 
+def alloc_arena(nbytes):
+    """An uninitialised device buffer of ``nbytes`` bytes (uint8) on the current device,
+    or None when the device has no room for it (the memory plan's arena)."""
+    try:
+        return cp.empty(int(nbytes), dtype=np.uint8)
+    except cp.cuda.memory.OutOfMemoryError:
+        return None
+
+
 def alloc_kept(nbytes):
     """An uninitialised device buffer of ``nbytes`` that outlives the stream current now
     (a library workspace cached for a thread: cuBLAS's, cuDNN's, a shared scratch).

@@ -122,6 +122,29 @@ def env(name):
                           f"accepted values are {accepted}") from None
 
 
+# The process defaults of the GPU math that a Python user may set before building nets
+# (gpu/options.py names them: ``options.tf32``, ``set_tf32``...), each from its variable
+# on first use.  Kept here, not in gpu/, so that ``RunConfig.from_environment`` reads them
+# without importing a level above the core.
+_DEFAULT_VARIABLES = {"tf32": "MINICAFFE_TF32", "deterministic": "MINICAFFE_DETERMINISTIC",
+                      "cudnn": "MINICAFFE_CUDNN"}
+_defaults = {}
+
+
+def default(name):
+    """The process default ``name`` (tf32, deterministic, cudnn): set from Python, else
+    its MINICAFFE_* variable."""
+    if name not in _defaults:
+        _defaults[name] = env(_DEFAULT_VARIABLES[name])
+    return _defaults[name]
+
+
+def set_default(name, on):
+    if name not in _DEFAULT_VARIABLES:
+        raise KeyError(name)
+    _defaults[name] = bool(on)
+
+
 def check_environment():
     """Validate every MINICAFFE_* variable that is set (the CLI calls this first); an
     unknown MINICAFFE_ name is an error too (a misspelt variable would do nothing)."""
@@ -202,8 +225,7 @@ class RunConfig:
         thread's ``solver_count``/``solver_rank`` (pycaffe's ``set_solver_count`` before
         building a solver, as in Caffe)."""
         from . import context
-        from ..gpu import options
-        fields.setdefault("tf32", options.tf32)
+        fields.setdefault("tf32", default("tf32"))
         fields.setdefault("world_size", context.solver_count())
         fields.setdefault("rank", context.solver_rank())
         fields.setdefault("workspace_limit", env("MINICAFFE_CUDNN_WORKSPACE_LIMIT"))

@@ -2,7 +2,7 @@
 
 A feature map that backward needs much later leaves the GPU during forward and comes
 back just in time during backward, so the device holds only a window of layers.  Here
-that is a transformation of the step's memory plan (gpu/plan.py) and of its schedule,
+that is a transformation of the step's memory plan (engine/plan.py) and of its schedule,
 not a branch inside any layer:
 
 - **the plan**: an offloaded data buffer (a SyncedMemory, counted once however many
@@ -437,7 +437,7 @@ def build(net, policy, budget=0, history_sets=1, times=None, entries_from=None):
     """The OffloadPlan of ``policy`` for ``net``'s training step (a fresh MemoryPlan,
     split).  DYNAMIC needs ``times`` (seconds per step); a budget that even ALL cannot
     meet raises BudgetError.  Pure Python: runs without a GPU."""
-    from ..gpu.plan import MemoryPlan
+    from .plan import MemoryPlan
     policy = parse_policy(policy)
     plan = MemoryPlan(net, train=True, history_sets=history_sets)
     if policy == "NONE":

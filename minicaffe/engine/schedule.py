@@ -24,14 +24,16 @@ Passes rewrite the list, each a plain function of a schedule and what it reads:
 - a precision pass (casts around layers that run in another dtype) is the next one to
   add: none exists yet.
 
+- the memory plan (engine/plan.py ``memory_pass``): every buffer's lifetime from the
+  ops' reads and writes (``accesses``: what each layer step reads and writes, the
+  backward's reads from the layers' ``retain_inputs``/``retain_outputs``), placed in one
+  arena; offload and precision rewrite the plan it makes.
+
 ``schedule_for(net, iter_size, oplan, buckets)`` runs the passes; ``str(schedule)`` prints
-it one op per line (``minicaffe memory --schedule``).  ``run_eager(schedule, net)``
-executes its forward and backward ops in order, layer by layer through the Net's hooks:
-it is the iteration of the CPU and of a GPU without the GPU step (engine/executor.py).
-``run_device(schedule, net, ...)`` is the GPU step's body (engine/step.py): the same ops
-with the losses added on the device, run eagerly or captured once as a CUDA graph and
-replayed; its copies and all-reduces are made from the Net's hooks by the same plans
-the passes print.
+it one op per line (``minicaffe memory --schedule``).  One executor runs it
+(engine/executor.py ``run_ops``): eagerly with numpy on the CPU, eagerly with CuPy, or
+captured once as a CUDA graph and replayed (the GPU step's body, engine/step.py); its
+copies and all-reduces are made from the Net's hooks by the same plans the passes print.
 """
 import dataclasses
 
@@ -144,15 +146,86 @@ def fusion_pass(schedule, net):
     return Schedule(out, schedule.passes + ["fusion"])
 
 
-def _step_of(net, op):
-    """The plan's step numbers (gpu/plan.py: forward i = i, backward i = 2L-1-i) this op
-    runs, in order."""
+def op_steps(net, op):
+    """The plan's step numbers (forward i = i, backward i = 2L-1-i: engine/plan.py) this
+    op runs, in order."""
     L = len(net.layers)
     if op.kind in ("prologue", "forward"):
         return list(op.layers)
     if op.kind == "backward":
         return [2 * L - 1 - i for i in reversed(op.layers)]
     return []
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One buffer an op reads or writes: a ``data`` or ``diff`` of a layer's ``top`` or
+    ``bottom`` ``j`` (``blob``: the Net's blob index)."""
+    kind: str
+    side: str
+    j: int
+    blob: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """What one layer's step of an op reads and writes (``reads``, ``writes``: Uses)."""
+    step: int
+    layer: int
+    backward: bool
+    reads: tuple
+    writes: tuple
+
+
+def retained(layer, bottom, top):
+    """(bottom indices, top indices) whose data ``layer``'s backward reads: its
+    declarations ``retain_inputs``/``retain_outputs`` (None: all)."""
+    rb, rt = layer.retain_inputs, layer.retain_outputs
+    return (range(len(bottom)) if rb is None else rb), (range(len(top)) if rt is None else rt)
+
+
+def _backward_reads(net, i):
+    """The data the backward of layer i reads: its declarations, as its fused pair (if
+    any) changes them (the pair's own reads added to its first layer's; nothing for a
+    second layer whose backward the pair does)."""
+    layer, bot, top = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
+    fusion_of = getattr(net, "fusion_of", None)
+    f, role = fusion_of(i) if fusion_of is not None else (None, None)
+    if role == 1 and not f.second_backward_runs:
+        return (), ()
+    rb, rt = retained(layer, bot, top)
+    if role == 0 and f.retain_outputs:
+        rt = sorted(set(rt) | set(f.retain_outputs))
+    return rb, rt
+
+
+def accesses(net, op):
+    """[Access] of ``op`` on ``net``, one per layer step it runs, in order: a forward
+    writes its tops' data and reads its bottoms'; a backward (of a layer that needs one)
+    reads the data it retains (``Layer.retain_inputs``/``retain_outputs``, as its fused
+    pair changes them) and its tops' diffs, and writes the diffs of the bottoms it
+    propagates to.  Other ops (copies, loss, update) touch no planned buffer."""
+    out = []
+    for step in op_steps(net, op):
+        L = len(net.layers)
+        backward = step >= L
+        i = 2 * L - 1 - step if backward else step
+        tops, bots = net.top_id_vecs[i], net.bottom_id_vecs[i]
+        if not backward:
+            writes = tuple(Use("data", "top", j, b) for j, b in enumerate(tops))
+            reads = tuple(Use("data", "bottom", j, b) for j, b in enumerate(bots))
+        elif not net.layer_need_backward[i]:
+            reads = writes = ()
+        else:
+            rb, rt = _backward_reads(net, i)
+            reads = tuple([Use("data", "bottom", j, bots[j]) for j in rb] +
+                          [Use("data", "top", j, tops[j]) for j in rt] +
+                          [Use("diff", "top", j, b) for j, b in enumerate(tops)])
+            writes = tuple(Use("diff", "bottom", j, b) for j, b in enumerate(bots)
+                           if net.bottom_need_backward[i][j])
+        out.append(Access(step, i, backward, reads, writes))
+    return out
 
 
 def offload_pass(schedule, net, oplan):
@@ -165,7 +238,7 @@ def offload_pass(schedule, net, oplan):
     table = oplan.tables()
     out = []
     for op in schedule.ops:
-        steps = _step_of(net, op)
+        steps = op_steps(net, op)
         for s in steps:
             acts = table.get(s, {})
             for e in acts.get("wait_out", ()):
@@ -217,47 +290,3 @@ def schedule_for(net, iter_size=1, oplan=None, buckets=None):
     s = fusion_pass(s, net)
     s = offload_pass(s, net, oplan)
     return allreduce_pass(s, net, buckets)
-
-
-def run_device(schedule, net, first, ring_addr, counter, ring):
-    """The GPU step's body (engine/step.py), one pass: the forward ops of layers ``first``
-    on (the data prologue ran before, outside any graph) with nothing read back, each loss
-    added into the mapped ring at ``ring_addr`` (``Net.forward_layer_device``), then the
-    backward ops (``Net.backward_layer``).  Captured as a CUDA graph or run eagerly by the
-    step; the copy and all-reduce ops are the hooks'."""
-    fused = net.begin_pass()
-    for op in schedule.ops:
-        if op.kind == "forward":
-            for i in op.layers:
-                if i >= first:
-                    net.forward_layer_device(i, fused, ring_addr, counter, ring)
-        elif op.kind == "backward":
-            for i in reversed(op.layers):
-                net.backward_layer(i)
-
-
-def run_eager(schedule, net):
-    """Execute the forward and backward ops of ``schedule`` on ``net`` in order, layer by
-    layer (``Net.forward_layer``/``backward_layer``: the Net's hooks around each), one
-    pass of iter_size at a time (``Net.begin_pass``/``end_pass``).  Returns the loss of
-    each pass.  The loss and update ops are the caller's (the Solver reads the loss and
-    updates), the copy and all-reduce ops the hooks' (the offloader, P2PSync)."""
-    losses = []
-    fused = None
-    in_backward = False
-    for op in schedule.ops:
-        if op.kind in ("prologue", "forward"):
-            if fused is None or in_backward:
-                if in_backward:
-                    net.end_pass()
-                fused, in_backward = net.begin_pass(), False
-                losses.append(0.0)
-            for i in op.layers:
-                losses[-1] += net.forward_layer(i, fused)
-        elif op.kind == "backward":
-            in_backward = True
-            for i in reversed(op.layers):
-                net.backward_layer(i)
-    if in_backward:
-        net.end_pass()
-    return losses

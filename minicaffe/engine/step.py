@@ -35,8 +35,8 @@ from ..core.blob import Blob
 from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
-from .schedule import run_device, schedule_for
-from ..solvers.fused import FusedUpdate
+from .executor import run_ops
+from .schedule import schedule_for
 from ..core.synced_memory import SyncedMemory, HEAD_AT_CPU
 
 RING = 64
@@ -61,7 +61,7 @@ class GpuStep:
         cp = backend.gpu_module()
         self.solver = solver
         net = self.net = solver.net
-        self.update = FusedUpdate(solver)
+        self.update = solver.fused_update()   # the solver's update op (solvers/fused.py)
         p = solver.param
         self.iter_size = p.iter_size
         self.clip = p.clip_gradients >= 0
@@ -104,9 +104,10 @@ class GpuStep:
         self.offload = None
         if reason is None:
             # every layer declares what it keeps: activations' diffs can share memory
-            from ..gpu.plan import MemoryPlan
             from .offload import Offloader
-            self.plan = MemoryPlan(net, train=True, history_sets=len(solver.history_flat))
+            from .plan import memory_pass
+            self.plan = memory_pass(self.schedule, net, train=True,
+                                    history_sets=len(solver.history_flat))
             # offload_param: a plan whose offloaded feature maps live twice (offload.py)
             self.offload = Offloader.for_step(self)
             self.plan.apply()
@@ -237,9 +238,10 @@ class GpuStep:
             off = self.offload
             if off is not None:          # the offload copies run from the layer hooks
                 off.begin()
-            # the schedule's forward and backward ops (engine/schedule.py)
-            run_device(self.schedule, net, self.first_body, self.losses.ptr, self.counter,
-                       RING)
+            # the schedule's forward and backward ops, the losses into the ring (the one
+            # walker of engine/executor.py, here eagerly or under capture)
+            run_ops(self.schedule, net, (self.losses.ptr, self.counter, RING),
+                    self.first_body)
             if off is not None:
                 off.end()
             if with_update:

@@ -9,9 +9,10 @@
 - ``pool``: the allocator (CuPy's default pool or the stream-ordered cudaMallocAsync pool)
   and peak-memory readings (its code is in ``backend.py``);
 - ``options``: process-wide switches (TF32, deterministic algorithms, cuDNN on/off);
-- ``jpeg``: JPEG decode on the GPU with nvImageCodec (nvJPEG), for ``--gpu_decode``;
-- ``plan``: the static memory plan of a net (one arena, buffers shared where lifetimes
-  do not overlap).
+- ``jpeg``: JPEG decode on the GPU with nvImageCodec (nvJPEG), for ``--gpu_decode``.
+
+The memory plan (which buffers share the arena) is policy: engine/plan.py, a pass over
+the schedule (it was ``gpu/plan.py`` before issue 18's last round).
 
 gpu/ imports nothing of layers, solvers, the engine, offload, the Net or parallel
 (tests/test_architecture.py): policy (which engine, which buffers, when to capture) lives

@@ -15,33 +15,29 @@ were not installed.
 
 Set them before the nets are built: layers read them when they choose algorithms.
 ``MINICAFFE_TF32``, ``MINICAFFE_DETERMINISTIC`` and ``MINICAFFE_CUDNN`` give their initial
-values (read, and validated, by ``config.env`` on first use).
+values (read, and validated, by ``config.env`` on first use).  The values themselves are
+kept by ``core/config.py`` (``config.default``/``set_default``), which a RunConfig reads
+without importing gpu/.
 """
 from ..core import config
 
-_ENV = {"tf32": "MINICAFFE_TF32", "deterministic": "MINICAFFE_DETERMINISTIC",
-        "cudnn": "MINICAFFE_CUDNN"}
-_values = {}
-
 
 def __getattr__(name):        # options.tf32 etc.: from the environment on first use
-    if name in _ENV:
-        if name not in _values:
-            _values[name] = config.env(_ENV[name])
-        return _values[name]
+    if name in ("tf32", "deterministic", "cudnn"):
+        return config.default(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def set_tf32(on):
-    _values["tf32"] = bool(on)
+    config.set_default("tf32", on)
 
 
 def set_deterministic(on):
-    _values["deterministic"] = bool(on)
+    config.set_default("deterministic", on)
 
 
 def set_cudnn(on):
-    _values["cudnn"] = bool(on)
+    config.set_default("cudnn", on)
 
 
 def describe(tf32=None):

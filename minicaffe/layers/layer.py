@@ -45,7 +45,7 @@ class Layer:
     # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
     # whose *data* the backward body reads.  None: all of them (the default, always safe).
     # A layer whose answer depends on its parameters, its engine or on running in place
-    # makes these properties.  The memory plan and offload read them (gpu/plan.py keeps a
+    # makes these properties.  The memory plan and offload read them (engine/plan.py keeps a
     # blob's data alive until the last backward that retains it); tests/layers/
     # test_registry.py checks each declaration against the math (the data not retained is
     # poisoned before backward, and the gradients must not change).
@@ -187,7 +187,7 @@ class Layer:
         except Exception as e:
             raise self.failure(e) from e
 
-    # -- what the memory plan needs to know (gpu/plan.py) ---------------------------------
+    # -- what the memory plan needs to know (engine/plan.py) ---------------------------------
 
     def state_bytes(self, bottom, top):
         """Device bytes this layer keeps from forward to backward beside its tops (a mask,

@@ -1,6 +1,7 @@
 """The solver update as one GPU kernel over the flat parameter buffers.
 
-Caffe's update, per parameter and element (``sgd_solvers.py`` has the rules): clip
+Caffe's update, per parameter and element (each rule's CUDA body is its solver class's
+``fused_rule`` in ``sgd_solvers.py``, beside the array body it matches): clip
 (global L2 norm), normalise by iter_size, regularise (L2 or L1 weight decay), the
 type's rule, then ``w -= update`` and ``diff = update`` (Caffe leaves the update value in
 the diff).  On the GPU the parameters, their diffs and the history live in flat buffers
@@ -23,28 +24,6 @@ from ..core.flat_params import ALIGN
 
 CHUNK = 64
 assert ALIGN % CHUNK == 0
-
-# name: (extra scalar parameters, number of history buffers, body).  In the body: g is the
-# regularised gradient, lr the local rate, h/h2 the histories; it sets u (the update).
-RULES = {
-    "SGD": ("float momentum", 1,
-            "T hi = momentum * h[i] + lr * g; h[i] = hi; u = hi;"),
-    "Nesterov": ("float momentum", 1,
-                 "T hp = h[i]; T hn = momentum * hp + lr * g; h[i] = hn;"
-                 " u = ((T)1 + momentum) * hn - momentum * hp;"),
-    "AdaGrad": ("float delta", 1,
-                "T hi = h[i] + g * g; h[i] = hi; u = lr * (g / (sqrt(hi) + delta));"),
-    "RMSProp": ("float rms_decay, float delta", 1,
-                "T hi = rms_decay * h[i] + ((T)1 - rms_decay) * (g * g); h[i] = hi;"
-                " u = lr * (g / (sqrt(hi) + delta));"),
-    "AdaDelta": ("float momentum, float delta", 2,
-                 "T om = (T)1 - momentum; T hi = momentum * h[i] + om * (g * g); h[i] = hi;"
-                 " T gg = g * sqrt((h2[i] + delta) / (hi + delta));"
-                 " h2[i] = momentum * h2[i] + om * (gg * gg); u = gg * lr;"),
-    "Adam": ("float beta1, float beta2, float eps_hat", 2,
-             "T mi = beta1 * h[i] + ((T)1 - beta1) * g; T vi = beta2 * h2[i] + ((T)1 - beta2) * (g * g);"
-             " h[i] = mi; h2[i] = vi; u = (lr * sc[1]) * (mi / (sqrt(vi) + eps_hat));"),
-}
 
 _TEMPLATE = r"""
 extern "C" __global__ void mc_update(T* w, T* gdiff, T* h, T* h2, const int* table,
@@ -80,24 +59,13 @@ extern "C" __global__ void mc_update(T* w, T* gdiff, T* h, T* h2, const int* tab
 
 
 def _kernel(rule, dtype):
+    """The update kernel of ``rule`` (a solver class's ``fused_rule``: extra scalar
+    parameters, history sets, CUDA body) for ``dtype``."""
     from ..kernels._backend import cuda_type, raw_kernel
-    extra, _, body = RULES[rule]
+    extra, _, body = rule
     src = (_TEMPLATE.replace("EXTRA", extra).replace("BODY", body)
            .replace("CHUNK", str(CHUNK)))
     return raw_kernel(src, "mc_update", cuda_type(dtype))
-
-
-def rule_scalars(solver):
-    """The rule's constant scalars in the kernel's order (float32, as the numpy bodies)."""
-    p, f = solver.param, np.float32
-    return {
-        "SGD": (f(p.momentum),),
-        "Nesterov": (f(p.momentum),),
-        "AdaGrad": (f(p.delta),),
-        "RMSProp": (f(p.rms_decay), f(p.delta)),
-        "AdaDelta": (f(p.momentum), f(p.delta)),
-        "Adam": (f(p.momentum), f(p.momentum2), f(p.delta)),
-    }[solver.type]
 
 
 class FusedUpdate:
@@ -107,14 +75,15 @@ class FusedUpdate:
         cp = backend.gpu_module()
         self.solver = solver
         self.rule = solver.type
-        if self.rule not in RULES:
+        rule = getattr(solver, "fused_rule", None)
+        if rule is None:
             raise ValueError(f"no fused update for solver type {self.rule}")
         net = solver.net
         self.flat = net.flat_params()
         self.dtype = self.flat.dtype
         hist = solver.history_flat
-        if len(hist) != RULES[self.rule][1]:
-            raise ValueError(f"{self.rule} keeps {RULES[self.rule][1]} history sets, "
+        if len(hist) != rule[1]:
+            raise ValueError(f"{self.rule} keeps {rule[1]} history sets, "
                              f"the solver has {len(hist)}")
         self.hist = hist
         p = solver.param
@@ -129,11 +98,11 @@ class FusedUpdate:
                                               for v in net.params_weight_decay] or [0],
                                              dtype=np.float32))
         assert n == len(net.params_lr)
-        self.scalars = rule_scalars(solver)
+        self.scalars = tuple(solver.fused_scalars())
         self.clip = np.float32(p.clip_gradients)
         self.inv_iter_size = np.float32(np.float32(1) / np.float32(p.iter_size))
         self.l1 = np.int32(p.regularization_type == "L1")
-        self.kernel = _kernel(self.rule, self.dtype)
+        self.kernel = _kernel(rule, self.dtype)
 
     def intact(self):
         return self.flat.intact() and all(h.intact() for h in self.hist)

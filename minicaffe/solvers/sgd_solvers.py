@@ -23,16 +23,20 @@ this order:
 5. w -= g (``Net.update``).
 
 AdaDelta and Adam keep a second set of history blobs after the first (Caffe's
-layout, so their .solverstate files hold 2 x params blobs).  One body serves numpy
-and cupy; on the GPU each rule is one fused CuPy ElementwiseKernel, built on
-first use.
+layout, so their .solverstate files hold 2 x params blobs).
+
+Each rule is written twice, side by side in its class and nowhere else: the array body
+``compute_update_value(xp, i, rate)`` (one body for numpy and CuPy: the CPU, and a GPU
+run layer by layer with debug_info), and ``fused_rule``, the same arithmetic in CUDA for
+the GPU step's one-kernel update (solvers/fused.py builds the kernel from it), whose
+scalars ``fused_scalars()`` gives.  Written in the same order of operations, compiled
+without multiply-add contraction, the kernel rounds each element as the array body does.
 """
 import math
-import os
 
 import numpy as np
 
-from ..core import backend, context, log
+from ..core import context, log
 from ..core.blob import Blob
 from ..core.errors import ConfigError, MinicaffeError
 from ..proto import caffe_pb2
@@ -62,45 +66,20 @@ def solver_class(name, source="solver"):
     return cls
 
 
-# -- fused GPU kernels ------------------------------------------------------------------
-_KERNEL_SOURCES = {
-    "sgd": ("T momentum, T local_rate", "T g, T h",
-            "T hi = momentum * h + local_rate * g; h = hi; g = hi;"),
-    "nesterov": ("T momentum, T local_rate", "T g, T h",
-                 "T hi = h; T hn = momentum * hi + local_rate * g; h = hn;"
-                 " g = (1 + momentum) * hn - momentum * hi;"),
-    "adagrad": ("T delta, T local_rate", "T g, T h",
-                "T gi = g; T hi = h + gi * gi; h = hi;"
-                " g = local_rate * gi / (sqrt(hi) + delta);"),
-    "rmsprop": ("T rms_decay, T delta, T local_rate", "T g, T h",
-                "T gi = g; T hi = rms_decay * h + (1 - rms_decay) * gi * gi; h = hi;"
-                " g = local_rate * gi / (sqrt(hi) + delta);"),
-    "adadelta": ("T momentum, T delta, T local_rate", "T g, T h, T h2",
-                 "T gi = g; T hi = momentum * h + (1 - momentum) * gi * gi; h = hi;"
-                 " gi = gi * sqrt((h2 + delta) / (hi + delta));"
-                 " h2 = momentum * h2 + (1 - momentum) * gi * gi; g = local_rate * gi;"),
-    "adam": ("T beta1, T beta2, T eps_hat, T corrected_rate", "T g, T m, T v",
-             "T gi = g; T mi = beta1 * m + (1 - beta1) * gi;"
-             " T vi = beta2 * v + (1 - beta2) * gi * gi; m = mi; v = vi;"
-             " g = corrected_rate * mi / (sqrt(vi) + eps_hat);"),
-}
-_kernels = {}
-
-
-def gpu_kernel(name):
-    """The fused CuPy kernel of one update rule (built once)."""
-    k = _kernels.get(name)
-    if k is None:
-        ins, outs, body = _KERNEL_SOURCES[name]
-        k = _kernels[name] = backend.gpu_module().ElementwiseKernel(ins, outs, body,
-                                                          f"minicaffe_{name}_update")
-    return k
-
-
 class SGDSolver(Solver):
     """Stochastic gradient descent with momentum (Caffe's SGDSolver)."""
 
     n_history_sets = 1
+    # (the kernel's extra scalar parameters, history sets, CUDA body) of the fused GPU
+    # update (solvers/fused.py): g is the regularised gradient, lr the local rate, h/h2
+    # the histories, sc[1] the per-iteration extra scalar; the body sets u (the update)
+    fused_rule = ("float momentum", 1,
+                  "T hi = momentum * h[i] + lr * g; h[i] = hi; u = hi;")
+
+    def fused_scalars(self):
+        """The rule's constant scalars in ``fused_rule``'s order (float32, as the array
+        body's)."""
+        return (np.float32(self.param.momentum),)
 
     def pre_solve(self):
         # the parameters, their diffs and each history set live in flat buffers of one
@@ -113,6 +92,13 @@ class SGDSolver(Solver):
             self.history_flat.append(flat.like(hist))
             self.history.extend(hist)
         self._temp = {}
+
+    def fused_update(self):
+        """The update op the engine's GPU step runs (engine/step.py): this solver's rule
+        as one kernel over the flat buffers (solvers/fused.py).  The solver hands it to
+        the engine, which imports nothing of the solvers."""
+        from .fused import FusedUpdate
+        return FusedUpdate(self)
 
     # -- helpers ------------------------------------------------------------------------
     def _tmp(self, xp, i, shape, dtype, k=0):
@@ -199,9 +185,6 @@ class SGDSolver(Solver):
     def compute_update_value(self, xp, i, rate):
         dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         momentum = dt(self.param.momentum)
-        if xp is not np:
-            gpu_kernel("sgd")(momentum, local_rate, g, h)
-            return
         t = self._tmp(xp, i, g.shape, g.dtype)
         h *= momentum
         xp.multiply(g, local_rate, out=t)
@@ -274,12 +257,16 @@ class SGDSolver(Solver):
 class NesterovSolver(SGDSolver):
     """Nesterov's accelerated gradient (Caffe's NesterovSolver)."""
 
+    fused_rule = ("float momentum", 1,
+                  "T hp = h[i]; T hn = momentum * hp + lr * g; h[i] = hn;"
+                  " u = ((T)1 + momentum) * hn - momentum * hp;")
+
+    def fused_scalars(self):
+        return (np.float32(self.param.momentum),)
+
     def compute_update_value(self, xp, i, rate):
         dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         momentum = dt(self.param.momentum)
-        if xp is not np:
-            gpu_kernel("nesterov")(momentum, local_rate, g, h)
-            return
         u = self._tmp(xp, i, g.shape, g.dtype)
         t = self._tmp(xp, i, g.shape, g.dtype, 1)
         u[...] = h
@@ -299,12 +286,15 @@ class AdaGradSolver(SGDSolver):
         if self.param.momentum != 0:
             raise ConfigError(f"{self.source}: momentum cannot be used with AdaGrad")
 
+    fused_rule = ("float delta", 1,
+                  "T hi = h[i] + g * g; h[i] = hi; u = lr * (g / (sqrt(hi) + delta));")
+
+    def fused_scalars(self):
+        return (np.float32(self.param.delta),)
+
     def compute_update_value(self, xp, i, rate):
         dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         delta = dt(self.param.delta)
-        if xp is not np:
-            gpu_kernel("adagrad")(delta, local_rate, g, h)
-            return
         u = self._tmp(xp, i, g.shape, g.dtype)
         xp.multiply(g, g, out=u)
         h += u
@@ -324,13 +314,17 @@ class RMSPropSolver(SGDSolver):
         if not 0 <= self.param.rms_decay <= 1:
             raise ConfigError(f"{self.source}: rms_decay should lie between 0 and 1")
 
+    fused_rule = ("float rms_decay, float delta", 1,
+                  "T hi = rms_decay * h[i] + ((T)1 - rms_decay) * (g * g); h[i] = hi;"
+                  " u = lr * (g / (sqrt(hi) + delta));")
+
+    def fused_scalars(self):
+        return (np.float32(self.param.rms_decay), np.float32(self.param.delta))
+
     def compute_update_value(self, xp, i, rate):
         dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         delta = dt(self.param.delta)
         rms_decay = dt(self.param.rms_decay)
-        if xp is not np:
-            gpu_kernel("rmsprop")(rms_decay, delta, local_rate, g, h)
-            return
         u = self._tmp(xp, i, g.shape, g.dtype)
         xp.multiply(g, g, out=u)
         u *= dt(1) - rms_decay
@@ -349,15 +343,20 @@ class AdaDeltaSolver(SGDSolver):
 
     n_history_sets = 2
 
+    fused_rule = ("float momentum, float delta", 2,
+                  "T om = (T)1 - momentum; T hi = momentum * h[i] + om * (g * g); h[i] = hi;"
+                  " T gg = g * sqrt((h2[i] + delta) / (hi + delta));"
+                  " h2[i] = momentum * h2[i] + om * (gg * gg); u = gg * lr;")
+
+    def fused_scalars(self):
+        return (np.float32(self.param.momentum), np.float32(self.param.delta))
+
     def compute_update_value(self, xp, i, rate):
         dt, local_rate, g, h = self._update_inputs(xp, i, rate)
         delta = dt(self.param.delta)
         momentum = dt(self.param.momentum)
         n = len(self.net.learnable_params)
         h2 = self.history[n + i].mutable_data_for(xp)
-        if xp is not np:
-            gpu_kernel("adadelta")(momentum, delta, local_rate, g, h, h2)
-            return
         u = self._tmp(xp, i, g.shape, g.dtype)
         t = self._tmp(xp, i, g.shape, g.dtype, 1)
         one_minus = dt(1) - momentum
@@ -392,6 +391,15 @@ class AdamSolver(SGDSolver):
         beta1, beta2 = dt(self.param.momentum), dt(self.param.momentum2)
         return dt(math.sqrt(1.0 - float(beta2) ** t_) / (1.0 - float(beta1) ** t_))
 
+    fused_rule = ("float beta1, float beta2, float eps_hat", 2,
+                  "T mi = beta1 * h[i] + ((T)1 - beta1) * g;"
+                  " T vi = beta2 * h2[i] + ((T)1 - beta2) * (g * g);"
+                  " h[i] = mi; h2[i] = vi; u = (lr * sc[1]) * (mi / (sqrt(vi) + eps_hat));")
+
+    def fused_scalars(self):
+        return (np.float32(self.param.momentum), np.float32(self.param.momentum2),
+                np.float32(self.param.delta))
+
     def compute_update_value(self, xp, i, rate):
         dt, local_rate, g, m = self._update_inputs(xp, i, rate)
         beta1 = dt(self.param.momentum)
@@ -400,9 +408,6 @@ class AdamSolver(SGDSolver):
         correction = self._correction(dt)
         n = len(self.net.learnable_params)
         v = self.history[n + i].mutable_data_for(xp)
-        if xp is not np:
-            gpu_kernel("adam")(beta1, beta2, eps_hat, dt(local_rate * correction), g, m, v)
-            return
         u = self._tmp(xp, i, g.shape, g.dtype)
         m *= beta1
         xp.multiply(g, dt(1) - beta1, out=u)

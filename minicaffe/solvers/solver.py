@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..core import context, fileio, log
+from ..core import context, fileio, log, observers
 from ..core.errors import ConfigError, MinicaffeError, WaitInterrupted
 from ..network.net import Net, read_net_param
 from ..proto import caffe_pb2
@@ -151,9 +151,9 @@ class Solver:
         if self.root:
             self.init_test_nets()
             log.info("Solver scaffolding done.")
-        if self.root and p.minicaffe_tensorboard_dir:  # only the root solver writes
-            from ..watch.tensorboard import TensorBoardWriter
-            TensorBoardWriter(p.minicaffe_tensorboard_dir, self)   # attaches itself
+        # what the packages above registered (watch/tensorboard.py: an event-file writer
+        # on the root solver when minicaffe_tensorboard_dir is set)
+        observers.attach(self)
         self.iter = 0
         self.current_step = 0
         self.pre_solve()
@@ -363,10 +363,8 @@ class Solver:
         """What runs this solver's iterations (engine/executor.py): the GPU step of the
         SGD family where it applies (``uses_gpu_step``), else the eager executor of the
         schedule, layer by layer in this thread's mode."""
-        from ..engine.executor import EagerExecutor, GraphExecutor
-        if self.uses_gpu_step:
-            return GraphExecutor(self, self._gpu_step())
-        return EagerExecutor(self)
+        from ..engine.executor import Executor
+        return Executor(self, self._gpu_step() if self.uses_gpu_step else None)
 
     def _account_loss(self, loss, start_iter, iteration=None):
         """One iteration's loss (averaged over iter_size): refused when not finite, then

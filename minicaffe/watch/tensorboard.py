@@ -4,9 +4,10 @@ No Caffe counterpart (PyTorch's ``torch.utils.tensorboard``).  ``TensorBoardWrit
 is a Solver observer (a ``Recorder`` whose sink is a tensorboardX ``SummaryWriter``):
 the same series as the dashboard (``train/smoothed_loss``, ``train/<output>``, ``test/<output>``,
 ``lr``, ``speed/images_per_s``...), the run's facts as a text summary ``run/facts`` and
-each snapshot as ``run/snapshots``.  The Solver attaches one on the root solver when
+each snapshot as ``run/snapshots``.  One is attached to the root solver when
 ``SolverParameter.minicaffe_tensorboard_dir`` is set (``minicaffe train --tensorboard
-DIR``), so a multi-GPU run writes one file.  Needs the ``tensorboard`` extra
+DIR``), so a multi-GPU run writes one file: this module registers ``attach_to`` with
+``core/observers.py`` (``import minicaffe`` imports it), which every Solver runs.  Needs the ``tensorboard`` extra
 (tensorboardX); without it the solver stops with one line saying what to install.
 
 ``read_events(path)`` reads an event file (or the newest one in a folder) back into a
@@ -17,6 +18,7 @@ import glob
 import os
 import struct
 
+from ..core import observers
 from ..core.errors import ConfigError, MinicaffeError
 from .record import Recorder, RunRecord
 
@@ -80,6 +82,17 @@ class TensorBoardWriter(Recorder):
             raise MinicaffeError(f"{self.logdir}: cannot make the TensorBoard folder "
                                  f"({e.strerror})") from None
         super().__init__(_EventSink(self.logdir), solver, devices)
+
+
+def attach_to(solver):
+    """A writer on ``solver`` when it is the root and its ``minicaffe_tensorboard_dir``
+    is set (run by every Solver's set-up: core/observers.py)."""
+    logdir = solver.param.minicaffe_tensorboard_dir
+    if solver.root and logdir:
+        TensorBoardWriter(logdir, solver)      # attaches itself
+
+
+observers.register(attach_to)
 
 
 # -- reading back -------------------------------------------------------------------------

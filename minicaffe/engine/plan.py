@@ -1,10 +1,15 @@
-"""The static memory plan of a net: every activation's data and diff at a fixed place in
-one arena, sharing memory where lifetimes do not overlap.
+"""The static memory plan of a net, a pass over the schedule of its training iteration
+(engine/schedule.py): every activation's data and diff at a fixed place in one arena,
+sharing memory where lifetimes do not overlap.  (No Caffe counterpart: Caffe allocates
+every blob; the idea is MXNet's and tinygrad's memory planner.)
 
-A training iteration is a sequence of steps: forward of layer 0..L-1 (steps 0..L-1),
-then backward of layer L-1..0 (steps L..2L-1).  Each device buffer of the net -- a blob's
-data or diff, counted once however many blobs share it (Split, Flatten and in-place
-layers share) -- is live from the first step that writes it to the last that reads it:
+``memory_pass(schedule, net, ...)`` (or ``MemoryPlan(net, ...)``, which compiles the
+schedule itself) walks the ops in order and reads what each layer step reads and writes
+(``schedule.accesses``).  A training iteration is a sequence of steps: forward of layer
+0..L-1 (steps 0..L-1), then backward of layer L-1..0 (steps L..2L-1); a fused op runs
+the steps of both its layers.  Each device buffer of the net -- a blob's data or diff,
+counted once however many blobs share it (Split, Flatten and in-place layers share) --
+is live from the first step that writes it to the last that reads it:
 
 - data: written by its producers' forward; read by its consumers' forward and by the
   backward of every layer that declares it retains it (``Layer.retain_inputs`` and
@@ -24,9 +29,9 @@ memory of a training run: the parameters, their diffs and the solver's history (
 buffers), the largest cuDNN workspace, what layers keep from forward to backward
 (``Layer.state_bytes``: masks, saved inputs), and cuBLAS's workspace.
 """
-import numpy as np
 
 from ..core import backend
+from .schedule import accesses, compile_iteration, fusion_pass
 
 ALIGN = 256
 CUBLAS_WORKSPACE = 32 << 20
@@ -36,31 +41,10 @@ def _aligned(n):
     return (int(n) + ALIGN - 1) // ALIGN * ALIGN
 
 
-def retained(layer, bottom, top):
-    """(bottom indices, top indices) whose data ``layer``'s backward reads: its
-    declarations ``retain_inputs``/``retain_outputs`` (None: all)."""
-    rb, rt = layer.retain_inputs, layer.retain_outputs
-    return (range(len(bottom)) if rb is None else rb), (range(len(top)) if rt is None else rt)
-
-
 def _fusion(net, i):
     """(fused pair, role) of layer i in ``net`` (layers/fused.py), or (None, None)."""
     fusion_of = getattr(net, "fusion_of", None)
     return fusion_of(i) if fusion_of is not None else (None, None)
-
-
-def _backward_reads(net, i):
-    """What the backward step of layer i reads: its declarations, as its fused pair (if
-    any) changes them (the pair's own reads added to its first layer's; nothing for a
-    second layer whose backward the pair does)."""
-    layer, bot, top = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
-    f, role = _fusion(net, i)
-    if role == 1 and not f.second_backward_runs:
-        return (), ()
-    rb, rt = retained(layer, bot, top)
-    if role == 0 and f.retain_outputs:
-        rt = sorted(set(rt) | set(f.retain_outputs))
-    return rb, rt
 
 
 class Buffer:
@@ -91,8 +75,15 @@ class Buffer:
         return not (self.end < other.start or other.end < self.start)
 
 
+def memory_pass(schedule, net, train=True, history_sets=1, share_data=False):
+    """The memory plan of ``net`` read from ``schedule``'s ops (see the module docstring);
+    offload (engine/offload.py) splits and re-places its buffers."""
+    return MemoryPlan(net, train, history_sets, share_data, schedule=schedule)
+
+
 class MemoryPlan:
-    """The plan of ``net`` for a training iteration (``train=True``) or a forward pass.
+    """The plan of ``net`` for a training iteration (``train=True``) or a forward pass,
+    from ``schedule`` (None: the net's one-pass schedule with its fusions).
 
     With ``share_data`` false (what the GPU step uses) only diffs share memory: every
     blob's data keeps its own place, so what pycaffe code reads from ``net.blobs`` after
@@ -101,7 +92,7 @@ class MemoryPlan:
     that backward does not read share too (a forward-only pass, ``minicaffe memory``'s
     second figure)."""
 
-    def __init__(self, net, train=True, history_sets=1, share_data=False):
+    def __init__(self, net, train=True, history_sets=1, share_data=False, schedule=None):
         self.net = net
         self.train = train
         L = len(net.layers)
@@ -121,39 +112,46 @@ class MemoryPlan:
         while n_prologue < L and net.layers[n_prologue].graph_prologue:
             n_prologue += 1
         outputs = set(net.output_blob_indices)
-        for i, layer in enumerate(net.layers):
-            bot, top = net.bottom_vecs[i], net.top_vecs[i]
-            for j, t in enumerate(top):
-                bid = net.top_id_vecs[i][j]
-                b = buf(t.data_mem, "data", net.blob_names[bid])
-                b.touch(i)
-                b.writes.append(i)
-                if i < n_prologue or bid in outputs or layer.loss(j):
-                    b.pinned = True
-            for j, x in enumerate(bot):
-                b = buf(x.data_mem, "data", net.blob_names[net.bottom_id_vecs[i][j]])
-                b.touch(i)
-                b.reads.append(i)
-        if train:
-            for i in range(L - 1, -1, -1):
-                if not net.layer_need_backward[i]:
+        if schedule is None:
+            schedule = fusion_pass(compile_iteration(net), net)
+        self.schedule = schedule
+        seen = set()
+        for op in schedule:
+            for acc in accesses(net, op):
+                # one pass of the iteration (iter_size repeats the same steps); a
+                # forward-only plan stops at the backward
+                if acc.step in seen or (acc.backward and not train):
                     continue
-                step = 2 * L - 1 - i
-                layer = net.layers[i]
-                bot, top = net.bottom_vecs[i], net.top_vecs[i]
-                rb, rt = _backward_reads(net, i)
-                read = [bot[j].data_mem for j in rb] + [top[j].data_mem for j in rt]
+                seen.add(acc.step)
+                i, layer = acc.layer, net.layers[acc.layer]
+
+                def mem(u):
+                    blob = (net.top_vecs if u.side == "top" else net.bottom_vecs)[i][u.j]
+                    return blob.data_mem if u.kind == "data" else blob.diff_mem
+
+                if not acc.backward:
+                    for u in acc.writes:
+                        b = buf(mem(u), "data", net.blob_names[u.blob])
+                        b.touch(i)
+                        b.writes.append(i)
+                        if i < n_prologue or u.blob in outputs or layer.loss(u.j):
+                            b.pinned = True
+                    for u in acc.reads:
+                        b = buf(mem(u), "data", net.blob_names[u.blob])
+                        b.touch(i)
+                        b.reads.append(i)
+                    continue
+                step = acc.step
+                read = [mem(u) for u in acc.reads if u.kind == "data"]
                 for b in {id(m): bufs[id(m)] for m in read}.values():
                     b.touch(step)
                     b.bwd_reads.append(step)
-                for j, t in enumerate(top):
-                    if layer.loss(j):
-                        continue   # the loss weight lives in this diff: not planned
-                    buf(t.diff_mem, "diff", net.blob_names[net.top_id_vecs[i][j]]).touch(step)
-                for j, x in enumerate(bot):
-                    if net.bottom_need_backward[i][j]:
-                        buf(x.diff_mem, "diff",
-                            net.blob_names[net.bottom_id_vecs[i][j]]).touch(step)
+                for u in acc.reads:
+                    if u.kind == "diff" and not layer.loss(u.j):
+                        # (the loss weight lives in a loss top's diff: not planned)
+                        buf(mem(u), "diff", net.blob_names[u.blob]).touch(step)
+                for u in acc.writes:
+                    buf(mem(u), "diff", net.blob_names[u.blob]).touch(step)
         loss_diffs = {id(t.diff_mem) for i, l in enumerate(net.layers)
                       for j, t in enumerate(net.top_vecs[i]) if l.loss(j)}
         self.buffers = []
@@ -233,14 +231,12 @@ class MemoryPlan:
         """Allocate the arena on the current device and point every planned buffer at its
         place (contents that must survive are copied there: inputs written on the host,
         say)."""
-        cp = backend.cp
-        free, total = cp.cuda.runtime.memGetInfo()
+        free, total = backend.device_memory()
         if self.peak > total:
             raise self.does_not_fit(total, "has")
-        try:
-            self.arena = cp.empty(max(self.arena_bytes, 1), dtype=np.uint8)
-        except cp.cuda.memory.OutOfMemoryError:
-            raise self.does_not_fit(free, "has free") from None
+        self.arena = backend.alloc_arena(max(self.arena_bytes, 1))
+        if self.arena is None:
+            raise self.does_not_fit(free, "has free")
         for b in self.buffers:
             m = b.mem
             view = self.arena[b.offset:b.offset + m.size * m.dtype.itemsize].view(m.dtype)
