@@ -442,6 +442,8 @@ def train(flags, stream=None):
         param.minicaffe_precision = "TF32"
     if flags.run_config.precision is not None:     # --precision: over the solver's field
         param.minicaffe_precision = flags.run_config.precision.upper()
+        if flags.tf32:      # --tf32 --precision bf16: the layers left in fp32 use TF32
+            flags.run_config = flags.run_config.replace(tf32=True)
     if flags.gpu is None or flags.gpu == "":
         gpus = []
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:

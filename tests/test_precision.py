@@ -276,6 +276,10 @@ def test_solver_field_and_cli_flag(cli, tmp_path):
     rc, out, err = cli("train", "--solver", tmp_path / "solver.prototxt", "--precision", "fp16")
     assert rc == 0, err
     assert "Precision: storage types" in err and "loss scale 65536 (dynamic)" in err
+    rc, out, err = cli("train", "--solver", tmp_path / "solver.prototxt", "--precision", "bf16",
+                       "--tf32")
+    assert rc == 0, err
+    assert "GPU math: fp32 with TF32" in err and "precision bf16" in err
     rc, out, err = cli("train", "--solver", tmp_path / "solver.prototxt", "--precision", "fp8")
     assert rc == 1 and err.strip().splitlines()[-1].endswith(
         "--precision 'fp8': expected fp32, tf32, bf16 or fp16")
