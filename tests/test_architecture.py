@@ -339,3 +339,49 @@ def test_the_raw_cupy_checker_sees_what_it_says(tmp_path):
     src.write_text("from .backend import cp\nx = backend.cp\ny = cp.cuda.Event()\n"
                    "z = backend.gpu_module()\nw = cp.zeros(3)\n")
     assert [l for l, _ in _raw_cupy_uses("minicaffe.m", src)] == [1, 2, 3]
+
+
+# -- no engine attribute written onto a layer from outside -------------------------------------
+# What the Net, the engine, the solvers and the multi-GPU code may set on a layer: its run
+# configuration (RunConfig, handed Net -> layer).  Everything else they tell a layer goes
+# through a declaration the layer makes and they read (retain_inputs, cudnn_reads_top...)
+# or a table of their own (Net.top_rewritten, GpuStep.input_places).
+LAYER_ATTRIBUTES_SET_OUTSIDE = {"config"}
+
+
+def _layer_attribute_writes(path):
+    """[(line, attribute)]: an assignment to an attribute of something named ``layer``,
+    ``l`` or an item of a ``.layers`` list."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for a in ast.walk(t):
+                if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store):
+                    owner = ast.unparse(a.value)
+                    if owner in ("layer", "l") or ".layers[" in owner or \
+                            owner.startswith("layers["):
+                        out.append((node.lineno, a.attr))
+    return out
+
+
+def test_nothing_above_the_layers_writes_an_engine_attribute_onto_a_layer():
+    bad = []
+    for name, path in MODULES.items():
+        if not _under(name, M + "network", M + "engine", M + "solvers", M + "multigpu"):
+            continue
+        bad += [f"{path.relative_to(PKG.parent)}:{line}: sets layer.{attr} (declare it on "
+                f"the layer and read it, or keep it in a table of your own)"
+                for line, attr in _layer_attribute_writes(path)
+                if attr not in LAYER_ATTRIBUTES_SET_OUTSIDE]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_attribute_checker_sees_what_it_says(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(net, layer, i):\n    layer.top_rewritten = True\n"
+                   "    net.layers[i].fixed_tops = True\n    layer.config = 1\n"
+                   "    x = layer.top_rewritten\n    self.layers = []\n")
+    assert _layer_attribute_writes(src) == [(2, "top_rewritten"), (3, "fixed_tops"),
+                                            (4, "config")]

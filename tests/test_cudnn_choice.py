@@ -146,3 +146,92 @@ def test_the_registry_chooses_the_engine_once_with_one_line_when_cudnn_cannot(
     assert make_layer('type: "ReLU" relu_param { engine: CAFFE }').engine_name == "CAFFE"
     monkeypatch.setattr(registry, "cudnn_available", lambda: (False, "no GPU"))
     assert make_layer('name: "r9" type: "ReLU"').engine_name == "CAFFE"
+
+
+def test_a_layer_whose_top_a_later_layer_rewrites_in_place_is_chosen_at_creation(
+        monkeypatch, caplog):
+    """The Net's wiring (``Net.top_rewritten``) goes to the registry: a cuDNN class whose
+    backward reads its top (MAX pooling, LRN, the activations) is not built for a layer
+    whose top a later layer rewrites in place; one line names the layer and the reason.
+    An AVE pooling (cuDNN's backward does not read its top) keeps cuDNN, and an LRN in
+    place takes Caffe's class by its names alone."""
+    import logging
+    from minicaffe import Net
+    from minicaffe.layers import registry
+    monkeypatch.setattr(registry, "cudnn_available", lambda: (True, ""))
+    text = """
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }
+    layer { name: "tmax" type: "Pooling" bottom: "data" top: "pmax" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+    layer { name: "dmax" type: "Dropout" bottom: "pmax" top: "pmax" }
+    layer { name: "tave" type: "Pooling" bottom: "data" top: "pave" pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+    layer { name: "dave" type: "Dropout" bottom: "pave" top: "pave" }
+    layer { name: "sig" type: "Sigmoid" bottom: "pave" top: "sig" }
+    layer { name: "dsig" type: "Dropout" bottom: "sig" top: "sig" }
+    layer { name: "lrn" type: "LRN" bottom: "pmax" top: "pmax" lrn_param { local_size: 3 } }
+    layer { name: "tanh" type: "TanH" bottom: "pmax" top: "tanh" }
+    """
+    with caplog.at_level(logging.INFO):
+        net = Net(text, phase=1)
+    engines = {n: net.layer_by_name(n).engine_name for n in ("tmax", "tave", "sig", "lrn",
+                                                              "tanh")}
+    assert engines == {"tmax": "CAFFE", "tave": "CUDNN", "sig": "CAFFE", "lrn": "CAFFE",
+                       "tanh": "CUDNN"}
+    lines = sorted(r.getMessage() for r in caplog.records if "cuDNN cannot" in r.getMessage())
+    rewritten = "a later layer rewrites its top in place, and cuDNN's backward reads it"
+    assert lines == [
+        "layer 'lrn' (LRN): cuDNN cannot compute it as Caffe does (in place): using "
+        "Caffe's engine",
+        f"layer 'sig' (Sigmoid): cuDNN cannot compute it as Caffe does ({rewritten}): "
+        "using Caffe's engine",
+        f"layer 'tmax' (Pooling): cuDNN cannot compute it as Caffe does ({rewritten}): "
+        "using Caffe's engine"]
+    # the same numbers either way: the net runs (here on the CPU, Caffe's bodies)
+    net.blobs["data"].data[...] = np.random.RandomState(0).randn(2, 3, 8, 8)
+    net.forward()
+    assert np.isfinite(net.blobs["tanh"].data).all()
+
+
+@pytest.mark.gpu
+def test_an_engine_a_shape_decides_is_chosen_once_with_one_line(caplog):
+    """Pooling whose Caffe ceil-mode shape cuDNN cannot give takes Caffe's engine at its
+    first reshape on the GPU, with one line naming the layer and the shape; a later shape
+    cuDNN could take does not choose again.  A pooling that took cuDNN and is reshaped
+    to such a shape takes Caffe's engine from then on, with one line; its numbers are
+    Caffe's throughout."""
+    import logging
+    from minicaffe.core import context
+    from minicaffe.core.blob import Blob
+    from minicaffe.compat.testing import make_blob, make_layer
+    context.set_mode_gpu()
+    try:
+        def pool(name, shape):
+            layer = make_layer(f'name: "{name}" type: "Pooling" pooling_param {{ pool: MAX '
+                               f'kernel_size: 3 stride: 2 engine: CUDNN }}')
+            x, top = make_blob(shape, dtype=np.float32), Blob(dtype=np.float32)
+            layer.setup([x], [top])
+            return layer, x, top
+
+        with caplog.at_level(logging.INFO):
+            a, x, top = pool("clipped", (2, 3, 32, 32))    # Caffe 16x16, cuDNN 15x15
+            assert not a.uses_cudnn
+            x.reshape((2, 3, 31, 31))                       # 15x15 for both
+            a.forward([x], [top])
+            assert not a.uses_cudnn and top.shape == (2, 3, 15, 15)
+            b, y, ytop = pool("later", (2, 3, 31, 31))
+            assert b.uses_cudnn
+            y.reshape((2, 3, 32, 32))
+            b.forward([y], [ytop])
+            assert not b.uses_cudnn and ytop.shape == (2, 3, 16, 16)
+            y.reshape((2, 3, 31, 31))
+            b.forward([y], [ytop])
+            assert not b.uses_cudnn
+        lines = [r.getMessage() for r in caplog.records if "cuDNN cannot" in r.getMessage()]
+        assert len(lines) == 2, lines
+        assert lines[0].startswith("layer 'clipped' (Pooling): cuDNN cannot compute it as "
+                                   "Caffe does (input (2, 3, 32, 32): Caffe's output "
+                                   "(2, 3, 16, 16), cuDNN's ")
+        assert lines[0].endswith("): using Caffe's engine")
+        assert lines[1].startswith("layer 'later' (Pooling): ")
+        assert lines[1].endswith("): using Caffe's engine from now on")
+    finally:
+        context.set_mode_cpu()

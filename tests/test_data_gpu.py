@@ -223,3 +223,39 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: 
                                                 "\n".join(messages(lines)))]
     assert len(shown) == 3 and all(0.0 <= x <= 1.0 for x in shown)
     assert s.data_wait_share is not None and abs(s.data_wait_share - shown[-1]) < 1e-3
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_gpu_step_reads_each_batch_at_the_data_tops_place(tmp_path, graphs):
+    """The Data layer points its tops at each batch's buffers; the GPU step copies them
+    into the tops' fixed places (the memory plan's), which a replayed graph reads.  A
+    user's forward between steps (the top pointed elsewhere) changes nothing: the
+    weights are the CPU's."""
+    from minicaffe.solvers import get_solver
+    from test_solver_nets import solver_param
+    src, _ = make_db(tmp_path / "db", shape=(1, 28, 28))
+    text = f'''name: "n"
+layer {{ name: "d" type: "Data" top: "data" top: "label"
+        data_param {{ source: "{src}" batch_size: 4 backend: LMDB }}
+        transform_param {{ scale: 0.00390625 }} }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param {{ num_output: 40 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}'''
+
+    def run(gpu):
+        context.set_mode_gpu() if gpu else context.set_mode_cpu()
+        try:
+            s = get_solver(solver_param(text, type="SGD", base_lr=0.05, lr_policy="fixed",
+                                        momentum=0.9, random_seed=5, cuda_graph=graphs))
+            assert s.uses_gpu_step == gpu
+            s.step(3)
+            s.net.forward()
+            s.step(3)
+            out = [p.data.copy() for p in s.net.learnable_params]
+            s.net.close()
+            return out
+        finally:
+            context.set_mode_cpu()
+
+    for a, b in zip(run(False), run(True)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)

@@ -476,7 +476,7 @@ def test_top_rewritten_marks_layers_whose_top_a_later_layer_rewrites_in_place():
     layer { name: "drop" type: "Dropout" bottom: "pool" top: "pool" }
     layer { name: "out" type: "Sigmoid" bottom: "pool" top: "out" }
     """, phase=caffe_pb2.TRAIN)
-    flags = {n: net.layer_by_name(n).top_rewritten for n in net.layer_names}
+    flags = dict(zip(net.layer_names, net.top_rewritten))
     assert flags == {"data": False, "conv": True, "relu": False, "pool": True, "drop": False,
                      "out": False}
 

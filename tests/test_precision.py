@@ -153,6 +153,10 @@ def test_net_stores_feature_maps_and_diffs_in_the_reduced_type(prec, kind):
         assert P.representable(np, net.blobs[name].data, kind), name
     for name in ("conv", "pool"):
         assert P.representable(np, net.blobs[name].diff, kind), name
+    # each layer carries its resolved types in its own LayerParameter (NVIDIA Caffe's way)
+    assert net.layer_dict["conv"].types.forward_type == kind
+    assert net.layer_dict["loss"].types.forward_type == "FLOAT"
+    assert Net(net_param(), config=RunConfig()).layer_dict["conv"].types is None
     # master weights and their diffs stay fp32 (not all representable in the reduced type)
     w = net.params["conv"][0]
     assert w.data.dtype == np.float32 and not P.representable(np, w.data, kind)

@@ -7,7 +7,8 @@ from minicaffe import Net
 from minicaffe.multigpu import parallel
 from minicaffe.layers import registry
 from minicaffe.engine.executor import run_ops
-from minicaffe.engine.schedule import allreduce_pass, compile_iteration, fusion_pass, schedule_for
+from minicaffe.engine.schedule import (Schedule, allreduce_pass, compile_iteration, fusion_pass,
+                                       schedule_for)
 from minicaffe.proto import caffe_pb2
 
 from test_cli import REPO
@@ -88,10 +89,10 @@ def test_the_eager_executor_runs_the_schedule_in_order_through_the_net_hooks():
 
 
 def test_the_gpu_steps_body_runs_the_same_ops_without_reading_the_loss():
-    """The one executor's walker with a loss ring (the GPU step's body) walks the same ops
-    as in host mode from the first layer after the data prologue, through the same hooks,
-    to the same gradients; here on the CPU with a null ring address (the step adds the
-    losses on the device)."""
+    """The one executor's walker with a loss ring (the GPU step: the prologue ops, then
+    the body from the first layer after them) walks the same ops as in host mode, through
+    the same hooks, to the same gradients; here on the CPU with a null ring address (the
+    step adds the losses on the device)."""
     grads, orders = [], []
     for runner in ("eager", "device"):
         net = _net()
@@ -107,10 +108,14 @@ def test_the_gpu_steps_body_runs_the_same_ops_without_reading_the_loss():
         if runner == "eager":
             assert len(run_ops(s, net)) == 1
         else:
+            # the GPU step: its prologue ops first (eagerly), then the body from layer 1
+            prologue = Schedule([op for op in s if op.kind == "prologue"])
+            assert [str(op) for op in prologue] == ["prologue 0 data"]
+            assert run_ops(prologue, net, (0, None, 1)) == []
             assert run_ops(s, net, (0, None, 1), first=1) == []
         grads.append((runner, [p.data.copy() for p in net.learnable_params],
                       [p.diff.copy() for p in net.learnable_params]))
-        orders.append([x for x in seen if x != ("forward", 0)])
+        orders.append(seen)
     assert orders[0] == orders[1]
     for a, b in zip(grads[0][2], grads[1][2]):
         np.testing.assert_array_equal(a, b)

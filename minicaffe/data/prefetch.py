@@ -256,7 +256,6 @@ def effective_transform_param(layer_param):
 class BaseDataLayer(Layer):
     """A layer with no bottoms whose tops are data (and optionally labels)."""
     graph_prologue = True
-    fixed_tops = False
     exact_num_bottom_blobs = 0
     min_top_blobs = 1
     max_top_blobs = 2
@@ -357,14 +356,10 @@ class BasePrefetchingDataLayer(BaseDataLayer):
         return batch
 
     def _hand_over(self, src, top, gpu):
-        """Point ``top`` at ``src``'s memory (Caffe's set_cpu_data/set_gpu_data); with
-        ``fixed_tops`` (a replayed CUDA graph reads the tops at fixed addresses) copy into
-        the top's own memory instead, on the compute stream."""
+        """Point ``top`` at ``src``'s memory (Caffe's set_cpu_data/set_gpu_data).  The GPU
+        step copies it into the top's fixed place after the forward (engine/step.py: a
+        replayed CUDA graph reads the tops at fixed addresses)."""
         top.reshape(src.shape)
-        if gpu and self.fixed_tops:
-            top.own_data()
-            top.mutable_gpu_data()[...] = src.gpu_data()
-            return
         if src.data_mem.size < top.data_mem.size:  # the top grew earlier: copy instead
             if gpu:
                 top.mutable_gpu_data()[...] = src.gpu_data()

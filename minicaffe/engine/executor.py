@@ -20,9 +20,10 @@ offloader, P2PSync) from the same plans the passes print.
   layer).  The loss is known after each iteration; the update is the solver's rule.
 - ``device``: the SGD family on a GPU (``step``: engine/step.GpuStep, which holds the
   device's side: the memory plan, the rings, the fused update, the offloader): the
-  prologue eagerly, then ``run_ops`` with the losses into the step's ring, the update
-  fused into the same body; the losses read back at log points only (``drain``), the host
-  running ahead up to ``step.RING`` iterations.
+  prologue ops through ``run_ops`` eagerly, then the body's ops through ``run_ops`` with
+  the losses into the step's ring, the update fused into the same body; the losses read
+  back at log points only (``drain``), the host running ahead up to ``step.RING``
+  iterations.
 - ``replayed``: the same as ``device``, the body's ``run_ops`` captured once as a CUDA
   graph (the same op list) and replayed: the same kernels in the same order, the same
   bits.

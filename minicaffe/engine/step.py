@@ -36,7 +36,7 @@ from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
 from ..kernels import step as step_kernels
 from .executor import run_ops
-from .schedule import schedule_for
+from .schedule import Schedule, schedule_for
 from ..core.synced_memory import SyncedMemory, HEAD_AT_CPU
 
 RING = 64
@@ -79,9 +79,6 @@ class GpuStep:
         while n < len(net.layers) and net.layers[n].graph_prologue:
             n += 1
         self.first_body = n
-        for layer in net.layers[:n]:
-            if hasattr(layer, "fixed_tops"):
-                layer.fixed_tops = True
         produced = set()
         inputs = []
         for i in range(n, len(net.layers)):
@@ -92,6 +89,8 @@ class GpuStep:
                 produced.add(id(t))
         self.input_blobs = inputs
         self.schedule = schedule_for(net)     # one pass: the solver loops over iter_size
+        # its prologue ops (the data layers), run eagerly before the body each time
+        self.prologue = Schedule([op for op in self.schedule if op.kind == "prologue"])
         reason = why_not_capturable(net, n)
         if reason is None and self.iter_size > 1 and solver.config.world_size > 1:
             # the all-reduce runs in the last of iter_size passes only: a pass's graph
@@ -123,6 +122,17 @@ class GpuStep:
                      "(%.1f MiB unshared); planned peak %.1f MiB", net.name,
                      self.plan.arena_bytes / mib, self.plan.unshared_bytes / mib,
                      self.plan.peak / mib)
+        # the data layers' tops at fixed places (a replayed graph reads them there, and
+        # the host runs ahead): the plan's arena places, else device memory of their own
+        self.input_places = {}
+        for i in range(n):
+            for t in net.top_vecs[i]:
+                m = t.data_mem
+                if not isinstance(m, SyncedMemory) or m.size == 0:
+                    continue
+                if not m.planned:
+                    m.bind_device(backend.alloc_gpu(m.size, m.dtype))
+                self.input_places.setdefault(i, []).append([t, m.device_array])
         if graphs and graphs_reason:
             log.info("CUDA graph: off for net %s: %s; the iteration runs eagerly",
                      net.name, graphs_reason)
@@ -162,11 +172,39 @@ class GpuStep:
             self._h2d = None
         with self.stream:
             for i in range(self.first_body):
-                net.run_hooks("before_forward", i)
-                net.layers[i].forward_body(net.bottom_vecs[i], net.top_vecs[i])
-                net.run_hooks("after_forward", i)
+                self._note_places(i)
+            # the prologue ops through the same walker, eagerly, nothing read back
+            run_ops(self.prologue, net, (0, None, 1))
+            for i in range(self.first_body):
+                self._tops_in_place(i)
             self._prepare()
             self._run(("fb", bool(first), bool(with_update)))
+
+    def _note_places(self, i):
+        """Before data layer i's forward: a top placed now (by the plan in force, or by
+        this step) keeps that place; one pointed elsewhere since (a user's forward
+        between iterations) goes back to the place it had."""
+        for entry in self.input_places.get(i, ()):
+            m = entry[0].data_mem
+            if isinstance(m, SyncedMemory) and m.planned:
+                entry[1] = m.device_array
+
+    def _tops_in_place(self, i):
+        """Data layer i's tops back at their fixed places: a top its forward pointed at a
+        batch's buffer (data/prefetch.py hands batches over so) is copied there, on the
+        step's stream; a top written in place needs nothing.  (This replaces a flag the
+        step used to set on the data layers.)"""
+        for entry in self.input_places.get(i, ()):
+            t, place = entry
+            m = t.data_mem
+            if not isinstance(m, SyncedMemory) or m.device_array is place:
+                continue
+            if m.size > place.size:
+                # a larger batch: a larger place of its own (the input shapes changed, so
+                # the graphs are captured anew, at this address)
+                place = entry[1] = backend.alloc_gpu(m.size, m.dtype)
+            place[:m.size] = m.gpu_data()[:m.size]
+            m.bind_device(place, keep_contents=False)
 
     def apply_update(self):
         with self.stream:

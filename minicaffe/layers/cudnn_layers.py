@@ -5,9 +5,14 @@ GPU bodies; on the CPU it is that layer.  The registry builds it for ``engine: C
 and for ``engine: DEFAULT`` when cuDNN loads (``registry.choose_class``).  A layer whose
 parameters cuDNN cannot compute exactly as Caffe does (a leaky ReLU, STOCHASTIC pooling,
 an LRN window over 16...: each class's ``cudnn_refuses``) is built by the registry with
-Caffe's class, once, with one log line.  What only a shape tells (a pooling window
-clipped by Caffe's ceil-mode shape, an input that is not 4-D) keeps Caffe's GPU body for
-that shape, decided at reshape: the numbers are Caffe's either way.
+Caffe's class, once, with one log line; so is one whose top a later layer rewrites in
+place where its cuDNN backward reads that top (the Net's ``top_rewritten``).  What only a
+shape tells (a pooling window clipped by Caffe's ceil-mode shape, an input that is not
+4-D, a data type cuDNN does not take) is decided once, at the layer's first reshape on a
+GPU (``_ChosenOnce``), with one line naming the layer and the reason when it takes
+Caffe's engine; later reshapes do not choose again.  The one exception keeps the numbers
+Caffe's: a layer that took cuDNN, reshaped later to a shape cuDNN cannot compute as
+Caffe does, takes Caffe's engine from then on (one line), never cuDNN again.
 
 Convolution: descriptors per input shape, algorithms chosen by cuDNN's Find (timed on
 the real shapes, once per geometry and process: ``gpu/cudnn.find_algorithms``), with one
@@ -18,12 +23,12 @@ first (eager) run of each shape and never while a CUDA graph is being captured.
 
 import numpy as np
 
-from ..core import backend, config, context, precision
+from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
 from ..kernels.precision import buffer_dtype, from_reduced, to_reduced
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
-from .registry import register_cudnn
+from .registry import engine_name, register_cudnn
 from .common import SoftmaxLayer
 from .neuron import ReLULayer, SigmoidLayer, TanHLayer
 from .normalization import BatchNormLayer
@@ -89,6 +94,34 @@ def _ptr(a):
     return a.data.ptr
 
 
+class _ChosenOnce:
+    """The engine choice of a cuDNN layer that only its blobs can tell (see the module
+    docstring): ``shape_refuses(bottom, top)`` gives None or why cuDNN cannot compute
+    these blobs as Caffe does; ``_cudnn_for(bottom, top)``, called at each reshape, asks
+    it on a GPU until the answer is Caffe's engine, which it keeps: a layer that took
+    cuDNN checks each shape (cheap: the descriptors are cached per shape) and takes
+    Caffe's engine for good, with one line, at the first cuDNN cannot compute."""
+    _engine = None      # this layer's choice: None (not made yet), "CUDNN" or "CAFFE"
+
+    def shape_refuses(self, bottom, top):
+        return None
+
+    def _cudnn_for(self, bottom, top):
+        if not context.is_gpu() or self._engine == "CAFFE":
+            return False
+        why = type(self).cudnn_refuses(self.layer_param) or self.shape_refuses(bottom, top)
+        if why is None:
+            self._engine = "CUDNN"
+            return True
+        p = self.layer_param
+        (log.warning if engine_name(p) == "CUDNN" else log.info)(
+            "layer '%s' (%s): cuDNN cannot compute it as Caffe does (%s): using Caffe's "
+            "engine%s", p.name, self.type, why,
+            " from now on" if self._engine == "CUDNN" else "")
+        self._engine = "CAFFE"
+        return False
+
+
 def scratch(name, nbytes):
     """A transient buffer of this thread on the current device, shared by every layer
     (used within one call, never across calls); grown at the first, eager, run."""
@@ -103,7 +136,7 @@ def scratch(name, nbytes):
 
 
 @register_cudnn("Convolution")
-class CuDNNConvolutionLayer(ConvolutionLayer):
+class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     """Convolution through cuDNN: y = W * x + b; dW += dy (x) x; db += sum dy;
     dx = W^T (x) dy.  N-D (2 or 3 spatial axes), groups, dilation; channel axis 1."""
 
@@ -112,14 +145,21 @@ class CuDNNConvolutionLayer(ConvolutionLayer):
         """True when the last reshape chose cuDNN (False: Caffe's engine runs this shape)."""
         return getattr(self, "_cudnn_key", None) is not None
 
+    def shape_refuses(self, bottom, top):
+        if self.channel_axis != 1:
+            return f"channel axis {self.channel_axis}"
+        if self.num_spatial not in (2, 3):
+            return f"{self.num_spatial} spatial axes"
+        if bottom[0].dtype not in cudnn.DATA:
+            return f"data type {bottom[0].dtype}"
+        return None
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._cudnn_key = None
-        if not context.is_gpu() or self.channel_axis != 1 or self.num_spatial not in (2, 3):
+        if not self._cudnn_for(bottom, top):
             return
         dt = bottom[0].dtype
-        if dt not in cudnn.DATA:
-            return
         self._storage = self._reduced_storage(dt)
         if self._storage is not None:   # the reduced type's cuDNN calls (pseudo-half)
             dt = "bfloat16" if self._storage == precision.BFLOAT16 else np.dtype(np.float16)
@@ -338,11 +378,11 @@ _Pool = caffe_pb2.PoolingParameter
 
 
 @register_cudnn("Pooling")
-class CuDNNPoolingLayer(PoolingLayer):
+class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape and windows are
     Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
-    otherwise.  Backward reads the top data, so a top rewritten in place by a later layer
-    keeps Caffe's mask-based backward (``Layer.top_rewritten``, set by the Net)."""
+    otherwise.  MAX's backward reads the top data, so a MAX pooling whose top a later
+    layer rewrites in place is built with Caffe's mask-based class (``cudnn_reads_top``)."""
     @property
     def uses_cudnn(self):
         """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
@@ -356,14 +396,19 @@ class CuDNNPoolingLayer(PoolingLayer):
             return "a second top (the mask)"
         return None
 
+    @classmethod
+    def cudnn_reads_top(cls, param):
+        return param.pooling_param.pool == _Pool.MAX
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        self._use = False
-        if not context.is_gpu() or len(top) != 1 or bottom[0].dtype not in cudnn.DATA:
-            return
-        if self.method not in (_Pool.MAX, _Pool.AVE) or (self.method == _Pool.MAX and
-                                                          self.top_rewritten):
-            return
+        self._use = self._cudnn_for(bottom, top)
+
+    def shape_refuses(self, bottom, top):
+        if len(top) != 1:
+            return "a second top (the mask)"
+        if bottom[0].dtype not in cudnn.DATA:
+            return f"data type {bottom[0].dtype}"
         key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
                self.method, options.deterministic)
         if getattr(self, "_desc_key", None) != key:
@@ -374,11 +419,15 @@ class CuDNNPoolingLayer(PoolingLayer):
             self.x_desc = cudnn.TensorDesc(bottom[0].shape, dt)
             self.y_desc = cudnn.TensorDesc(top[0].shape, dt)
             try:    # cuDNN refuses a window larger than the padded input (BAD_PARAM)
-                self._ok = self.pool_desc.output_dims(self.x_desc) == tuple(top[0].shape)
+                dims = self.pool_desc.output_dims(self.x_desc)
             except cudnn.CudnnError:
-                self._ok = False
+                dims = None
+            self._ok = dims == tuple(top[0].shape)
+            self._why = None if self._ok else (
+                f"input {tuple(bottom[0].shape)}: Caffe's output {tuple(top[0].shape)}, "
+                + ("a window cuDNN refuses" if dims is None else f"cuDNN's {tuple(dims)}"))
             self._desc_key = key
-        self._use = self._ok
+        return self._why
 
     # cuDNN's backward reads x and y; Caffe's, for MAX and AVE, neither (its own mask)
     @property
@@ -416,7 +465,7 @@ _LRN = caffe_pb2.LRNParameter
 
 
 @register_cudnn("LRN")
-class CuDNNLRNLayer(LRNLayer):
+class CuDNNLRNLayer(_ChosenOnce, LRNLayer):
     """ACROSS_CHANNELS LRN through cuDNN (window 1-16, k >= 1e-5, beta >= 0.01: Caffe's
     formula, alpha divided by the window); Caffe's kernels otherwise.  Backward reads x
     and y: a top rewritten in place later keeps Caffe's body."""
@@ -435,15 +484,27 @@ class CuDNNLRNLayer(LRNLayer):
             return f"local_size {p.local_size} outside 1-16"
         if p.k < 1e-5 or p.beta < 0.01:
             return f"k {p.k:g} < 1e-5 or beta {p.beta:g} < 0.01"
+        if param.bottom and param.top and param.bottom[0] == param.top[0]:
+            return "in place"
+        return None
+
+    @classmethod
+    def cudnn_reads_top(cls, param):
+        return True
+
+    def shape_refuses(self, bottom, top):
+        if bottom[0] is top[0]:
+            return "in place"
+        if bottom[0].num_axes != 4:
+            return f"an input of {bottom[0].num_axes} axes"
+        if bottom[0].dtype not in cudnn.DATA:
+            return f"data type {bottom[0].dtype}"
         return None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         p = self.layer_param.lrn_param
-        self._use = (context.is_gpu() and p.norm_region == _LRN.ACROSS_CHANNELS and
-                     1 <= p.local_size <= 16 and p.k >= 1e-5 and p.beta >= 0.01 and
-                     not self.top_rewritten and bottom[0] is not top[0] and
-                     bottom[0].num_axes == 4 and bottom[0].dtype in cudnn.DATA)
+        self._use = self._cudnn_for(bottom, top)
         if self._use and getattr(self, "_desc_key", None) != bottom[0].shape:
             self.lrn_desc = cudnn.LRNDesc(p.local_size, p.alpha, p.beta, p.k)
             self.x_desc = cudnn.TensorDesc(bottom[0].shape, bottom[0].dtype)
@@ -474,34 +535,40 @@ class CuDNNLRNLayer(LRNLayer):
                    _ptr(bottom[0].mutable_gpu_diff()))
 
 
-class _CuDNNActivation:
+class _CuDNNActivation(_ChosenOnce):
     """Shared body of the cuDNN ReLU, Sigmoid and TanH: y = f(x), dx = f'(.) dy, in place
-    allowed (cuDNN reads y, dy and x; in place x is y, which these three allow)."""
+    allowed (cuDNN reads y, dy and x; in place x is y, which these three allow).  Its
+    backward reads the top: one whose top a later layer rewrites in place is built with
+    Caffe's class (``cudnn_reads_top``)."""
     act_mode = None
 
     @property
     def uses_cudnn(self):
-        """True once a pass has run through cuDNN (False: Caffe's body ran, or none yet)."""
-        return getattr(self, "_desc_key", None) is not None
+        """True when the last reshape chose cuDNN (False: Caffe's body runs this shape)."""
+        return getattr(self, "_use", False)
 
-    def _act_ready(self, bottom):
-        if (not context.is_gpu() or bottom[0].dtype not in cudnn.DATA or not self._act_ok()
-                or self.top_rewritten):
-            return False
+    @classmethod
+    def cudnn_reads_top(cls, param):
+        return True
+
+    def shape_refuses(self, bottom, top):
+        if bottom[0].dtype not in cudnn.DATA:
+            return f"data type {bottom[0].dtype}"
+        return None
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self._use = self._cudnn_for(bottom, top)
         shape = (bottom[0].count(),)
-        if getattr(self, "_desc_key", None) != shape:
+        if self._use and getattr(self, "_desc_key", None) != shape:
             self.act_desc = cudnn.ActDesc(self.act_mode)
             self.t_desc = cudnn.TensorDesc(shape, bottom[0].dtype)
             self._desc_key = shape
-        return True
-
-    def _act_ok(self):
-        return True
 
     retain_inputs, retain_outputs = (0,), (0,)      # cuDNN reads x and y
 
     def forward_gpu(self, bottom, top):
-        if not self._act_ready(bottom):
+        if not self._use:
             return super().forward_gpu(bottom, top)
         dt = bottom[0].dtype
         cudnn.call("cudnnActivationForward", cudnn.handle(), self.act_desc.ptr, cudnn.one(dt),
@@ -509,7 +576,7 @@ class _CuDNNActivation:
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
-        if not self._act_ready(bottom):
+        if not self._use:
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
             return
@@ -531,9 +598,6 @@ class CuDNNReLULayer(_CuDNNActivation, ReLULayer):
         slope = param.relu_param.negative_slope
         return f"negative_slope {slope:g}" if slope != 0 else None
 
-    def _act_ok(self):
-        return self.layer_param.relu_param.negative_slope == 0
-
 
 @register_cudnn("Sigmoid")
 class CuDNNSigmoidLayer(_CuDNNActivation, SigmoidLayer):
@@ -546,27 +610,31 @@ class CuDNNTanHLayer(_CuDNNActivation, TanHLayer):
 
 
 @register_cudnn("Softmax")
-class CuDNNSoftmaxLayer(SoftmaxLayer):
+class CuDNNSoftmaxLayer(_ChosenOnce, SoftmaxLayer):
     """Softmax over ``axis`` through cuDNN (ACCURATE, per channel of an
     (outer, C, inner, 1) view); dx = y * (dy - sum(dy * y))."""
 
     @property
     def uses_cudnn(self):
-        """True once a pass has run through cuDNN (False: Caffe's body ran, or none yet)."""
-        return getattr(self, "_desc_key", None) is not None
+        """True when the last reshape chose cuDNN (False: Caffe's body runs this shape)."""
+        return getattr(self, "_use", False)
 
-    def _ready(self, bottom):
-        if not context.is_gpu() or bottom[0].dtype not in cudnn.DATA:
-            return False
+    def shape_refuses(self, bottom, top):
+        if bottom[0].dtype not in cudnn.DATA:
+            return f"data type {bottom[0].dtype}"
+        return None
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self._use = self._cudnn_for(bottom, top)
         b = bottom[0]
         shape = (b.count(0, self.axis), b.shape[self.axis], b.count(self.axis + 1), 1)
-        if getattr(self, "_desc_key", None) != shape:
+        if self._use and getattr(self, "_desc_key", None) != shape:
             self.t_desc = cudnn.TensorDesc(shape, b.dtype)
             self._desc_key = shape
-        return True
 
     def forward_gpu(self, bottom, top):
-        if not self._ready(bottom):
+        if not self._use:
             return super().forward_gpu(bottom, top)
         dt = bottom[0].dtype
         cudnn.call("cudnnSoftmaxForward", cudnn.handle(), cudnn.SOFTMAX_ACCURATE,
@@ -575,7 +643,7 @@ class CuDNNSoftmaxLayer(SoftmaxLayer):
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
-        if not self._ready(bottom):
+        if not self._use:
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
             return
@@ -612,7 +680,7 @@ extern "C" __global__ void mc_bn_global(const T* mean_sum, const T* var_sum, con
 
 
 @register_cudnn("BatchNorm")
-class CuDNNBatchNormLayer(BatchNormLayer):
+class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
     """Caffe's BatchNorm (no scale or shift: Scale follows it) through cuDNN's spatial
     batch normalisation, N-D inputs of 4 or 5 axes.  Training: cuDNN gives the batch mean
     and the unbiased variance (its running average with factor 1), which a small kernel
@@ -630,11 +698,18 @@ class CuDNNBatchNormLayer(BatchNormLayer):
         eps = param.batch_norm_param.eps
         return f"eps {eps:g} <= 0" if eps <= 0 else None
 
+    def shape_refuses(self, bottom, top):
+        b = bottom[0]
+        if b.num_axes not in (4, 5):
+            return f"an input of {b.num_axes} axes"
+        if b.dtype not in cudnn.DATA:
+            return f"data type {b.dtype}"
+        return None
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         b = bottom[0]
-        self._use = (context.is_gpu() and b.num_axes in (4, 5) and b.dtype in cudnn.DATA
-                     and self.eps > 0)
+        self._use = self._cudnn_for(bottom, top)
         if not self._use:
             return
         if getattr(self, "_desc_key", None) != b.shape:

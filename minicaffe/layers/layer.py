@@ -35,9 +35,6 @@ class Layer:
     # a data layer: its forward is host work plus a copy into its tops, run before the
     # captured part of the iteration each time (engine/step.py)
     graph_prologue = False
-    # set by the Net: a later layer rewrites one of this layer's tops in place, so a
-    # backward that reads the top data would read the later value (cuDNN's pooling does)
-    top_rewritten = False
     allow_in_place = True   # False: a top may not be one of the bottoms
     engine_name = "CAFFE"   # which engine's class this is (registry: 'CUDNN' for cuDNN's)
     in_place = False        # set by setup: a top is one of the bottoms
@@ -51,9 +48,6 @@ class Layer:
     # poisoned before backward, and the gradients must not change).
     retain_inputs = None
     retain_outputs = None
-    # core/precision.LayerTypes: the storage and math types the Net resolved for this layer
-    # (None: built outside a Net, fp32); a layer with a reduced-type body reads it
-    types = None
     _config = None
 
     @property
@@ -74,6 +68,13 @@ class Layer:
         """For a cuDNN class: None when cuDNN computes this LayerParameter as Caffe does,
         else the reason (the registry then builds Caffe's class, with one log line)."""
         return None
+
+    @classmethod
+    def cudnn_reads_top(cls, param):
+        """For a cuDNN class: True when its backward reads its top's data, which a later
+        layer rewriting that top in place would change (the Net knows: ``Net.top_rewritten``;
+        the registry then builds Caffe's class, with one log line)."""
+        return False
 
     def __init__(self, param):
         self.layer_param = param
@@ -248,6 +249,24 @@ class Layer:
 
     def get_param_propagate_down(self, index):
         return self.param_propagate_down[index] if index < len(self.param_propagate_down) else True
+
+    @property
+    def types(self):
+        """core/precision.LayerTypes of this layer: the storage and math types in its
+        LayerParameter (NVIDIA Caffe's ``forward_type``...; a Net that resolved reduced
+        types writes them there, as NVIDIA Caffe's Net::Init does); None when unset (fp32).
+        A layer with a reduced-type body reads it."""
+        p = self.layer_param
+        if not p.HasField("forward_type"):
+            return None
+        from ..core.precision import LayerTypes
+        from ..proto import caffe_pb2
+        name = caffe_pb2.Type.Name
+        ft = name(p.forward_type)
+        bt = name(p.backward_type) if p.HasField("backward_type") else ft
+        return LayerTypes(p.name, p.type, ft, bt,
+                          name(p.forward_math) if p.HasField("forward_math") else ft,
+                          name(p.backward_math) if p.HasField("backward_math") else bt)
 
     def to_proto(self, write_diff=False):
         from ..proto import caffe_pb2

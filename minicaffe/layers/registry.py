@@ -5,9 +5,12 @@ factory chooses (``engine: CUDNN``, or ``DEFAULT`` when cuDNN loads).
 The engine is chosen once, here: a cuDNN class declares what of a layer's parameters it
 cannot compute as Caffe does (``cudnn_refuses(param)``: a leaky ReLU, STOCHASTIC
 pooling...), and such a layer is built with Caffe's class and one log line saying why.
+The Net adds what its wiring tells (``top_rewritten``: a later layer rewrites this layer's
+top in place, and the cuDNN class's backward reads it: ``cudnn_reads_top(param)``).
 The class's ``engine_name`` says which was chosen ('CAFFE' or 'CUDNN').  What only a
 shape can tell (a pooling window clipped by Caffe's ceil-mode shape, an input of 3 axes)
-the cuDNN class still checks at reshape, running Caffe's body for that shape."""
+the cuDNN class decides at its first reshape on a GPU, once, with one line when it takes
+Caffe's engine (layers/cudnn_layers.py)."""
 import difflib
 
 from ..core import log
@@ -65,9 +68,10 @@ def cudnn_available():
     return cudnn.available()
 
 
-def choose_class(param):
+def choose_class(param, top_rewritten=False):
     """The class Caffe's factory would build: the cuDNN one for ``engine: CUDNN``, or for
-    DEFAULT when cuDNN is usable; Caffe's own otherwise (with one line saying why)."""
+    DEFAULT when cuDNN is usable; Caffe's own otherwise (with one line saying why).
+    ``top_rewritten``: a later layer of the net rewrites this layer's top in place."""
     cls = layer_class(param.type, param.name)
     alt = _CUDNN.get(param.type)
     engine = engine_name(param)
@@ -81,6 +85,8 @@ def choose_class(param):
     ok, why = cudnn_available()
     if ok:
         refused = alt.cudnn_refuses(param)
+        if refused is None and top_rewritten and alt.cudnn_reads_top(param):
+            refused = "a later layer rewrites its top in place, and cuDNN's backward reads it"
         if refused is None:
             return alt
         _say_once(("cudnn-refuses", param.type, param.name),
@@ -122,7 +128,8 @@ def layer_class(type_name, layer_name="?"):
     return cls
 
 
-def create_layer(param):
-    """A new layer for LayerParameter ``param`` (engine chosen as Caffe does)."""
+def create_layer(param, top_rewritten=False):
+    """A new layer for LayerParameter ``param`` (engine chosen as Caffe does;
+    ``top_rewritten``: see ``choose_class``)."""
     _load_all()
-    return choose_class(param)(param)
+    return choose_class(param, top_rewritten)(param)

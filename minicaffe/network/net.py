@@ -153,6 +153,19 @@ def insert_splits(param):
     return out
 
 
+def tops_rewritten(layer_params):
+    """For each LayerParameter of a net (after the splits): whether a later layer rewrites
+    one of its tops in place (a top named as the bottom of the same index is that blob;
+    a name is produced once).  ``Net.top_rewritten`` keeps it; the registry reads it (a
+    cuDNN backward that reads its top would read the later value)."""
+    out, rewritten = [], set()
+    for lp in reversed(list(layer_params)):
+        out.append(any(t in rewritten for t in lp.top))
+        rewritten.update(t for j, t in enumerate(lp.top)
+                         if j < len(lp.bottom) and lp.bottom[j] == t)
+    return out[::-1]
+
+
 def _batchnorm_out_of_place(param):
     """Training: a BatchNorm that runs in place on the output of the layer just before it
     reads that output from a blob of its own instead (``<bn layer>_input``): its backward
@@ -260,15 +273,20 @@ class Net:
         available = []  # insertion-ordered set of blobs not yet consumed
         name_to_idx = {}
         memory_used = 0
+        # the Net's table of what its wiring tells the engine choice (registry.choose_class)
+        self.top_rewritten = tops_rewritten(param.layer)
         for layer_id, lp in enumerate(param.layer):
             if not lp.HasField("phase"):
                 lp.phase = self.phase
             if len(lp.propagate_down) and len(lp.propagate_down) != len(lp.bottom):
                 raise ConfigError(f"layer '{lp.name}': propagate_down param must be specified "
                                   f"either 0 or bottom_size times ({len(lp.bottom)})")
-            layer = create_layer(lp)
+            if self.types.reduced:     # its resolved types, NVIDIA Caffe's way: into its
+                lt = self.types.layers[layer_id]    # own LayerParameter (Layer.types)
+                for f in ("forward_type", "backward_type", "forward_math", "backward_math"):
+                    setattr(lp, f, caffe_pb2.Type.Value(getattr(lt, f)))
+            layer = create_layer(lp, self.top_rewritten[layer_id])
             layer.config = layer_config
-            layer.types = self.types.layers[layer_id]     # its storage and math types
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             log.info("Creating Layer %s", lp.name)
@@ -335,10 +353,6 @@ class Net:
                 for blob_id in self.top_id_vecs[-1]:
                     self._blob_need_backward[blob_id] = True
         self._analyse_backward(param)
-        rewritten = set()  # blobs a later layer rewrites in place
-        for lid in range(len(self.layers) - 1, -1, -1):
-            self.layers[lid].top_rewritten = any(b in rewritten for b in self.top_id_vecs[lid])
-            rewritten.update(b for b in self.top_id_vecs[lid] if b in self.bottom_id_vecs[lid])
         self._find_fusions()
         self.output_blob_indices = [name_to_idx[n] for n in sorted(available)]
         for i in self.output_blob_indices:
