@@ -160,9 +160,12 @@ def bench_minicaffe(run, net, iterations, repeats, warmup, gpu, iter_size=1, pea
     return Result("minicaffe", ms, _images_per_iter(net, iter_size), peak, what)
 
 
-def bench_torch(net, blobs, solver_param, iterations, repeats, warmup, gpu, train=True):
+def bench_torch(net, blobs, solver_param, iterations, repeats, warmup, gpu, train=True,
+                precision=None):
     """(eager Result, CUDA-graph Result or None, twin notes): the same net and step in
-    PyTorch (see torch_twin), eager and, on the GPU, captured as one CUDA graph."""
+    PyTorch (see torch_twin), eager and, on the GPU, captured as one CUDA graph;
+    ``precision`` bf16/fp16 (GPU): under torch.autocast in that type with channels_last
+    convolutions (fp16 without a GradScaler: the time of the step, not its scaling)."""
     import torch
     from .torch_twin import TorchTwin, make_optimizer
     device = f"cuda:{gpu}" if gpu is not None else "cpu"
@@ -180,6 +183,13 @@ def bench_torch(net, blobs, solver_param, iterations, repeats, warmup, gpu, trai
     twin = TorchTwin(net, device, blobs=blobs)
     twin.train(train)
     inputs = twin.inputs_from(net)
+    if precision in ("bf16", "fp16") and gpu is not None:
+        twin.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+        twin.to_channels_last()
+        inputs = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v
+                  for k, v in inputs.items()}
+        twin.notes.append(f"torch.autocast({precision}) + channels_last" +
+                          (" (no GradScaler)" if precision == "fp16" else ""))
     if train:
         opt = make_optimizer(twin, solver_param)
 
@@ -491,6 +501,7 @@ def run(flags, gpu=None, out=None):
     machine, versions = machine_info(gpu, torch_mod)
     report = {"command": " ".join(["minicaffe"] + list(getattr(flags, "argv", ["bench"]))),
               "machine": machine, "versions": versions, "dtype": "float32",
+              "precision": config.precision or "fp32",
               "tf32": {"minicaffe": minicaffe_tf32(config),
                        "torch": bool(flags.tf32) if torch_mod is not None else None},
               "cudnn_benchmark": True if torch_mod is not None and gpu is not None else None,
@@ -537,6 +548,9 @@ def _print_header(report, flags, out):
     print("versions: " + ", ".join(vs), file=out)
     tf = report["tf32"]
     line = f"dtype: {report['dtype']}; TF32: minicaffe {'on' if tf['minicaffe'] else 'off'}"
+    if report.get("precision", "fp32") != "fp32":
+        line = (f"precision: minicaffe {report['precision']} (feature maps and diffs; "
+                f"fp32 master weights); " + line)
     if tf["torch"] is not None:
         line += f", torch {'on' if tf['torch'] else 'off'}"
     if report["cudnn_benchmark"]:
@@ -602,7 +616,8 @@ def _bench_one(source, flags, gpu, train, iterations, input_shape, stages, torch
     if torch_mod is not None:
         log.info("bench: timing the PyTorch twin of %s", net.name)
         eager, graph, notes = bench_torch(net, blobs, sp, iterations, flags.repeats,
-                                          flags.warmup, gpu, train)
+                                          flags.warmup, gpu, train,
+                                          precision=getattr(flags, "precision", None) or None)
         row["notes"] = notes
         row["results"].append(eager.as_dict())
         row["ratios"]["minicaffe/torch_eager"] = mc.median_ms / eager.median_ms

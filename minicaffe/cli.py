@@ -101,6 +101,11 @@ flags:
   --tf32               train/bench (GPU): let cuDNN and cuBLAS use TF32 tensor cores (the
                        solver's minicaffe_precision: "TF32"); strict fp32 otherwise; bench:
                        PyTorch too
+  --precision P        train/test/time/bench/memory: fp32, tf32, bf16 or fp16: the storage
+                       type of feature maps and their diffs (master weights, solver history,
+                       losses and softmax stay fp32; fp16 scales the loss dynamically);
+                       overrides the solver's minicaffe_precision and the net's NVIDIA Caffe
+                       default_*_type fields (docs/precision.md)
   --batch N            bench: the batch size of every data layer (default: the model's)
   --repeats N          bench: timed repeats; the median is reported (default 5)
   --warmup N           bench: untimed iterations first (default 3)
@@ -147,6 +152,7 @@ FLAGS = {
     "debug_info": ("bool", False),
     "cuda_graph": ("bool", True),
     "tf32": ("bool", False),
+    "precision": ("str", ""),
     "parallel": ("str", "thread"),
     "rank": ("int", -1),
     "world_size": ("int", 0),
@@ -185,15 +191,16 @@ COMMAND_FLAGS = {
     "train": ("solver", "snapshot", "weights", "gpu", "parallel", "rank", "world_size",
               "init_file", "level", "stage", "sigint_effect", "sighup_effect", "debug_info",
               "cuda_graph", "tf32", "offload", "gpu_mem_limit", "dashboard",
-              "tensorboard", "data_workers", "gpu_decode") + _EVERY,
-    "test": ("model", "weights", "gpu", "iterations", "level", "stage") + _EVERY,
-    "time": ("model", "gpu", "iterations", "phase", "level", "stage") + _EVERY,
+              "tensorboard", "data_workers", "gpu_decode", "precision") + _EVERY,
+    "test": ("model", "weights", "gpu", "iterations", "level", "stage",
+             "precision") + _EVERY,
+    "time": ("model", "gpu", "iterations", "phase", "level", "stage", "precision") + _EVERY,
     "device_query": ("gpu",) + _EVERY,
     "bench": ("model", "solver", "gpu", "batch", "iterations", "repeats", "warmup", "phase",
               "compare", "tf32", "json", "num_classes", "input_shape", "level",
-              "stage", "offload", "gpu_mem_limit") + _EVERY,
+              "stage", "precision", "offload", "gpu_mem_limit") + _EVERY,
     "memory": ("model", "solver", "gpu", "batch", "input_shape", "num_classes", "offload",
-               "gpu_mem_limit", "level", "stage", "schedule") + _EVERY,
+               "gpu_mem_limit", "level", "stage", "schedule", "precision") + _EVERY,
 }
 COMMAND_USAGE = {
     "train": ("minicaffe train --solver FILE [flags]", "train or finetune a model"),
@@ -438,6 +445,10 @@ def train(flags, stream=None):
         param.cuda_graph = flags.cuda_graph
     if flags.tf32:
         param.minicaffe_precision = "TF32"
+    if flags.run_config.precision is not None:     # --precision: over the solver's field
+        param.minicaffe_precision = flags.run_config.precision.upper()
+        if flags.tf32:      # --tf32 --precision bf16: the layers left in fp32 use TF32
+            flags.run_config = flags.run_config.replace(tf32=True)
     if flags.gpu is None or flags.gpu == "":
         gpus = []
         if param.solver_mode == caffe_pb2.SolverParameter.GPU:
@@ -767,6 +778,7 @@ def memory(flags):
           f"{' on GPU ' + str(gpus[0]) if gpus else ' (no GPU: cuDNN workspaces not counted)'}")
     for line in plan.report():
         print(line)
+    _print_precision(net)
     mib = 1 << 20
     print(f"with the data that backward does not read sharing memory too: arena "
           f"{shared.arena_bytes / mib:.1f} MiB, peak {shared.peak / mib:.1f} MiB")
@@ -787,9 +799,10 @@ def memory(flags):
 
 def _print_schedule(solver, oplan=None):
     """``memory --schedule``: the engine's ops of one training iteration (engine/schedule.py)."""
+    from .engine.precision import precision_pass
     from .engine.schedule import schedule_for
     print()
-    print(schedule_for(solver.net, solver.param.iter_size, oplan))
+    print(precision_pass(schedule_for(solver.net, solver.param.iter_size, oplan), solver.net))
 
 
 def _memory_cpu(solver, schedule=False):
@@ -832,10 +845,27 @@ def _memory_cpu(solver, schedule=False):
     print(f"measured (tracemalloc, numpy buffers and Python objects): {before / mib:.1f} MiB "
           f"after set-up, {after / mib:.1f} MiB after one training step, peak {peak / mib:.1f} "
           f"MiB (the rest of the peak is scratch: im2col columns, temporaries)")
+    _print_precision(net)
     if schedule:
         _print_schedule(solver)
     solver.close()
     return 0
+
+
+def _print_precision(net):
+    """``memory --precision``: the storage types the net resolved (core/precision.py).
+    The blobs are fp32 buffers holding the reduced type's values (docs/precision.md), so
+    the bytes above are fp32's; the line says what reduced storage would hold."""
+    t = net.types
+    if not t.reduced:
+        return
+    full = sum(b.count() * 4 for b in net.blobs.values())
+    reduced = sum(t.bytes_of(n, b.count()) for n, b in net.blobs.items())
+    print(f"precision {t.precision or 'from the net'}: {t.describe()}")
+    print(f"feature-map data in its storage types: {reduced / (1 << 20):.1f} MiB (held as fp32 "
+          f"buffers: {full / (1 << 20):.1f} MiB)")
+    for line in t.lines():
+        print("  " + line)
 
 
 def _g(x):
@@ -1050,7 +1080,7 @@ def _run_command(command, flags, argv, stream):
         offload_policy=flags.offload or None,
         offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None,
         **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}),
-        gpu_decode=bool(flags.gpu_decode))
+        gpu_decode=bool(flags.gpu_decode), precision=flags.precision or None)
     if command == "train":
         rc = train(flags, stream)
     else:

@@ -147,7 +147,24 @@ class TorchTwin(torch.nn.Module):
         """Caffe's loss of one forward pass: sum of weight * sum(top) over loss tops."""
         return self._run(inputs)[1]
 
+    # PyTorch's mixed precision, as its users train today (minicaffe bench --precision
+    # bf16/fp16 --compare torch): the ops under torch.autocast in this dtype (None: off)
+    autocast = None
+
+    def to_channels_last(self):
+        """Convolution weights in channels_last memory (with ``autocast``: PyTorch's
+        recipe for tensor cores)."""
+        for p in self.weights:
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+
     def _run(self, inputs):
+        if self.autocast is not None:
+            with torch.autocast(device_type=self.device.type, dtype=self.autocast):
+                return self._run_ops(inputs)
+        return self._run_ops(inputs)
+
+    def _run_ops(self, inputs):
         env = dict(inputs)
         total = None
         for op in self.ops:

@@ -263,7 +263,10 @@ def test_caffe_field_numbers_stay_below_extension_range():
             ("SolverParameter", "minicaffe_precision"),
             ("SolverParameter", "minicaffe_tensorboard_dir"),
             ("SolverState", "resume"),
-            ("DataParameter", "workers")}
+            ("DataParameter", "workers"),
+            # NVIDIA Caffe's per-layer types: its numbers are BVLC's here (issue 20)
+            ("LayerParameter", "forward_type"), ("LayerParameter", "backward_type"),
+            ("LayerParameter", "forward_math"), ("LayerParameter", "backward_math")}
     for name, desc in pb.DESCRIPTOR.message_types_by_name.items():
         if name in ("OffloadParameter", "ResumeState", "RNGState", "DataPosition"):
             continue

@@ -6,6 +6,10 @@ the Solver, which hands it to its Nets, which hand it to their layers (``Layer.c
 
 - ``tf32``: the GPU math of this run's nets (cuDNN convolutions and cuBLAS GEMMs may use
   TensorFloat-32); a solver's ``minicaffe_precision`` sets it for that solver's nets only;
+- ``precision``: ``fp32``, ``tf32``, ``bf16`` or ``fp16`` (``--precision``, the solver's
+  ``minicaffe_precision``): the storage type of every layer that does not set its own
+  (core/precision.py's rules); None: the nets' own NVIDIA Caffe type fields (fp32 when
+  unset).  ``tf32`` sets ``tf32``; ``fp32`` clears it;
 - ``offload_policy`` / ``offload_budget``: the command line's ``--offload`` and
   ``--gpu_mem_limit``, which override every net's ``offload_param`` (None: the net's own);
   a budget is bytes, or ``"auto"`` / ``"N%"`` resolved on the device when the step is
@@ -269,8 +273,15 @@ class RunConfig:
     world_size: int = 1
     data_workers: int = None
     gpu_decode: bool = False
+    precision: str = None
 
     def __post_init__(self):
+        if self.precision is not None:
+            from .precision import parse_precision
+            prec = parse_precision(self.precision)
+            object.__setattr__(self, "precision", prec)
+            if prec in ("fp32", "tf32"):
+                object.__setattr__(self, "tf32", prec == "tf32")
         if not isinstance(self.gpu_decode, bool):
             raise ConfigError(f"gpu_decode={self.gpu_decode!r}: expected True or False "
                               "(--gpu_decode decodes JPEGs on the GPU in GPU mode)")

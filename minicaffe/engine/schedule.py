@@ -21,8 +21,9 @@ Passes rewrite the list, each a plain function of a schedule and what it reads:
 - ``allreduce_pass(s, net, buckets)``: with several ranks, ``allreduce k`` once the
   backward op that completes bucket k has run (parallel.make_bucket_plan), in the last
   pass of iter_size;
-- a precision pass (casts around layers that run in another dtype) is the next one to
-  add: none exists yet.
+- ``engine/precision.precision_pass(s, net)``: a ``cast`` op wherever the Net's hooks
+  round a blob to its reduced storage type (docs/precision.md); ``minicaffe memory
+  --schedule`` prints it (the executors run the hooks, not these ops);
 
 - the memory plan (engine/plan.py ``memory_pass``): every buffer's lifetime from the
   ops' reads and writes (``accesses``: what each layer step reads and writes, the

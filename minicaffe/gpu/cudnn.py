@@ -20,6 +20,11 @@ from . import libs, options
 # enums (cudnn_graph.h, cudnn_ops.h, cudnn_cnn.h)
 SUCCESS = 0
 DATA = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
+# reduced storage types (cudnnDataType_t): CUDNN_DATA_HALF, CUDNN_DATA_BFLOAT16; bfloat16
+# has no numpy dtype here (it travels as uint16 words), so it is named by its string
+HALF, BFLOAT16 = 2, 9
+REDUCED = {"float16": HALF, "bfloat16": BFLOAT16}
+TENSOR_OP_MATH = 1
 NCHW = 0
 CROSS_CORRELATION = 1
 DEFAULT_MATH, FMA_MATH = 0, 3
@@ -210,11 +215,26 @@ _ZERO = {np.dtype(np.float32): ctypes.c_float(0.0), np.dtype(np.float64): ctypes
 
 
 def one(dtype):
-    return ctypes.byref(_ONE[np.dtype(dtype)])
+    """alpha = 1 for data of ``dtype`` (reduced types compute, and scale, in float)."""
+    return ctypes.byref(_ONE[np.dtype(np.float32) if _is_reduced(dtype) else np.dtype(dtype)])
 
 
 def zero(dtype):
-    return ctypes.byref(_ZERO[np.dtype(dtype)])
+    return ctypes.byref(_ZERO[np.dtype(np.float32) if _is_reduced(dtype) else np.dtype(dtype)])
+
+
+def _is_reduced(dtype):
+    return isinstance(dtype, str) and dtype in REDUCED or (
+        not isinstance(dtype, str) and np.dtype(dtype) == np.float16)
+
+
+def data_type(dtype):
+    """cudnnDataType_t of ``dtype``: a numpy dtype, or "float16"/"bfloat16"."""
+    if isinstance(dtype, str) and dtype in REDUCED:
+        return REDUCED[dtype]
+    if np.dtype(dtype) == np.float16:
+        return HALF
+    return DATA[np.dtype(dtype)]
 
 
 def _ints(vals):
@@ -255,8 +275,9 @@ class TensorDesc(_Desc):
         for d in reversed(shape):
             strides.append(s)
             s *= d
-        self.shape, self.dtype = shape, np.dtype(dtype)
-        call("cudnnSetTensorNdDescriptor", self.ptr, DATA[self.dtype], len(shape),
+        self.shape = shape
+        self.dtype = dtype if isinstance(dtype, str) else np.dtype(dtype)
+        call("cudnnSetTensorNdDescriptor", self.ptr, data_type(dtype), len(shape),
              _ints(shape), _ints(reversed(strides)))
 
 
@@ -266,7 +287,7 @@ class FilterDesc(_Desc):
     def __init__(self, shape, dtype):
         super().__init__()
         self.shape = tuple(int(d) for d in shape)
-        call("cudnnSetFilterNdDescriptor", self.ptr, DATA[np.dtype(dtype)], NCHW, len(self.shape),
+        call("cudnnSetFilterNdDescriptor", self.ptr, data_type(dtype), NCHW, len(self.shape),
              _ints(self.shape))
 
 
@@ -274,13 +295,17 @@ class ConvDesc(_Desc):
     _create, _destroy = "cudnnCreateConvolutionDescriptor", "cudnnDestroyConvolutionDescriptor"
 
     def __init__(self, pad, stride, dilation, groups, dtype, tf32=None):
+        """``dtype``: the data's; reduced data (float16, "bfloat16") computes in float
+        with tensor-op math (cuDNN's pseudo-half configuration)."""
         super().__init__()
+        reduced = _is_reduced(dtype)
         call("cudnnSetConvolutionNdDescriptor", self.ptr, len(pad), _ints(pad), _ints(stride),
-             _ints(dilation), CROSS_CORRELATION, DATA[np.dtype(dtype)])
+             _ints(dilation), CROSS_CORRELATION, 0 if reduced else data_type(dtype))
         if groups > 1:
             call("cudnnSetConvolutionGroupCount", self.ptr, int(groups))
         tf32 = options.tf32 if tf32 is None else tf32
-        call("cudnnSetConvolutionMathType", self.ptr, DEFAULT_MATH if tf32 else FMA_MATH)
+        call("cudnnSetConvolutionMathType", self.ptr,
+             TENSOR_OP_MATH if reduced else DEFAULT_MATH if tf32 else FMA_MATH)
 
     def output_dims(self, xdesc, wdesc):
         n = len(xdesc.shape)

@@ -23,8 +23,9 @@ first (eager) run of each shape and never while a CUDA graph is being captured.
 
 import numpy as np
 
-from ..core import backend, config, context, log
+from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
+from ..kernels.precision import buffer_dtype, from_reduced, to_reduced
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
 from .registry import engine_name, register_cudnn
@@ -159,6 +160,9 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         if not self._cudnn_for(bottom, top):
             return
         dt = bottom[0].dtype
+        self._storage = self._reduced_storage(dt)
+        if self._storage is not None:   # the reduced type's cuDNN calls (pseudo-half)
+            dt = "bfloat16" if self._storage == precision.BFLOAT16 else np.dtype(np.float16)
         key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
                tuple(self.dilation), self.group, self.num_output, str(dt), self.config.tf32,
                options.deterministic)
@@ -179,9 +183,15 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             raise self.error(f"cuDNN computes a different output shape for input {xshape}")
         # time the algorithms on scratch buffers of the real shapes
         rs = cp.random.RandomState(1701)
-        x = rs.standard_normal(xshape, dtype=dt)
-        w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
-        y = rs.standard_normal(yshape, dtype=dt)
+        if self._storage is None:
+            x = rs.standard_normal(xshape, dtype=dt)
+            w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
+            y = rs.standard_normal(yshape, dtype=dt)
+        else:
+            bt = buffer_dtype(self._storage)
+            x, w, y = (to_reduced(rs.standard_normal(shape, dtype=np.float32),
+                                  cp.empty(shape, dtype=bt), self._storage)
+                       for shape in (xshape, self.blobs[0].shape, yshape))
         lim = find_limit(self.config.offloads, self.config.workspace_limit)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
         need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
@@ -191,16 +201,17 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                                                          d[1].ptr), lim))
         ws = cp.empty(need, dtype=np.uint8) if need else None
         dw = cp.empty_like(w)
+        tc = self.config.tf32 or self._storage is not None    # tensor-op math allowed
         self.candidates = {
             "fwd": cudnn.find_algorithms(
                 "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
-                ws, lim, self.config.tf32),
+                ws, lim, tc),
             "bwd_data": cudnn.find_algorithms(
                 "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr,
-                                  _ptr(x)), ws, lim, self.config.tf32),
+                                  _ptr(x)), ws, lim, tc),
             "bwd_filter": cudnn.find_algorithms(
                 "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
-                                    _ptr(dw)), ws, lim, self.config.tf32)}
+                                    _ptr(dw)), ws, lim, tc)}
         del x, w, y, dw, ws
         self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
         self._desc_key = key
@@ -212,12 +223,87 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             cudnn.pick(self.candidates[k], cap) for k in ("fwd", "bwd_data", "bwd_filter"))
         self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
 
+    # -- reduced precision (issue 20): cuDNN in float16/bfloat16, the blobs fp32 ----------
+    def _reduced_storage(self, dt):
+        """FLOAT16 or BFLOAT16 when this layer's types (core/precision.py, set by its Net)
+        store its data and diffs in that type: its cuDNN calls then run in it, on casts of
+        the fp32 blobs (whose values are the reduced type's) into scratch buffers."""
+        t = self.types
+        if t is None or np.dtype(dt) != np.float32 or t.forward_type != t.backward_type or \
+                t.forward_type not in (precision.FLOAT16, precision.BFLOAT16):
+            return None
+        return t.forward_type
+
+    def _reduced(self, name, shape):
+        """A scratch buffer of ``shape`` in this layer's reduced type."""
+        bt = np.dtype(buffer_dtype(self._storage))
+        n = int(np.prod(shape))
+        return scratch(name, n * bt.itemsize)[:n * bt.itemsize].view(bt).reshape(shape)
+
+    def _cast_in(self, name, a):
+        return to_reduced(a, self._reduced(name, a.shape), self._storage)
+
+    def _forward_reduced(self, bottom, top, relu):
+        h = cudnn.handle()
+        dt = np.float32
+        ws = workspace(self.workspace_bytes)
+        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        w16 = self._cast_in("w16", self.blobs[0].gpu_data())
+        bias = self.blobs[1].gpu_data() if self.bias_term else None
+        for b, t in zip(bottom, top):
+            x16 = self._cast_in("x16", b.gpu_data())
+            y = t.mutable_gpu_data()
+            y16 = self._reduced("y16", y.shape)
+            cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), self.x_desc.ptr,
+                       _ptr(x16), self.w_desc.ptr, _ptr(w16), self.conv_desc.ptr,
+                       self.fwd[0], wsp, wsn, cudnn.zero(dt), self.y_desc.ptr, _ptr(y16))
+            from_reduced(y16, y, self._storage, bias=bias, relu=relu, rounded=True)
+        return True
+
+    @property
+    def rounds_outputs(self):
+        """True when this layer's reduced-type body already rounds its top data and its
+        bottom diffs to the storage type (the Net's rounding hooks skip them)."""
+        return getattr(self, "_cudnn_key", None) is not None and \
+            getattr(self, "_storage", None) is not None
+
+    def _backward_reduced(self, top, propagate_down, bottom):
+        h = cudnn.handle()
+        dt = np.float32
+        ws = workspace(self.workspace_bytes)
+        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        w16 = self._cast_in("w16", self.blobs[0].gpu_data())
+        for i, (b, t) in enumerate(zip(bottom, top)):
+            dy = t.gpu_diff()
+            dy16 = self._cast_in("y16", dy)
+            if self.bias_term and self.get_param_propagate_down(1):
+                channel_sum(dy, self.blobs[1].mutable_gpu_diff(), self._partial(dy))
+            if self.get_param_propagate_down(0):
+                x16 = self._cast_in("x16", b.gpu_data())
+                dwm = self.blobs[0].mutable_gpu_diff()
+                dw16 = self._reduced("dw16", dwm.shape)
+                cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt), self.x_desc.ptr,
+                           _ptr(x16), self.y_desc.ptr, _ptr(dy16), self.conv_desc.ptr,
+                           self.bwd_filter[0], wsp, wsn, cudnn.zero(dt), self.w_desc.ptr,
+                           _ptr(dw16))
+                from_reduced(dw16, dwm, self._storage, accumulate=True)
+            if propagate_down[i]:
+                dx = b.mutable_gpu_diff()
+                dx16 = self._reduced("x16", dx.shape)
+                cudnn.call("cudnnConvolutionBackwardData", h, cudnn.one(dt), self.w_desc.ptr,
+                           _ptr(w16), self.y_desc.ptr, _ptr(dy16), self.conv_desc.ptr,
+                           self.bwd_data[0], wsp, wsn, cudnn.zero(dt), self.x_desc.ptr,
+                           _ptr(dx16))
+                from_reduced(dx16, dx, self._storage)
+
     def forward_gpu_relu(self, bottom, top):
         """The fused type Convolution+ReLU (layers/fused.py): y = max(W * x + b, 0) by one
         cudnnConvolutionBiasActivationForward.  False, with nothing done, where this shape
         does not run through cuDNN (or there is no bias, or several bottoms)."""
         if self._cudnn_key is None or not self.bias_term or len(bottom) != 1:
             return False
+        if self._storage is not None:
+            return self._forward_reduced(bottom, top, relu=True)
         h = cudnn.handle()
         dt = bottom[0].dtype
         ws = workspace(self.workspace_bytes)
@@ -236,6 +322,9 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     def forward_gpu(self, bottom, top):
         if self._cudnn_key is None:
             return super().forward_gpu(bottom, top)
+        if self._storage is not None:
+            self._forward_reduced(bottom, top, relu=False)
+            return
         h = cudnn.handle()
         dt = bottom[0].dtype
         ws = workspace(self.workspace_bytes)
@@ -260,6 +349,8 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     def backward_gpu(self, top, propagate_down, bottom):
         if self._cudnn_key is None:
             return super().backward_gpu(top, propagate_down, bottom)
+        if self._storage is not None:
+            return self._backward_reduced(top, propagate_down, bottom)
         h = cudnn.handle()
         dt = top[0].dtype
         ws = workspace(self.workspace_bytes)

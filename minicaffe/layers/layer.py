@@ -250,6 +250,24 @@ class Layer:
     def get_param_propagate_down(self, index):
         return self.param_propagate_down[index] if index < len(self.param_propagate_down) else True
 
+    @property
+    def types(self):
+        """core/precision.LayerTypes of this layer: the storage and math types in its
+        LayerParameter (NVIDIA Caffe's ``forward_type``...; a Net that resolved reduced
+        types writes them there, as NVIDIA Caffe's Net::Init does); None when unset (fp32).
+        A layer with a reduced-type body reads it."""
+        p = self.layer_param
+        if not p.HasField("forward_type"):
+            return None
+        from ..core.precision import LayerTypes
+        from ..proto import caffe_pb2
+        name = caffe_pb2.Type.Name
+        ft = name(p.forward_type)
+        bt = name(p.backward_type) if p.HasField("backward_type") else ft
+        return LayerTypes(p.name, p.type, ft, bt,
+                          name(p.forward_math) if p.HasField("forward_math") else ft,
+                          name(p.backward_math) if p.HasField("backward_math") else bt)
+
     def to_proto(self, write_diff=False):
         from ..proto import caffe_pb2
         p = caffe_pb2.LayerParameter()

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ..core import context, fileio, log, protoio
+from ..core import context, fileio, log, precision, protoio
 from ..core.blob import Blob
 from ..core.errors import ConfigError, MinicaffeError
 from ..proto import caffe_pb2
@@ -238,6 +238,11 @@ class Net:
         log.info("Initializing net from parameters: \n%s", _short_text(filtered))
         param = insert_splits(_batchnorm_out_of_place(filtered))
         self.net_param = param
+        # the storage type of every blob (core/precision.py: NVIDIA Caffe's type fields
+        # under the run's --precision); reduced types are kept by rounding (hooks below)
+        self.types = precision.resolve(param, self.config.precision)
+        if self.types.reduced:
+            log.info("Precision: %s", self.types.describe())
         self.name = param.name
         self.layers = []
         self.layer_names = []
@@ -276,6 +281,10 @@ class Net:
             if len(lp.propagate_down) and len(lp.propagate_down) != len(lp.bottom):
                 raise ConfigError(f"layer '{lp.name}': propagate_down param must be specified "
                                   f"either 0 or bottom_size times ({len(lp.bottom)})")
+            if self.types.reduced:     # its resolved types, NVIDIA Caffe's way: into its
+                lt = self.types.layers[layer_id]    # own LayerParameter (Layer.types)
+                for f in ("forward_type", "backward_type", "forward_math", "backward_math"):
+                    setattr(lp, f, caffe_pb2.Type.Value(getattr(lt, f)))
             layer = create_layer(lp, self.top_rewritten[layer_id])
             layer.config = layer_config
             self.layers.append(layer)
@@ -353,6 +362,7 @@ class Net:
         self.layer_names_index = {n: i for i, n in enumerate(self.layer_names)}
         self.share_weights()
         self._share_workspace()
+        self._round_to_storage()
         log.info("Network initialization done.")
 
     def _share_workspace(self, config=None):
@@ -369,6 +379,63 @@ class Net:
             if cap != getattr(self, "_workspace_cap", None):
                 log.info("cuDNN workspace for %s: %.1f MiB", self.name, cap / 2 ** 20)
             self._workspace_cap = cap
+
+    def _round_to_storage(self):
+        """Where a blob is stored in a reduced type (``self.types``), round what a layer
+        writes to that type's values: its tops' data after its forward, its bottoms' diffs
+        after its backward (core/precision.round_to), the first of the Net's hooks.  The
+        arithmetic stays fp32; the values are the reduced storage's, on every device."""
+        from ..kernels.precision import round_storage
+        t = self.types
+        if not t.reduced:
+            return
+        FLOAT = precision.FLOAT
+        # per layer, (blob id, storage type) of the tops whose data its forward hook
+        # rounds and of the bottoms whose diff its backward hook rounds; ``rounding`` keeps
+        # their names (the precision pass prints them as cast ops)
+        tops, bottoms = [], []
+        for i, lp in enumerate(self.net_param.layer):
+            names = [self.blob_names[b] for b in self.bottom_id_vecs[i]]
+            ins = {t.data.get(n, FLOAT) for n in names}
+            outs = {t.diff.get(self.blob_names[b], FLOAT) for b in self.top_id_vecs[i]}
+            # a layer that writes only values it read, from inputs of the output's type,
+            # needs no rounding (ReLU, MAX pooling, the data movers)
+            tops.append([(b, s) for b, s in ((b, t.data.get(self.blob_names[b], FLOAT))
+                                              for b in self.top_id_vecs[i])
+                         if s != FLOAT and not (precision.preserves(lp) and names and
+                                                ins == {s})])
+            bottoms.append([(b, s) for j, (b, s) in enumerate(
+                (b, t.diff.get(n, FLOAT)) for b, n in zip(self.bottom_id_vecs[i], names))
+                if self.bottom_need_backward[i][j] and s != FLOAT and
+                not (precision.preserves(lp, backward=True) and outs == {s})])
+        self.rounding = ([[(self.blob_names[b], s) for b, s in x] for x in tops],
+                         [[(self.blob_names[b], s) for b, s in x] for x in bottoms])
+        tops = [[(self._blobs[b], s) for b, s in x] for x in tops]
+        bottoms = [[(self._blobs[b], s) for b, s in x] for x in bottoms]
+
+        def after_forward(i):
+            # a layer whose reduced-type body rounds what it writes (a cuDNN convolution
+            # in float16/bfloat16) says so (``rounds_outputs``); the first layer of a pair
+            # that ran fused (BatchNorm+Scale...) stores nothing: its pair's output is
+            if i in self._fused_pass:
+                return
+            if tops[i] and not getattr(self.layers[i], "rounds_outputs", False):
+                xp = context.xp()
+                for blob, storage in tops[i]:
+                    round_storage(xp, blob.mutable_data_for(xp), storage)
+
+        def after_backward(i):
+            f, role = self.fusion_of(i)
+            if role == 1 and f.fuses_backward and f.index in self._fused_pass:
+                return      # computed inside its pair's backward: nothing stored between
+            if bottoms[i] and self.layer_need_backward[i] and \
+                    not getattr(self.layers[i], "rounds_outputs", False):
+                xp = context.xp()
+                for blob, storage in bottoms[i]:
+                    round_storage(xp, blob.mutable_diff_for(xp), storage)
+
+        self.add_hook("after_forward", after_forward)
+        self.add_hook("after_backward", after_backward)
 
     def _check_unique_names(self):
         """Weights are matched to layers by name, so two layers of one name where either has

@@ -14,6 +14,7 @@ Subclasses (``sgd_solvers.py``) implement ``apply_update``, ``snapshot_solver_st
 and ``restore_solver_state``.  Only the root solver (``context.root_solver()``)
 logs, tests and snapshots.
 """
+import contextlib
 import math
 import os
 import time
@@ -110,14 +111,25 @@ class Solver:
                               f"'{p.regularization_type}' (L1 or L2)")
         lr_policy.check_policy(p, self.source)
         prec = p.minicaffe_precision.upper()
-        if prec not in ("FLOAT", "TF32"):
+        if prec not in ("FLOAT", "FP32", "TF32", "BF16", "BFLOAT16", "FP16", "FLOAT16"):
             raise ConfigError(f"{self.source}: minicaffe_precision must be \"FLOAT\" (strict "
-                              f"fp32) or \"TF32\", got \"{p.minicaffe_precision}\"")
+                              f"fp32), \"TF32\", \"BF16\" or \"FP16\", got "
+                              f"\"{p.minicaffe_precision}\"")
         if p.HasField("minicaffe_precision"):   # this solver's nets only
-            self.config = self.config.replace(tf32=prec == "TF32")
+            from ..core.precision import parse_precision
+            self.config = self.config.replace(
+                precision=parse_precision("fp32" if prec == "FLOAT" else prec))
             if self.root:
                 from ..gpu import options
-                log.info("GPU math: %s", options.describe(self.config.tf32))
+                log.info("GPU math: %s; precision %s", options.describe(self.config.tf32),
+                         self.config.precision)
+        if p.solver_data_type not in (caffe_pb2.FLOAT, caffe_pb2.FLOAT16, caffe_pb2.BFLOAT16):
+            raise ConfigError(f"{self.source}: solver_data_type "
+                              f"{caffe_pb2.Type.Name(p.solver_data_type)} is not supported "
+                              "(FLOAT; FLOAT16 and BFLOAT16 are read as FLOAT)")
+        if p.solver_data_type != caffe_pb2.FLOAT and self.root:
+            log.info("solver_data_type %s: minicaffe keeps master weights and solver history "
+                     "in FLOAT", caffe_pb2.Type.Name(p.solver_data_type))
         check_solver_param(p, self.source)
         if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             try:
@@ -130,6 +142,12 @@ class Solver:
         if p.random_seed >= 0:
             context.set_random_seed(p.random_seed + self.config.rank)
         self.init_train_net()
+        self.loss_scaler = None     # loss scaling where the net asks (engine/precision.py)
+        if self.net.types.loss_scale is not None:
+            from ..engine.precision import LossScaler
+            self.loss_scaler = LossScaler(self.net, self.net.types.loss_scale)
+            if self.root:
+                log.info("Loss scaling: %s", self.loss_scaler.describe())
         if self.root:
             self.init_test_nets()
             log.info("Solver scaffolding done.")
@@ -304,7 +322,11 @@ class Solver:
                 self._drain(ex, start_iter)
             ex.begin(display)
             try:
-                loss = ex.forward_backward()
+                # with loss scaling, an overflow of the fp16 diffs is expected (the step
+                # is skipped): no numpy warning for it
+                with np.errstate(over="ignore", invalid="ignore") if self.loss_scaler \
+                        is not None else contextlib.nullcontext():
+                    loss = ex.forward_backward()
             except WaitInterrupted as e:  # a stop signal during a stalled read
                 ex.abandon()
                 self._stop_on(e)
@@ -317,7 +339,10 @@ class Solver:
                     timer_start = self._log_display(timer_start)
             for cb in self.callbacks:
                 cb.on_gradients_ready()
-            ex.update()
+            if self.loss_scaler is None or self.loss_scaler.unscale():
+                ex.update()
+            if self.loss_scaler is not None and display and self.root:
+                log.info("Iteration %d, %s", self.iter, self.loss_scaler.describe())
             if ex.rate is not None and display and self.root:
                 log.info("Iteration %d, lr = %s", self.iter, _fmt(ex.rate))
             ex.end(self.iter)
@@ -366,7 +391,8 @@ class Solver:
         update, deferred loss reads, CUDA graphs where they capture); debug_info needs the
         host after every layer and keeps the layer-by-layer path."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
-                and not self.net.net_param.debug_info)
+                and not self.net.net_param.debug_info
+                and getattr(self, "loss_scaler", None) is None)   # scaling: eager (so far)
 
     @property
     def uses_gpu_step(self):
@@ -658,6 +684,8 @@ class Solver:
                 position = getattr(layer, "data_position", None)
                 if position is not None:
                     snap.position_to_proto(position(), r.data.add(net=net_id, layer=name))
+        if self.loss_scaler is not None:
+            r.loss_scale, r.loss_scale_good, r.loss_scale_skipped = self.loss_scaler.state()
         return r
 
     def restore_resume_state(self, resume, state_file):
@@ -678,6 +706,9 @@ class Solver:
             layer.set_data_position(snap.position_from_proto(d))
         if resume.HasField("rng"):
             context.rng().set_state(snap.rng_from_proto(resume.rng))
+        if resume.HasField("loss_scale") and self.loss_scaler is not None:
+            self.loss_scaler.set_state(resume.loss_scale, resume.loss_scale_good,
+                                       resume.loss_scale_skipped)
 
     def snapshot_solver_state(self, model_filename):
         raise NotImplementedError

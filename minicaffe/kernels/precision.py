@@ -1,0 +1,102 @@
+"""Casts between fp32 blobs and reduced-type buffers on the GPU (issue 20), and the
+rounding of a blob to its storage type on either device.
+
+- ``round_storage(xp, a, storage)``: ``a`` (float32) rounded in place to the values of
+  ``storage`` (FLOAT16, BFLOAT16): one fused kernel on the GPU, core/precision.round_to
+  on the CPU (the same numbers);
+- ``to_reduced(x, out, storage)``: fp32 -> a reduced buffer (float16, or bfloat16 as
+  uint16 words: CuPy has no bfloat16 dtype), round to nearest even;
+- ``from_reduced(h, out, storage, bias, relu, accumulate)``: a reduced buffer -> fp32
+  ``out`` (N, C, ...), with a per-channel bias added, a ReLU, or added into ``out``,
+  rounded to the storage type's values in the same pass where asked.
+
+The cuDNN convolution in a reduced type (layers/cudnn_layers.py) casts its input, its
+weights and its gradients with these around cuDNN's half/bfloat16 calls.
+"""
+import numpy as np
+
+from ..core import precision as P
+from ._backend import elementwise_kernel
+
+_BF16_OF = """
+unsigned int u = __float_as_uint(x);
+if ((u & 0x7fffffffu) > 0x7f800000u) y = (unsigned short)((u >> 16) | 0x40u);
+else y = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+"""
+_ROUND_BF16 = """
+unsigned int u = __float_as_uint(a);
+if ((u & 0x7fffffffu) <= 0x7f800000u)
+  a = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+"""
+_FROM = """
+float v = {load};
+if (mode & 1) v += b[(i / hw) % c];
+if (mode & 2) v = v > 0.0f ? v : 0.0f;
+if (mode & 8) {{ {round} }}
+if (mode & 4) y += v; else y = v;
+"""
+_ROUND_V_BF16 = """unsigned int u = __float_as_uint(v);
+if ((u & 0x7fffffffu) <= 0x7f800000u)
+  v = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);"""
+# float16 by bits (no half type needed): subnormals on fp16's 2^-24 grid (rintf: ties to
+# even), normals to 10 mantissa bits (ties to even), beyond 65504: inf; NaN and inf kept
+_ROUND_V_F16 = """float ax = fabsf(v);
+if (ax < 6.103515625e-05f) v = rintf(v * 16777216.0f) * 5.9604644775390625e-08f;
+else if (ax <= 3.402823466e+38f) {
+  unsigned int u = __float_as_uint(v);
+  float r = __uint_as_float((u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u);
+  v = fabsf(r) > 65504.0f ? copysignf(__int_as_float(0x7f800000), v) : r;
+}"""
+
+
+def _k(storage, what):
+    if what == "round":
+        if storage == P.BFLOAT16:
+            return elementwise_kernel("", "float32 a", _ROUND_BF16, "mc_round_bf16")
+        return elementwise_kernel("", "float32 a", "float v = a;\n" + _ROUND_V_F16 + "\na = v;",
+                                  "mc_round_f16")
+    if what == "to":
+        if storage == P.BFLOAT16:
+            return elementwise_kernel("float32 x", "uint16 y", _BF16_OF, "mc_to_bf16")
+        return elementwise_kernel("float32 x", "float16 y", "y = (float16)x;", "mc_to_f16")
+    if storage == P.BFLOAT16:
+        return elementwise_kernel("uint16 h, raw float32 b, int64 c, int64 hw, int32 mode",
+                                  "float32 y",
+                                  _FROM.format(load="__uint_as_float(((unsigned int)h) << 16)",
+                                               round=_ROUND_V_BF16),
+                                  "mc_from_bf16")
+    return elementwise_kernel("float16 h, raw float32 b, int64 c, int64 hw, int32 mode",
+                              "float32 y", _FROM.format(load="(float)h", round=_ROUND_V_F16),
+                              "mc_from_f16")
+
+
+def buffer_dtype(storage):
+    """The CuPy dtype a reduced buffer is held in (bfloat16: its uint16 words)."""
+    return np.uint16 if storage == P.BFLOAT16 else np.float16
+
+
+def round_storage(xp, a, storage):
+    """Round the float32 array ``a`` in place to ``storage``'s values (see the module)."""
+    if storage == P.FLOAT or a.size == 0:
+        return a
+    if xp is np:
+        return P.round_to(np, a, storage)
+    _k(storage, "round")(a)
+    return a
+
+
+def to_reduced(x, out, storage):
+    _k(storage, "to")(x, out)
+    return out
+
+
+def from_reduced(h, out, storage, bias=None, relu=False, accumulate=False, rounded=False):
+    """``out`` (float32, channel axis 1) from the reduced ``h`` of its shape; ``rounded``:
+    the result (after the bias and the ReLU) rounded to ``storage``'s values."""
+    c = out.shape[1] if out.ndim > 1 else 1
+    hw = int(np.prod(out.shape[2:])) if out.ndim > 2 else 1
+    mode = (1 if bias is not None else 0) | (2 if relu else 0) | (4 if accumulate else 0) | \
+        (8 if rounded else 0)
+    b = bias if bias is not None else out     # unread without mode & 1
+    _k(storage, "from")(h, b, c, hw, mode, out)
+    return out

@@ -1,0 +1,160 @@
+"""Reduced precision on the GPU (issue 20): bf16 and fp16 training steps against fp32
+within stated tolerances, the cuDNN convolution's float16/bfloat16 calls, storage in the
+reduced type, loss scaling on overflow, and exact resume."""
+import numpy as np
+import pytest
+
+from minicaffe.core import context
+from minicaffe.core import precision as P
+from minicaffe.core.config import RunConfig
+from minicaffe.core.protoio import parse_text
+from minicaffe.proto import caffe_pb2
+from test_precision import NET, SOLVER
+
+pytestmark = pytest.mark.gpu
+
+CONV_NET = """
+name: "convs"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 16 dim: 8 dim: 12 dim: 12 } shape { dim: 16 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "uniform" min: 0 max: 3.99 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "msra" }
+    bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 16 kernel_size: 1 weight_filler { type: "msra" } } }
+layer { name: "pool" type: "Pooling" bottom: "conv2" top: "pool"
+  pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"
+  inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def solver(precision, net=CONV_NET, extra="", graphs=None):
+    from minicaffe.solvers import SGDSolver
+    context.set_mode_gpu()
+    sp = parse_text(SOLVER % net + extra, caffe_pb2.SolverParameter())
+    sp.solver_mode = caffe_pb2.SolverParameter.GPU
+    return SGDSolver(sp, config=RunConfig(precision=precision, cuda_graphs=graphs))
+
+
+def weights(s):
+    return [b.data.copy() for b in s.net.learnable_params]
+
+
+@pytest.mark.parametrize("prec,kind,tol", [("bf16", "BFLOAT16", 0.05),
+                                           ("fp16", "FLOAT16", 0.01)])
+def test_reduced_step_tracks_fp32_and_stores_reduced(prec, kind, tol):
+    ref = solver(None)          # each solver seeds the generators (random_seed) when built:
+    ref.step(5)                 # build, then step, one after the other (same data)
+    low = solver(prec)
+    assert [l.uses_cudnn for l in low.net.layers if l.type == "Convolution"] == [True, True]
+    low.step(5)
+    for a, b in zip(weights(ref), weights(low)):
+        assert np.abs(a - b).max() <= tol * np.abs(a).max()
+    low.net.forward()
+    low.net.backward()
+    for name in ("data", "conv1", "conv2", "pool", "ip"):
+        assert P.representable(np, low.net.blobs[name].data, kind), name
+    for name in ("conv1", "conv2", "pool"):
+        assert P.representable(np, low.net.blobs[name].diff, kind), name
+    assert not P.representable(np, low.net.params["conv1"][0].data, kind)
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_reduced_conv_matches_the_emulation_on_the_cpu(prec):
+    """The cuDNN float16/bfloat16 convolution against the CPU's rounding of fp32 math on
+    the same (reduced-valued) inputs: they differ by the weights' rounding and the
+    summation order only."""
+    from minicaffe.network.net import Net
+    from test_precision import net_param
+    context.set_mode_gpu()
+    context.set_random_seed(1701)
+    g = Net(net_param(CONV_NET), config=RunConfig(precision=prec))
+    g.forward()
+    g.backward()
+    context.set_mode_cpu()
+    c = Net(net_param(CONV_NET), config=RunConfig(precision=prec))
+    for name in g.params:
+        for a, b in zip(g.params[name], c.params[name]):
+            b.data[...] = a.data
+    c.blobs["data"].data[...] = g.blobs["data"].data
+    c.blobs["label"].data[...] = g.blobs["label"].data
+    c.forward(start="conv1")
+    c.backward()
+    tol = 0.03 if prec == "bf16" else 4e-3
+    for name in ("conv1", "conv2", "ip"):
+        a, b = g.blobs[name].data, c.blobs[name].data
+        assert np.abs(a - b).max() <= tol * np.abs(b).max() + 1e-6, name
+    a, b = g.params["conv1"][0].diff, c.params["conv1"][0].diff
+    assert np.abs(a - b).max() <= 2 * tol * np.abs(b).max()
+
+
+def test_graph_replay_equals_eager_in_bf16(deterministic):
+    a = solver("bf16", graphs=False)
+    a.step(3)
+    b = solver("bf16", graphs=True)
+    b.step(3)
+    for x, y in zip(weights(a), weights(b)):
+        assert np.allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture
+def deterministic():
+    from minicaffe.gpu import options
+    was = options.deterministic
+    options.set_deterministic(True)
+    yield
+    options.set_deterministic(was)
+
+
+def test_fp16_overflow_is_skipped_on_the_gpu():
+    s = solver("fp16")
+    assert s.loss_scaler is not None and s.loss_scaler.dynamic
+    w0 = weights(s)
+    s.loss_scaler.scale = 2.0 ** 40
+    s.step(1)
+    assert s.loss_scaler.skipped == 1 and s.loss_scaler.scale == 2.0 ** 39
+    assert all(np.array_equal(a, b) for a, b in zip(w0, weights(s)))
+    s.loss_scaler.scale = 2.0 ** 12
+    s.step(2)
+    assert s.loss_scaler.skipped == 1
+
+
+def test_fp16_resume_is_exact_on_the_gpu(tmp_path, deterministic):
+    prefix = str(tmp_path / "g")
+    net = NET.replace('type: "gaussian" std: 1', 'type: "constant" value: 0.5')
+    s = solver("fp16", extra=f'snapshot_prefix: "{prefix}"', net=net)
+    s.step(2)
+    s.snapshot()
+    s.step(3)
+    want = weights(s)
+    r = solver("fp16", extra=f'snapshot_prefix: "{prefix}"', net=net)
+    r.restore(prefix + "_iter_2.solverstate")
+    r.step(3)
+    for a, b in zip(want, weights(r)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("storage", ["BFLOAT16", "FLOAT16"])
+def test_gpu_casts_round_as_the_cpu(storage):
+    from minicaffe.core import backend
+    from minicaffe.kernels.precision import (buffer_dtype, from_reduced, round_storage,
+                                             to_reduced)
+    cp = backend.gpu_module()
+    rng = np.random.RandomState(1701)
+    x = (rng.randn(4, 3, 5, 7) * 10.0 ** rng.randint(-6, 6, (4, 3, 5, 7))).astype(np.float32)
+    x.flat[:3] = [np.inf, -7e4, np.nan]
+    want = x.copy()
+    P.round_to(np, want, storage)
+    g = cp.asarray(x)
+    round_storage(cp, g, storage)
+    assert np.array_equal(cp.asnumpy(g), want, equal_nan=True)
+    h = to_reduced(cp.asarray(x), cp.empty(x.shape, buffer_dtype(storage)), storage)
+    bias = cp.asarray(rng.randn(3).astype(np.float32))
+    out = from_reduced(h, cp.empty(x.shape, np.float32), storage, bias=bias, relu=True)
+    ref = np.maximum(want + cp.asnumpy(bias)[None, :, None, None], 0)
+    ok = ~np.isnan(want)
+    assert np.array_equal(cp.asnumpy(out)[ok], ref[ok])
