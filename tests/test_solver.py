@@ -643,3 +643,38 @@ def test_each_rules_fused_kernel_body_rounds_as_its_array_body(kind):
     if n_hist > 1:
         np.testing.assert_array_equal(s.history[n].data, h2)
     assert not np.array_equal(u, g0)
+
+
+class _SignSGD(SGDSolver):
+    """A user's rule (signSGD: w -= lr * sign(g)), its array body only."""
+
+    def compute_update_value(self, xp, i, rate):
+        dt, local_rate, g, h = self._update_inputs(xp, i, rate)
+        xp.sign(g, out=g)
+        g *= local_rate
+
+
+def test_a_subclass_with_its_own_update_gets_no_inherited_fused_kernel(monkeypatch):
+    """A subclass of an SGD-family solver that writes its own update without its own
+    ``fused_rule`` has none (the parent's kernel would compute the parent's rule on the
+    GPU): on a GPU it runs layer by layer, its array body on CuPy.  A built-in rule keeps
+    its kernel."""
+    param = dict(base_lr=0.1, lr_policy="fixed", momentum=0.9)
+    mine = _SignSGD(solver_param(memory_net(4), **param))
+    plain = SGDSolver(solver_param(memory_net(4), **param))
+    adam = AdamSolver(solver_param(memory_net(4), base_lr=0.1, lr_policy="fixed"))
+    assert mine.fused_rule is None
+    assert plain.fused_rule is not None and adam.fused_rule is not None
+    monkeypatch.setattr(context, "is_gpu", lambda: True)   # what the solver would choose
+    assert not mine.uses_gpu_step
+    assert plain.uses_gpu_step and adam.uses_gpu_step
+    monkeypatch.undo()
+    # its own rule is the one that runs: each weight moves by lr x lr_mult x sign(g)
+    rng = np.random.RandomState(5)
+    feed_memory(mine.net, rng.randn(16, 4, 1, 1), rng.randint(0, 3, 16))
+    before = param_arrays(mine.net)
+    mine.step(1)
+    for a, b, mult in zip(before, param_arrays(mine.net), mine.net.params_lr):
+        moved = np.abs(a - b)[a != b]
+        assert moved.size
+        np.testing.assert_allclose(moved, 0.1 * mult, rtol=1e-5)

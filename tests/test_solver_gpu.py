@@ -53,6 +53,34 @@ def test_gpu_update_matches_cpu(kind, eager):
         assert np.abs(a - b).max() / scale < 1e-5
 
 
+def test_a_user_rule_without_a_fused_kernel_runs_its_own_body_on_the_gpu():
+    """A subclass that writes its own update (no ``fused_rule`` of its own) trains on the
+    GPU with its own array body on CuPy, layer by layer, as on the CPU; never with the
+    parent's fused kernel."""
+    from minicaffe.solvers import SGDSolver
+
+    class PlainGD(SGDSolver):     # momentum ignored: SGD's kernel would differ
+        def compute_update_value(self, xp, i, rate):
+            dt, local_rate, g, h = self._update_inputs(xp, i, rate)
+            g *= local_rate
+
+    out = []
+    for gpu in (False, True):
+        context.set_mode_gpu() if gpu else context.set_mode_cpu()
+        try:
+            s = PlainGD(solver_param(memory_net(4), base_lr=0.01, lr_policy="fixed",
+                                     momentum=0.9, random_seed=21))
+            assert not s.uses_gpu_step
+            rng = np.random.RandomState(5)
+            feed_memory(s.net, rng.randn(16, 4, 1, 1), rng.randint(0, 3, 16))
+            s.step(4)
+            out.append(param_arrays(s.net))
+        finally:
+            context.set_mode_cpu()
+    for a, b in zip(*out):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_gpu_snapshot_restores_on_cpu(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     context.set_mode_gpu()

@@ -211,14 +211,25 @@ class GpuStep:
         for entry in self.input_places.get(i, ()):
             t, place = entry
             m = t.data_mem
-            if not isinstance(m, SyncedMemory) or m.device_array is place:
+            if not isinstance(m, SyncedMemory) or (place is not None and
+                                                   m.device_array is place):
                 continue
-            if m.size > place.size:
+            if place is None or m.size > place.size:
                 # a larger batch: a larger place of its own (the input shapes changed, so
-                # the graphs are captured anew, at this address)
+                # the graphs are captured anew, at this address); None: the place was in
+                # an arena a new plan replaced (``_forget_places``)
                 place = entry[1] = backend.alloc_gpu(m.size, m.dtype)
             place[:m.size] = m.gpu_data()[:m.size]
             m.bind_device(place, keep_contents=False)
+
+    def _forget_places(self):
+        """Let go of the data tops' places before a new plan replaces the arena (DYNAMIC
+        offload): a view held here would keep the old arena allocated while the new one is
+        allocated.  The tops stay bound; ``_note_places`` notes their new places before
+        the next forward."""
+        for entries in self.input_places.values():
+            for entry in entries:
+                entry[1] = None
 
     def apply_update(self):
         with self.stream:
@@ -316,6 +327,7 @@ class GpuStep:
     def _run(self, key):
         off = self.offload
         if off is not None and off.profiling_due(key, not self.graphs_on or key in self.warm):
+            self._forget_places()
             off.profile(lambda: self._body(key))   # timed; DYNAMIC's plan replaces ALL's
             self.graphs = {}
             return

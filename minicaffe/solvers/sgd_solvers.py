@@ -66,6 +66,11 @@ def solver_class(name, source="solver"):
     return cls
 
 
+# the steps of the array-side update that the fused GPU kernel does all of
+_FUSED_STEPS = ("apply_update", "clip_gradients", "normalize", "regularize",
+                "compute_update_value", "_update_inputs", "_local_rate")
+
+
 class SGDSolver(Solver):
     """Stochastic gradient descent with momentum (Caffe's SGDSolver)."""
 
@@ -80,6 +85,15 @@ class SGDSolver(Solver):
         """The rule's constant scalars in ``fused_rule``'s order (float32, as the array
         body's)."""
         return (np.float32(self.param.momentum),)
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass that writes its own update (any step of it the fused kernel does:
+        ``_FUSED_STEPS``) without its own ``fused_rule`` has none, rather than the
+        parent's kernel computing another rule: the GPU then runs its array body layer by
+        layer (``Solver.uses_gpu_step`` is False)."""
+        super().__init_subclass__(**kwargs)
+        if "fused_rule" not in vars(cls) and any(k in vars(cls) for k in _FUSED_STEPS):
+            cls.fused_rule = None
 
     def pre_solve(self):
         # the parameters, their diffs and each history set live in flat buffers of one

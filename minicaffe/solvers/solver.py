@@ -389,10 +389,12 @@ class Solver:
     def _gpu_step_wanted(self):
         """The SGD family on one GPU runs its iterations through engine.step.GpuStep (fused
         update, deferred loss reads, CUDA graphs where they capture); debug_info needs the
-        host after every layer and keeps the layer-by-layer path."""
+        host after every layer and keeps the layer-by-layer path, and so does a rule with no
+        fused kernel (``fused_rule`` None: a subclass that writes its own update)."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
                 and not self.net.net_param.debug_info
-                and getattr(self, "loss_scaler", None) is None)   # scaling: eager (so far)
+                and getattr(self, "loss_scaler", None) is None   # scaling: eager (so far)
+                and getattr(self, "fused_rule", None) is not None)
 
     @property
     def uses_gpu_step(self):
