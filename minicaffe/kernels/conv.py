@@ -43,6 +43,9 @@ FULL_CONV_RATIO = 3
 # Below this many input channels per group the numpy engine builds Caffe's
 # channel-major columns instead of channel-last patches.
 NHWC_MIN_CHANNELS = 8
+# ... but their weight gradient reads channel-last patches when a patch row holds at
+# least this many contiguous values (kernel width x channels per group).
+CN_DW_PATCH_RUN = 8
 
 
 class ConvEngine:
@@ -331,12 +334,11 @@ class ConvEngine:
 
         def chunk(ws, n0, n):
             col = self._cn_im2col(ws, x[n0:n0 + n], n)
-            if direct:
+            if direct:    # one stacked matmul per group: numpy loops the images in C
                 col4 = col.reshape(G, -1, n, P)
-                for s in range(n):
-                    ys = y[n0 + s].reshape(G, Og, P)
-                    for g in range(G):
-                        np.matmul(w3[g], col4[g, :, s], out=ys[g])
+                y4 = y[n0:n0 + n].reshape(n, G, Og, P)
+                for g in range(G):
+                    np.matmul(w3[g], col4[g].transpose(1, 0, 2), out=y4[:, g])
                 return
             out = self._buffer(ws, "cn_out", O * step * P, x.dtype)[:O * n * P]
             np.matmul(w3, col.reshape(G, -1, n * P), out=out.reshape(G, Og, n * P))
@@ -348,15 +350,26 @@ class ConvEngine:
         Og = O // G
         w3 = w.reshape(G, Og, -1)
         step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        last = self.kernel[1] * (self.C // G) >= CN_DW_PATCH_RUN
 
         def chunk(ws, n0, n):
             parts = None
-            if dw is not None:   # one product per image and group, summed in order below
-                col4 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n, P)
-                parts = []
-                for s in range(n):
-                    d = dy[n0 + s].reshape(G, Og, P)
-                    parts.append([d[g] @ col4[g, :, s].T for g in range(G)])
+            if dw is not None:
+                # one product per image and group, dy (Og, P) in place against the image's
+                # columns, summed over the chunk's images here, over chunks below.  With
+                # runs of at least 8 values (kw*Cg) the channel-last patches (P, kh*kw*Cg),
+                # contiguous: OpenBLAS ran that 1.4x faster than the channel-major
+                # columns' transpose (CIFAR-10 conv1, 3 channels; LeNet's conv1, one
+                # channel, keeps the channel-major columns)
+                d4 = dy[n0:n0 + n].reshape(n, G, Og, P)
+                if last:
+                    xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
+                    col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
+                    c4 = col.reshape(n, P, G, -1).transpose(2, 0, 1, 3)
+                else:
+                    col = self._cn_im2col(ws, x[n0:n0 + n], n)
+                    c4 = col.reshape(G, -1, n, P).transpose(0, 2, 3, 1)
+                parts = [np.add.reduce(np.matmul(d4[:, g], c4[g]), axis=0) for g in range(G)]
             if dx is not None:
                 dy2 = self._buffer(ws, "cn_out", O * step * P, dy.dtype)[:O * n * P]
                 dy2.reshape(O, n, *self.out_spatial)[...] = dy[n0:n0 + n].transpose(1, 0, 2, 3)
@@ -369,12 +382,15 @@ class ConvEngine:
             return parts
         parts = self._chunks(N, step, dy.dtype, chunk)
         if dw is not None:
-            dw3 = np.zeros((G, Og, w3.shape[2]), dw.dtype)
-            for chunk_parts in parts:            # in image order, as the serial loop
-                for image_parts in chunk_parts:
-                    for g in range(G):
-                        dw3[g] += image_parts[g]
-            dw += dw3.reshape(dw.shape)
+            dwr = np.zeros((G, Og, w3.shape[2]), dw.dtype)
+            for chunk_parts in parts:            # in chunk order, as the serial loop
+                for g in range(G):
+                    dwr[g] += chunk_parts[g]
+            if last:
+                (kh, kw), Cg = self.kernel, self.C // G
+                dw += dwr.reshape(self.O, kh, kw, Cg).transpose(0, 3, 1, 2)
+            else:
+                dw += dwr.reshape(dw.shape)
 
     # -- generic (CuPy, N-D) ------------------------------------------------------------
     def _im2col(self, x):

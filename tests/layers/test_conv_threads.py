@@ -98,3 +98,84 @@ def test_cifar10_quick_training_steps_with_two_threads_match_one_thread(monkeypa
     assert len(weights[0]) == 10
     for a, b in zip(*weights):
         assert np.array_equal(a, b)
+
+
+GEMMS = [  # M, K, N, trans_a, trans_b, beta: InnerProduct's three products, and odd sizes
+    (64, 800, 500, False, True, 0.0),     # LeNet ip1 forward: x W^T
+    (500, 64, 800, True, False, 1.0),     # its weight gradient, accumulated: dy^T x
+    (64, 500, 800, False, False, 0.0),    # its data gradient: dy W
+    (100, 1024, 64, False, True, 0.0),    # CIFAR-10 quick ip1 forward
+    (1000, 333, 77, True, True, 1.0),
+    (33, 2000, 3000, False, False, 0.0),
+]
+
+
+@pytest.mark.parametrize("M,K,N,ta,tb,beta", GEMMS)
+def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, ta, tb, beta,
+                                                                     monkeypatch):
+    """numpy GEMMs (kernels/blas.gemm: InnerProduct's) split by rows or columns over the
+    pool's threads: the one-thread bits, for 2, 3 and 16 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+    from minicaffe.kernels import blas
+    submitted = []
+    submit = ThreadPoolExecutor.submit
+    monkeypatch.setattr(ThreadPoolExecutor, "submit",
+                        lambda self, *a, **k: submitted.append(1) or submit(self, *a, **k))
+    rs = np.random.RandomState(M + N)
+    a = rs.randn(*((K, M) if ta else (M, K))).astype(np.float32)
+    b = rs.randn(*((N, K) if tb else (K, N))).astype(np.float32)
+    start = rs.randn(M, N).astype(np.float32)
+    results = []
+    try:
+        for n in (1, 2, 3, 16):
+            threads.set_kernel_threads(n)
+            out = start.copy()
+            blas.gemm(np, a, b, out, trans_a=ta, trans_b=tb, beta=beta)
+            results.append(out)
+            assert len(submitted) >= (0 if n == 1 else 2)   # split in the pool
+            submitted.clear()
+    finally:
+        threads.set_kernel_threads(1)
+    want = (a.T if ta else a) @ (b.T if tb else b) + beta * start
+    np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-3)
+    for pooled in results[1:]:
+        assert np.array_equal(results[0], pooled)
+
+
+def test_relu_in_the_kernel_pool_is_bit_identical_to_one_thread(monkeypatch):
+    """ReLU forward and backward (in place, as CIFAR-10 quick runs it) split into flat
+    ranges over the pool's threads: the one-thread values, NaN gradients kept."""
+    from concurrent.futures import ThreadPoolExecutor
+    from minicaffe.core.blob import Blob
+    from minicaffe.layers.neuron import ReLULayer
+    from minicaffe.proto import caffe_pb2
+    submitted = []
+    submit = ThreadPoolExecutor.submit
+    monkeypatch.setattr(ThreadPoolExecutor, "submit",
+                        lambda self, *a, **k: submitted.append(1) or submit(self, *a, **k))
+    monkeypatch.setattr(threads, "ELEMENTWISE_MIN_PART", 1000)
+    rs = np.random.RandomState(3)
+    x0 = rs.randn(4, 5, 20, 20).astype(np.float32)
+    dy0 = rs.randn(*x0.shape).astype(np.float32)
+    dy0[0, 0, 0, :3] = np.nan
+    results = []
+    try:
+        for n in (1, 3):
+            threads.set_kernel_threads(n)
+            blob = Blob(x0.shape)
+            blob.data[...] = x0
+            layer = ReLULayer(caffe_pb2.LayerParameter(name="relu", type="ReLU"))
+            layer.setup([blob], [blob])
+            layer.forward([blob], [blob])
+            y = blob.data.copy()
+            blob.diff[...] = dy0
+            layer.backward([blob], [True], [blob])
+            results.append((y, blob.diff.copy()))
+            assert len(submitted) == (0 if n == 1 else 6)     # 3 parts forward, 3 backward
+            submitted.clear()
+    finally:
+        threads.set_kernel_threads(1)
+    (y1, dx1), (y3, dx3) = results
+    assert np.array_equal(y1, np.maximum(x0, 0))
+    np.testing.assert_array_equal(dx1, dy0 * (x0 > 0))     # NaN where dy is NaN
+    assert np.array_equal(y1, y3) and np.array_equal(dx1, dx3, equal_nan=True)
