@@ -52,9 +52,12 @@ class ConvEngine:
     """im2col + GEMM convolution of one geometry, forward and backward.
 
     ``x`` is (N, C, *in_spatial), ``w`` is (O, C/G, *kernel), ``y`` is
-    (N, O, *out_spatial).  ``forward`` writes ``y``; ``backward`` accumulates
-    the weight gradient into ``dw`` (when given) and overwrites ``dx`` (when
-    given).  Deconvolution uses the same engine with the roles swapped.
+    (N, O, *out_spatial).  ``forward`` writes ``y`` (plus ``bias`` (O,), when given);
+    ``backward`` accumulates the weight gradient into ``dw`` and the bias gradient (dy
+    summed over images and pixels) into ``db`` (when given) and overwrites ``dx`` (when
+    given).  The numpy 2-D paths add the bias and sum its gradient chunk by chunk, while
+    the chunk is in cache (and in the kernel pool's threads).  Deconvolution uses the
+    same engine with the roles swapped.
     """
 
     def __init__(self, channels, num_output, group, kernel, pad, stride, dilation,
@@ -80,26 +83,49 @@ class ConvEngine:
         return int(min(N, n))
 
     # -- public ------------------------------------------------------------------
-    def forward(self, xp, x, w, y, budget):
-        if xp is np and self.is_1x1:
-            return self._fwd_1x1(x, w, y)
-        if xp is np and self.ns == 2:
+    def forward(self, xp, x, w, y, budget, bias=None):
+        if xp is np and self.ns == 2 and not self.is_1x1:
             if self.C // self.G < NHWC_MIN_CHANNELS:
-                return self._fwd_cn(x, w, y, budget)
-            return self._fwd_nhwc(x, w, y, budget)
-        return self.forward_generic(xp, x, w, y, budget)
-
-    def backward(self, xp, x, w, dy, budget, dw=None, dx=None):
-        """``x`` may be None when only ``dx`` is wanted."""
-        if dw is None and dx is None:
+                return self._fwd_cn(x, w, y, budget, bias)
+            return self._fwd_nhwc(x, w, y, budget, bias)
+        if xp is np and self.is_1x1:
+            self._fwd_1x1(x, w, y)
+            if bias is not None:
+                y += bias.reshape((1, -1) + (1,) * self.ns)
             return
-        if xp is np and self.is_1x1:
-            return self._bwd_1x1(x, w, dy, dw, dx)
-        if xp is np and self.ns == 2:
+        self.forward_generic(xp, x, w, y, budget, bias)
+
+    def backward(self, xp, x, w, dy, budget, dw=None, dx=None, db=None):
+        """``x`` may be None when only ``dx`` is wanted."""
+        if xp is np and self.ns == 2 and not self.is_1x1:
+            if dw is None and dx is None and db is None:
+                return
             if self.C // self.G < NHWC_MIN_CHANNELS:
-                return self._bwd_cn(x, w, dy, dw, dx, budget)
-            return self._bwd_nhwc(x, w, dy, dw, dx, budget)
-        return self.backward_generic(xp, x, w, dy, dw, dx, budget)
+                return self._bwd_cn(x, w, dy, dw, dx, budget, db)
+            return self._bwd_nhwc(x, w, dy, dw, dx, budget, db)
+        if xp is np and self.is_1x1:
+            if db is not None:
+                db += self._bias_part(dy)
+            if dw is not None or dx is not None:
+                self._bwd_1x1(x, w, dy, dw, dx)
+            return
+        return self.backward_generic(xp, x, w, dy, dw, dx, budget, db)
+
+    @staticmethod
+    def _bias_part(dy):
+        """A chunk's share of the bias gradient: dy (n, O, *S) summed as the layer sums
+        it (pixels, then images)."""
+        return dy.reshape(dy.shape[0], dy.shape[1], -1).sum(axis=2).sum(axis=0)
+
+    @staticmethod
+    def _sum_in_order(acc, parts):
+        """acc += each of ``parts`` in order (chunk order: the serial loop's)."""
+        if not parts:
+            return
+        total = parts[0].copy()
+        for p in parts[1:]:
+            total += p
+        acc += total
 
     # -- 1x1, stride 1, no pad: the input is the column matrix ----------------------
     def _fwd_1x1(self, x, w, y):
@@ -193,7 +219,7 @@ class ConvEngine:
         G, O = self.G, self.O
         return w.transpose(0, 2, 3, 1).reshape(G, O // G, -1)
 
-    def _fwd_nhwc(self, x, w, y, budget):
+    def _fwd_nhwc(self, x, w, y, budget, bias=None):
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         Og = O // G
         wr = self._w_rows(w)
@@ -206,6 +232,8 @@ class ConvEngine:
             out = self._buffer(ws, "out", (step * P, Og), x.dtype)[:n * P]
             for g in range(G):
                 np.matmul(col[:, g * kc:(g + 1) * kc], wr[g].T, out=out)
+                if bias is not None:
+                    out += bias[g * Og:(g + 1) * Og]
                 y[n0:n0 + n, g * Og:(g + 1) * Og] = out.reshape(
                     n, *self.out_spatial, Og).transpose(0, 3, 1, 2)
         self._chunks(N, step, x.dtype, chunk)
@@ -220,7 +248,7 @@ class ConvEngine:
             return False
         return self.O * math.prod(self.in_spatial) <= FULL_CONV_RATIO * self.C * self.P
 
-    def _bwd_nhwc(self, x, w, dy, dw, dx, budget):
+    def _bwd_nhwc(self, x, w, dy, dw, dx, budget, db=None):
         N, G, P, O, C = dy.shape[0], self.G, self.P, self.O, self.C
         Og, Cg = O // G, C // G
         (kh, kw) = self.kernel
@@ -234,7 +262,8 @@ class ConvEngine:
                 wr = self._w_rows(w)
         def chunk(ws, n0, n):
             parts = None
-            if dw is not None or not full:
+            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
+            if dw is not None or (dx is not None and not full):
                 dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
                 dyr.reshape(n, *self.out_spatial, O)[...] = dy[n0:n0 + n].transpose(0, 2, 3, 1)
             if dw is not None:
@@ -248,11 +277,13 @@ class ConvEngine:
                     self._dx_full_conv(ws, wf, dy[n0:n0 + n], dx[n0:n0 + n], n)
                 else:
                     self._dx_col2im(ws, wr, dyr, dx[n0:n0 + n], n)
-            return parts
-        parts = self._chunks(N, step, dy.dtype, chunk)
+            return parts, bias
+        results = self._chunks(N, step, dy.dtype, chunk)
+        if db is not None:
+            self._sum_in_order(db, [r[1] for r in results])
         if dw is not None:
             dwr = np.zeros((G, Og, kh * kw * Cg), dw.dtype)
-            for chunk_parts in parts:           # in chunk order, as the serial loop
+            for chunk_parts, _ in results:      # in chunk order, as the serial loop
                 for g in range(G):
                     dwr[g] += chunk_parts[g]
             dw += dwr.reshape(O, kh, kw, Cg).transpose(0, 3, 1, 2)
@@ -325,7 +356,7 @@ class ConvEngine:
     # slice of the chunk's matrix), so the output is written in place and dy is
     # read in place: no (O, n*P) <-> (n, O, P) transposing copies (conv1 of
     # CIFAR-10: 13.7 -> 11.5 ms forward, 18.9 -> 15.8 ms weight gradient).
-    def _fwd_cn(self, x, w, y, budget):
+    def _fwd_cn(self, x, w, y, budget, bias=None):
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         Og = O // G
         w3 = w.reshape(G, Og, -1)
@@ -339,13 +370,17 @@ class ConvEngine:
                 y4 = y[n0:n0 + n].reshape(n, G, Og, P)
                 for g in range(G):
                     np.matmul(w3[g], col4[g].transpose(1, 0, 2), out=y4[:, g])
+                    if bias is not None:
+                        y4[:, g] += bias[g * Og:(g + 1) * Og, None]
                 return
             out = self._buffer(ws, "cn_out", O * step * P, x.dtype)[:O * n * P]
             np.matmul(w3, col.reshape(G, -1, n * P), out=out.reshape(G, Og, n * P))
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).transpose(1, 0, 2, 3)
+            if bias is not None:
+                y[n0:n0 + n] += bias[:, None, None]
         self._chunks(N, step, x.dtype, chunk)
 
-    def _bwd_cn(self, x, w, dy, dw, dx, budget):
+    def _bwd_cn(self, x, w, dy, dw, dx, budget, db=None):
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         Og = O // G
         w3 = w.reshape(G, Og, -1)
@@ -354,6 +389,7 @@ class ConvEngine:
 
         def chunk(ws, n0, n):
             parts = None
+            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
             if dw is not None:
                 # one product per image and group, dy (Og, P) in place against the image's
                 # columns, summed over the chunk's images here, over chunks below.  With
@@ -379,11 +415,13 @@ class ConvEngine:
                 dcol = dcol.reshape(G, -1, n * P)
                 np.matmul(w3.transpose(0, 2, 1), dy3, out=dcol)
                 self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
-            return parts
-        parts = self._chunks(N, step, dy.dtype, chunk)
+            return parts, bias
+        results = self._chunks(N, step, dy.dtype, chunk)
+        if db is not None:
+            self._sum_in_order(db, [r[1] for r in results])
         if dw is not None:
             dwr = np.zeros((G, Og, w3.shape[2]), dw.dtype)
-            for chunk_parts in parts:            # in chunk order, as the serial loop
+            for chunk_parts, _ in results:       # in chunk order, as the serial loop
                 for g in range(G):
                     dwr[g] += chunk_parts[g]
             if last:
@@ -401,10 +439,10 @@ class ConvEngine:
         a = (self.kernel, self.pad, self.stride, self.dilation)
         return col2im(col, shape, *a) if self.ns == 2 else col2im_nd(col, shape, *a)
 
-    def forward_generic(self, xp, x, w, y, budget):
+    def forward_generic(self, xp, x, w, y, budget, bias=None):
         """The reference path every shape and array module can take: im2col from the
-        kernels package and one batched GEMM per chunk of images (``forward`` picks a
-        faster numpy path where one applies)."""
+        kernels package and one batched GEMM per chunk of images, then the bias over
+        the whole output (``forward`` picks a faster numpy path where one applies)."""
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         step = self.chunk(N, x.dtype.itemsize, budget)
@@ -414,9 +452,15 @@ class ConvEngine:
             out = gemm_batched(xp, w3, col, xp.empty((G, O // G, n * P), dtype=y.dtype),
                                tf32=self.tf32)
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).swapaxes(0, 1)
+        if bias is not None:
+            y += bias.reshape((1, -1) + (1,) * self.ns)
 
-    def backward_generic(self, xp, x, w, dy, dw, dx, budget):
+    def backward_generic(self, xp, x, w, dy, dw, dx, budget, db=None):
         """The reference backward (im2col/col2im and batched GEMMs), as ``forward_generic``."""
+        if db is not None:
+            db += self._bias_part(dy)
+        if dw is None and dx is None:
+            return
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         dw3 = None if dw is None else dw.reshape(G, O // G, -1)

@@ -25,6 +25,7 @@ def test_kernel_pool_is_bit_identical_to_one_thread(C, O, G, k, pad, stride, H):
     x = rs.randn(24, C, H, H).astype(np.float32)
     w = rs.randn(O, C // G, k, k).astype(np.float32)
     dy = rs.randn(24, O, OH, OH).astype(np.float32)
+    bias = rs.randn(O).astype(np.float32)
     budget = 4 * C * k * k * OH * OH * 3     # three images per chunk: 8 chunks
     results = []
     try:
@@ -32,15 +33,23 @@ def test_kernel_pool_is_bit_identical_to_one_thread(C, O, G, k, pad, stride, H):
             threads.set_kernel_threads(n)
             assert threads.kernel_threads() == n
             y = np.empty((24, O, OH, OH), np.float32)
-            engine.forward(np, x, w, y, budget)
-            dw = np.full_like(w, 0.5)             # the weight gradient accumulates
+            engine.forward(np, x, w, y, budget, bias=bias)
+            dw = np.full_like(w, 0.5)             # the gradients accumulate
+            db = np.full_like(bias, 0.25)
             dx = np.empty_like(x)
-            engine.backward(np, x, w, dy, budget, dw=dw, dx=dx)
-            results.append((y, dw, dx))
+            engine.backward(np, x, w, dy, budget, dw=dw, dx=dx, db=db)
+            results.append((y, dw, dx, db))
     finally:
         threads.set_kernel_threads(1)
     for serial, pooled in zip(*results):
         assert np.array_equal(serial, pooled)
+    y, db = results[0][0], results[0][3]        # the bias and its gradient are there
+    plain = np.empty_like(y)
+    engine.forward(np, x, w, plain, budget)
+    np.testing.assert_allclose(y - plain, np.broadcast_to(bias[:, None, None], y.shape[1:])
+                               [None].repeat(24, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db, dy.astype(np.float64).sum(axis=(0, 2, 3)) + 0.25,
+                               rtol=1e-5, atol=1e-4)
 
 
 POOLS = [  # kernel, stride, pad, H: Caffe's rounded-up windows, overlapping and not
