@@ -171,7 +171,7 @@ class ConvEngine:
         if pool is None:
             ws = self._workspace(dtype, step)
             return [body(ws, n0, min(N, n0 + step) - n0) for n0 in starts]
-        workers = pool._max_workers
+        workers = min(pool._max_workers, len(starts))   # no idle tasks: the same bits
         slots = [starts[i::workers] for i in range(workers)]
 
         def run(slot):
