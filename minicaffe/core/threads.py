@@ -14,9 +14,11 @@ same work and ran the LeNet example 3x slower (docs/cli.md, "CPU threads").
 
 With more than one thread (``--threads N``, ``set_num_threads(n)``, n > 1) minicaffe runs
 its own **kernel pool** of n threads instead: the numpy convolutions' batch chunks
-(kernels/conv.py) and the larger poolings' batch ranges (kernels/pooling.py) run in it, with
-results bit-identical to one thread (the weight-gradient partials are summed in the serial
-order), and numpy's BLAS stays on one thread (its idle threads spin and take the cores from
+(kernels/conv.py), the larger poolings' batch ranges (kernels/pooling.py), the larger GEMMs'
+row or column blocks (kernels/blas.py: InnerProduct) and element-wise flat ranges
+(``split_flat``: ReLU) run in it, with results bit-identical to one thread (the
+weight-gradient partials are summed in the serial order), and numpy's BLAS stays on one
+thread (its idle threads spin and take the cores from
 the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU step
 over the batch too.  The ``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
