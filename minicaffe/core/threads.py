@@ -141,8 +141,9 @@ def in_kernel_pool():
 
 
 # Element-wise work split over the pool in flat ranges of at least this many elements
-# (ReLU over CIFAR-10 quick's 100 x 32 x 16 x 16 blobs: 819,200 elements).
-ELEMENTWISE_MIN_PART = 1 << 18
+# (about 20-40 us of numpy work, against the pool's ~20 us per task): CIFAR-10 quick's
+# ReLUs (409,600 and 819,200 elements) split in two on two threads, in 6-12 on sixteen.
+ELEMENTWISE_MIN_PART = 1 << 16
 
 
 def split_flat(count, fn, min_part=None):
