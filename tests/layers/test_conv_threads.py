@@ -115,7 +115,7 @@ GEMMS = [  # M, K, N, trans_a, trans_b, beta: InnerProduct's three products, and
     (64, 500, 800, False, False, 0.0),    # its data gradient: dy W
     (100, 1024, 64, False, True, 0.0),    # CIFAR-10 quick ip1 forward
     (1000, 333, 77, True, True, 1.0),
-    (33, 2000, 3000, False, False, 0.0),
+    (33, 1000, 1500, False, False, 0.0),
 ]
 
 
@@ -188,3 +188,25 @@ def test_relu_in_the_kernel_pool_is_bit_identical_to_one_thread(monkeypatch):
     assert np.array_equal(y1, np.maximum(x0, 0))
     np.testing.assert_array_equal(dx1, dy0 * (x0 > 0))     # NaN where dy is NaN
     assert np.array_equal(y1, y3) and np.array_equal(dx1, dx3, equal_nan=True)
+
+
+def test_lenet_training_steps_with_three_threads_match_one_thread():
+    """LeNet at batch 64 (InnerProduct GEMMs large enough to split, ReLU, convolutions with
+    their bias): the same weights after three solver steps on 1 and 3 threads."""
+    import os
+    import minicaffe
+    from minicaffe.synthetic import synthetic_solver
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "models", "lenet",
+                         "train_val.prototxt")
+    weights = []
+    try:
+        for n in (1, 3):
+            minicaffe.set_num_threads(n)
+            solver, _ = synthetic_solver(model=model, batch=64)
+            solver.step(3)
+            weights.append([b.data.copy() for l in solver.net.layers for b in l.blobs])
+    finally:
+        minicaffe.set_num_threads(1)
+    assert len(weights[0]) == 8
+    for a, b in zip(*weights):
+        assert np.array_equal(a, b)
