@@ -88,6 +88,8 @@ class ReLULayer(_SavesInput):
         dx = bottom[0].mutable_diff_for(xp)
         if slope:
             dx[...] = dy * xp.where(x > 0, x.dtype.type(1), x.dtype.type(slope))
+        elif dx.dtype.kind != "f":    # e.g. ml_dtypes' bfloat16: numpy's casting rules
+            dx[...] = dy * (x > 0)
         elif xp is not np or not _in_pool(lambda a, b: np.multiply(a[1], a[0] > 0, out=b),
                                           x, dy, dx):
             xp.multiply(dy, x > 0, out=dx)   # no float temporary (NaN dy stays NaN)
