@@ -77,10 +77,13 @@ class ConvEngine:
     # -- chunking ----------------------------------------------------------------
     def chunk(self, N, itemsize, budget, min_columns=0):
         """Images per chunk: the column buffer within ``budget`` bytes, but at
-        least ``min_columns`` GEMM columns."""
+        least ``min_columns`` GEMM columns; then evened out over the same number of
+        chunks (LeNet's conv1: 16+16+16+16 images rather than 18+18+18+10, so that two
+        pool threads take 32 each; the count of chunks, and so a run's bits, does not
+        depend on the threads)."""
         per_sample = self.C * self.ksize * self.P * itemsize
-        n = max(1, budget // max(per_sample, 1), -(-min_columns // self.P))
-        return int(min(N, n))
+        n = int(min(N, max(1, budget // max(per_sample, 1), -(-min_columns // self.P))))
+        return -(-N // -(-N // n))
 
     # -- public ------------------------------------------------------------------
     def forward(self, xp, x, w, y, budget, bias=None):
