@@ -14,9 +14,11 @@ same work and ran the LeNet example 3x slower (docs/cli.md, "CPU threads").
 
 With more than one thread (``--threads N``, ``set_num_threads(n)``, n > 1) minicaffe runs
 its own **kernel pool** of n threads instead: the numpy convolutions' batch chunks
-(kernels/conv.py) and the larger poolings' batch ranges (kernels/pooling.py) run in it, with
-results bit-identical to one thread (the weight-gradient partials are summed in the serial
-order), and numpy's BLAS stays on one thread (its idle threads spin and take the cores from
+(kernels/conv.py), the larger poolings' batch ranges (kernels/pooling.py), the larger GEMMs'
+row or column blocks (kernels/blas.py: InnerProduct) and element-wise flat ranges
+(``split_flat``: ReLU) run in it, with results bit-identical to one thread (the
+weight-gradient partials are summed in the serial order), and numpy's BLAS stays on one
+thread (its idle threads spin and take the cores from
 the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU step
 over the batch too.  The ``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
@@ -27,6 +29,7 @@ then), and ``set_num_threads`` says in one line that it needs threadpoolctl.
 """
 import os
 import sys
+import threading
 
 DEFAULT_THREADS = 1
 ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
@@ -104,6 +107,7 @@ def blas_threads(n):
 
 # -- the kernel pool: batch chunks of the numpy convolutions in parallel ------------------------
 _pool = {"threads": 1, "executor": None, "blas": None}
+_POOL_PREFIX = "minicaffe-cpu"
 
 
 def set_kernel_threads(n):
@@ -118,7 +122,7 @@ def set_kernel_threads(n):
     _pool["threads"] = n
     if n > 1 and _threadpoolctl() is not None:
         from concurrent.futures import ThreadPoolExecutor
-        _pool["executor"] = ThreadPoolExecutor(n, thread_name_prefix="minicaffe-cpu")
+        _pool["executor"] = ThreadPoolExecutor(n, thread_name_prefix=_POOL_PREFIX)
 
 
 def kernel_threads():
@@ -128,6 +132,36 @@ def kernel_threads():
 def kernel_pool():
     """The thread pool of the batch-parallel kernels, or None (one thread)."""
     return _pool["executor"]
+
+
+def in_kernel_pool():
+    """Whether the calling thread is one of the kernel pool's (work it submits to the
+    pool could wait on itself: run it in place instead)."""
+    return threading.current_thread().name.startswith(_POOL_PREFIX)
+
+
+# Element-wise work split over the pool in flat ranges of at least this many elements
+# (about 20-40 us of numpy work, against the pool's ~20 us per task): CIFAR-10 quick's
+# ReLUs (409,600 and 819,200 elements) split in two on two threads, in 6-12 on sixteen.
+ELEMENTWISE_MIN_PART = 1 << 16
+
+
+def split_flat(count, fn, min_part=None):
+    """With a kernel pool (and not inside one of its threads) and at least two parts of
+    ``min_part`` elements (default ELEMENTWISE_MIN_PART): ``fn(a, b)`` for contiguous
+    ranges [a, b) covering ``range(count)``, in the pool's threads; True when it ran so,
+    else False (the caller runs its serial body).  Element-wise work gives the serial
+    bits."""
+    pool = kernel_pool()
+    if pool is None or in_kernel_pool():
+        return False
+    t = min(kernel_threads(), count // max(min_part or ELEMENTWISE_MIN_PART, 1))
+    if t < 2:
+        return False
+    cuts = [count * i // t for i in range(t + 1)]
+    for f in [pool.submit(fn, a, b) for a, b in zip(cuts[:-1], cuts[1:])]:
+        f.result()
+    return True
 
 
 class single_blas:

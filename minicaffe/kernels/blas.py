@@ -5,8 +5,24 @@ CuPy's own cuBLAS calls cannot be captured in a CUDA graph.  ``out`` is always g
 (the layers own their outputs), and ``beta=1`` accumulates into it, as parameter
 gradients need.  ``tf32`` (GPU): the calling layer's run setting (``Layer.config.tf32``);
 None keeps the process default (``gpu.options.tf32``).
+
+numpy with a CPU kernel pool (core/threads.py: ``--threads N``, N > 1; the BLAS then runs
+on one thread): a 2-D ``gemm`` of at least ``PARALLEL_MIN_PART`` multiply-adds per part is
+split by rows (or columns, the longer of the two) of ``out`` into parts of whole
+``PARALLEL_ROW_ALIGN``-row blocks, one per pool thread.  Each output element is still one
+BLAS dot product over the whole inner dimension, so the parts give the one-thread bits
+(tests/layers/test_conv_threads.py checks it for the InnerProduct shapes; OpenBLAS's
+small-matrix kernels, which sum in another order, are kept out by the part size).
 """
 import numpy as np
+
+from ..core import threads as _threads
+
+# Split GEMMs in the kernel pool: parts of whole 16-row (or -column) blocks (OpenBLAS's
+# sgemm register blocks divide 16), each of at least 2^20 multiply-adds (well above the
+# small-matrix kernels' 64^3 and the pool's ~20 us per task).
+PARALLEL_ROW_ALIGN = 16
+PARALLEL_MIN_PART = 1 << 20
 
 
 def _blend(r, out, alpha, beta):
@@ -22,14 +38,47 @@ def _blend(r, out, alpha, beta):
     return out
 
 
+def _gemm_numpy(aa, bb, out, alpha, beta):
+    if beta == 0 and alpha == 1:
+        return np.matmul(aa, bb, out=out)
+    return _blend(aa @ bb, out, alpha, beta)
+
+
+def _parts(M, K, N):
+    """With a CPU kernel pool, and not inside one of its threads: the pool, the axis of
+    ``out`` to split (0: rows, 1: columns) and its ranges for an (M, K) x (K, N)
+    product, else (None, None, None).  The larger of M and N is split, so that each
+    thread packs its own part of the larger operand, not all of it."""
+    pool = _threads.kernel_pool()
+    if pool is None or _threads.in_kernel_pool():
+        return None, None, None
+    axis, length, other = (0, M, N) if M >= N else (1, N, M)
+    align = PARALLEL_ROW_ALIGN
+    rows = max(align, -(-PARALLEL_MIN_PART // max(K * other, 1)))
+    rows = -(-rows // align) * align
+    t = min(_threads.kernel_threads(), length // rows)
+    if t < 2:
+        return None, None, None
+    cuts = [(length * i // t) // align * align for i in range(t)] + [length]
+    return pool, axis, list(zip(cuts[:-1], cuts[1:]))
+
+
 def gemm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=None):
     """out = alpha op(a) op(b) + beta out for 2-D arrays (op: transpose if asked)."""
     if xp is np:
         aa = a.T if trans_a else a
         bb = b.T if trans_b else b
-        if beta == 0 and alpha == 1:
-            return np.matmul(aa, bb, out=out)
-        return _blend(aa @ bb, out, alpha, beta)
+        pool, axis, parts = _parts(aa.shape[0], aa.shape[1], bb.shape[1])
+        if pool is None:
+            return _gemm_numpy(aa, bb, out, alpha, beta)
+        if axis == 0:
+            jobs = [(aa[r0:r1], bb, out[r0:r1]) for r0, r1 in parts]
+        else:
+            jobs = [(aa, bb[:, c0:c1], out[:, c0:c1]) for c0, c1 in parts]
+        with _threads.single_blas():
+            for f in [pool.submit(_gemm_numpy, a_, b_, o_, alpha, beta) for a_, b_, o_ in jobs]:
+                f.result()
+        return out
     from ..gpu import cublas
     return cublas.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out,
                          trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta, tf32=tf32)

@@ -43,15 +43,21 @@ FULL_CONV_RATIO = 3
 # Below this many input channels per group the numpy engine builds Caffe's
 # channel-major columns instead of channel-last patches.
 NHWC_MIN_CHANNELS = 8
+# ... but their weight gradient reads channel-last patches when a patch row holds at
+# least this many contiguous values (kernel width x channels per group).
+CN_DW_PATCH_RUN = 8
 
 
 class ConvEngine:
     """im2col + GEMM convolution of one geometry, forward and backward.
 
     ``x`` is (N, C, *in_spatial), ``w`` is (O, C/G, *kernel), ``y`` is
-    (N, O, *out_spatial).  ``forward`` writes ``y``; ``backward`` accumulates
-    the weight gradient into ``dw`` (when given) and overwrites ``dx`` (when
-    given).  Deconvolution uses the same engine with the roles swapped.
+    (N, O, *out_spatial).  ``forward`` writes ``y`` (plus ``bias`` (O,), when given);
+    ``backward`` accumulates the weight gradient into ``dw`` and the bias gradient (dy
+    summed over images and pixels) into ``db`` (when given) and overwrites ``dx`` (when
+    given).  The numpy 2-D paths add the bias and sum its gradient chunk by chunk, while
+    the chunk is in cache (and in the kernel pool's threads).  Deconvolution uses the
+    same engine with the roles swapped.
     """
 
     def __init__(self, channels, num_output, group, kernel, pad, stride, dilation,
@@ -71,32 +77,58 @@ class ConvEngine:
     # -- chunking ----------------------------------------------------------------
     def chunk(self, N, itemsize, budget, min_columns=0):
         """Images per chunk: the column buffer within ``budget`` bytes, but at
-        least ``min_columns`` GEMM columns."""
+        least ``min_columns`` GEMM columns; then evened out over the same number of
+        chunks (LeNet's conv1: 16+16+16+16 images rather than 18+18+18+10, so that two
+        pool threads take 32 each; the count of chunks, and so a run's bits, does not
+        depend on the threads)."""
         per_sample = self.C * self.ksize * self.P * itemsize
-        n = max(1, budget // max(per_sample, 1), -(-min_columns // self.P))
-        return int(min(N, n))
+        n = int(min(N, max(1, budget // max(per_sample, 1), -(-min_columns // self.P))))
+        return -(-N // -(-N // n))
 
     # -- public ------------------------------------------------------------------
-    def forward(self, xp, x, w, y, budget):
-        if xp is np and self.is_1x1:
-            return self._fwd_1x1(x, w, y)
-        if xp is np and self.ns == 2:
+    def forward(self, xp, x, w, y, budget, bias=None):
+        if xp is np and self.ns == 2 and not self.is_1x1:
             if self.C // self.G < NHWC_MIN_CHANNELS:
-                return self._fwd_cn(x, w, y, budget)
-            return self._fwd_nhwc(x, w, y, budget)
-        return self.forward_generic(xp, x, w, y, budget)
-
-    def backward(self, xp, x, w, dy, budget, dw=None, dx=None):
-        """``x`` may be None when only ``dx`` is wanted."""
-        if dw is None and dx is None:
+                return self._fwd_cn(x, w, y, budget, bias)
+            return self._fwd_nhwc(x, w, y, budget, bias)
+        if xp is np and self.is_1x1:
+            self._fwd_1x1(x, w, y)
+            if bias is not None:
+                y += bias.reshape((1, -1) + (1,) * self.ns)
             return
-        if xp is np and self.is_1x1:
-            return self._bwd_1x1(x, w, dy, dw, dx)
-        if xp is np and self.ns == 2:
+        self.forward_generic(xp, x, w, y, budget, bias)
+
+    def backward(self, xp, x, w, dy, budget, dw=None, dx=None, db=None):
+        """``x`` may be None when only ``dx`` is wanted."""
+        if xp is np and self.ns == 2 and not self.is_1x1:
+            if dw is None and dx is None and db is None:
+                return
             if self.C // self.G < NHWC_MIN_CHANNELS:
-                return self._bwd_cn(x, w, dy, dw, dx, budget)
-            return self._bwd_nhwc(x, w, dy, dw, dx, budget)
-        return self.backward_generic(xp, x, w, dy, dw, dx, budget)
+                return self._bwd_cn(x, w, dy, dw, dx, budget, db)
+            return self._bwd_nhwc(x, w, dy, dw, dx, budget, db)
+        if xp is np and self.is_1x1:
+            if db is not None:
+                db += self._bias_part(dy)
+            if dw is not None or dx is not None:
+                self._bwd_1x1(x, w, dy, dw, dx)
+            return
+        return self.backward_generic(xp, x, w, dy, dw, dx, budget, db)
+
+    @staticmethod
+    def _bias_part(dy):
+        """A chunk's share of the bias gradient: dy (n, O, *S) summed as the layer sums
+        it (pixels, then images)."""
+        return dy.reshape(dy.shape[0], dy.shape[1], -1).sum(axis=2).sum(axis=0)
+
+    @staticmethod
+    def _sum_in_order(acc, parts):
+        """acc += each of ``parts`` in order (chunk order: the serial loop's)."""
+        if not parts:
+            return
+        total = parts[0].copy()
+        for p in parts[1:]:
+            total += p
+        acc += total
 
     # -- 1x1, stride 1, no pad: the input is the column matrix ----------------------
     def _fwd_1x1(self, x, w, y):
@@ -142,7 +174,7 @@ class ConvEngine:
         if pool is None:
             ws = self._workspace(dtype, step)
             return [body(ws, n0, min(N, n0 + step) - n0) for n0 in starts]
-        workers = pool._max_workers
+        workers = min(pool._max_workers, len(starts))   # no idle tasks: the same bits
         slots = [starts[i::workers] for i in range(workers)]
 
         def run(slot):
@@ -190,7 +222,7 @@ class ConvEngine:
         G, O = self.G, self.O
         return w.transpose(0, 2, 3, 1).reshape(G, O // G, -1)
 
-    def _fwd_nhwc(self, x, w, y, budget):
+    def _fwd_nhwc(self, x, w, y, budget, bias=None):
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         Og = O // G
         wr = self._w_rows(w)
@@ -203,6 +235,8 @@ class ConvEngine:
             out = self._buffer(ws, "out", (step * P, Og), x.dtype)[:n * P]
             for g in range(G):
                 np.matmul(col[:, g * kc:(g + 1) * kc], wr[g].T, out=out)
+                if bias is not None:
+                    out += bias[g * Og:(g + 1) * Og]
                 y[n0:n0 + n, g * Og:(g + 1) * Og] = out.reshape(
                     n, *self.out_spatial, Og).transpose(0, 3, 1, 2)
         self._chunks(N, step, x.dtype, chunk)
@@ -217,7 +251,7 @@ class ConvEngine:
             return False
         return self.O * math.prod(self.in_spatial) <= FULL_CONV_RATIO * self.C * self.P
 
-    def _bwd_nhwc(self, x, w, dy, dw, dx, budget):
+    def _bwd_nhwc(self, x, w, dy, dw, dx, budget, db=None):
         N, G, P, O, C = dy.shape[0], self.G, self.P, self.O, self.C
         Og, Cg = O // G, C // G
         (kh, kw) = self.kernel
@@ -227,11 +261,13 @@ class ConvEngine:
             if full:  # wf[g][(i, j, o), c] = w[g*Og + o, c, kh-1-i, kw-1-j]
                 wf = w.reshape(G, Og, Cg, kh, kw)[:, :, :, ::-1, ::-1]
                 wf = wf.transpose(0, 3, 4, 1, 2).reshape(G, -1, Cg)
-            else:
-                wr = self._w_rows(w)
+            else:   # wk[g][i*kw + j] = w[g*Og:(g+1)*Og, :, i, j]  (Og, Cg)
+                wk = np.ascontiguousarray(
+                    w.reshape(G, Og, Cg, kh * kw).transpose(0, 3, 1, 2))
         def chunk(ws, n0, n):
             parts = None
-            if dw is not None or not full:
+            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
+            if dw is not None or (dx is not None and not full):
                 dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
                 dyr.reshape(n, *self.out_spatial, O)[...] = dy[n0:n0 + n].transpose(0, 2, 3, 1)
             if dw is not None:
@@ -244,12 +280,14 @@ class ConvEngine:
                 if full:
                     self._dx_full_conv(ws, wf, dy[n0:n0 + n], dx[n0:n0 + n], n)
                 else:
-                    self._dx_col2im(ws, wr, dyr, dx[n0:n0 + n], n)
-            return parts
-        parts = self._chunks(N, step, dy.dtype, chunk)
+                    self._dx_col2im(ws, wk, dyr, dx[n0:n0 + n], n)
+            return parts, bias
+        results = self._chunks(N, step, dy.dtype, chunk)
+        if db is not None:
+            self._sum_in_order(db, [r[1] for r in results])
         if dw is not None:
             dwr = np.zeros((G, Og, kh * kw * Cg), dw.dtype)
-            for chunk_parts in parts:           # in chunk order, as the serial loop
+            for chunk_parts, _ in results:      # in chunk order, as the serial loop
                 for g in range(G):
                     dwr[g] += chunk_parts[g]
             dw += dwr.reshape(O, kh, kw, Cg).transpose(0, 3, 1, 2)
@@ -268,7 +306,12 @@ class ConvEngine:
             np.matmul(col[:, g * kc:(g + 1) * kc], wf[g], out=out)
             dx[:, g * Cg:(g + 1) * Cg] = out.reshape(n, H, W, Cg).transpose(0, 3, 1, 2)
 
-    def _dx_col2im(self, ws, wr, dyr, dx, n):
+    def _dx_col2im(self, ws, wk, dyr, dx, n):
+        """dx of the chunk from dyr (n*P, O): per group, one stacked product gives each
+        kernel offset's columns as a contiguous (n, OH, OW, Cg) block (``wk``: the
+        weights as (G, kh*kw, Og, Cg)), added to the padded gradient offset by offset
+        (i, then j): runs of OW*Cg values, where one product for all offsets left runs of
+        Cg (col2im took half the time: LeNet's conv2)."""
         G, O, C = self.G, self.O, self.C
         Og, Cg = O // G, C // G
         (H, W), (ph, pw) = self.in_spatial, self.pad
@@ -276,17 +319,17 @@ class ConvEngine:
         OH, OW = self.out_spatial
         step = ws["key"][1]
         dcol = self._buffer(ws, "col", step * self.P * kh * kw * C, dyr.dtype)
-        dcol = dcol[:n * self.P * kh * kw * C].reshape(n * self.P, G, kh * kw * Cg)
-        for g in range(G):
-            dcol[:, g] = dyr[:, g * Og:(g + 1) * Og] @ wr[g]
-        d7 = dcol.reshape(n, OH, OW, G, kh, kw, Cg)
+        dcol = dcol[:kh * kw * n * self.P * Cg].reshape(kh * kw, n * self.P, Cg)
         dpad = self._buffer(ws, "dpad", (step, H + 2 * ph, W + 2 * pw, G, Cg), dyr.dtype)[:n]
         dpad[...] = 0
-        for i in range(kh):
-            hs = slice(i * dh, i * dh + sh * (OH - 1) + 1, sh)
-            for j in range(kw):
-                wsl = slice(j * dw, j * dw + sw * (OW - 1) + 1, sw)
-                dpad[:, hs, wsl] += d7[:, :, :, :, i, j]  # one offset never repeats a pixel
+        for g in range(G):
+            np.matmul(dyr[:, g * Og:(g + 1) * Og], wk[g], out=dcol)
+            d6 = dcol.reshape(kh, kw, n, OH, OW, Cg)
+            for i in range(kh):
+                hs = slice(i * dh, i * dh + sh * (OH - 1) + 1, sh)
+                for j in range(kw):
+                    wsl = slice(j * dw, j * dw + sw * (OW - 1) + 1, sw)
+                    dpad[:, hs, wsl, g] += d6[i, j]  # one offset never repeats a pixel
         dx[...] = dpad[:, ph:ph + H, pw:pw + W].reshape(n, H, W, C).transpose(0, 3, 1, 2)
 
     # -- numpy 2-D, few input channels: channel-major columns -----------------------------
@@ -322,7 +365,7 @@ class ConvEngine:
     # slice of the chunk's matrix), so the output is written in place and dy is
     # read in place: no (O, n*P) <-> (n, O, P) transposing copies (conv1 of
     # CIFAR-10: 13.7 -> 11.5 ms forward, 18.9 -> 15.8 ms weight gradient).
-    def _fwd_cn(self, x, w, y, budget):
+    def _fwd_cn(self, x, w, y, budget, bias=None):
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         Og = O // G
         w3 = w.reshape(G, Og, -1)
@@ -331,32 +374,47 @@ class ConvEngine:
 
         def chunk(ws, n0, n):
             col = self._cn_im2col(ws, x[n0:n0 + n], n)
-            if direct:
+            if direct:    # one stacked matmul per group: numpy loops the images in C
                 col4 = col.reshape(G, -1, n, P)
-                for s in range(n):
-                    ys = y[n0 + s].reshape(G, Og, P)
-                    for g in range(G):
-                        np.matmul(w3[g], col4[g, :, s], out=ys[g])
+                y4 = y[n0:n0 + n].reshape(n, G, Og, P)
+                for g in range(G):
+                    np.matmul(w3[g], col4[g].transpose(1, 0, 2), out=y4[:, g])
+                    if bias is not None:
+                        y4[:, g] += bias[g * Og:(g + 1) * Og, None]
                 return
             out = self._buffer(ws, "cn_out", O * step * P, x.dtype)[:O * n * P]
             np.matmul(w3, col.reshape(G, -1, n * P), out=out.reshape(G, Og, n * P))
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).transpose(1, 0, 2, 3)
+            if bias is not None:
+                y[n0:n0 + n] += bias[:, None, None]
         self._chunks(N, step, x.dtype, chunk)
 
-    def _bwd_cn(self, x, w, dy, dw, dx, budget):
+    def _bwd_cn(self, x, w, dy, dw, dx, budget, db=None):
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         Og = O // G
         w3 = w.reshape(G, Og, -1)
         step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
+        last = self.kernel[1] * (self.C // G) >= CN_DW_PATCH_RUN
 
         def chunk(ws, n0, n):
             parts = None
-            if dw is not None:   # one product per image and group, summed in order below
-                col4 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n, P)
-                parts = []
-                for s in range(n):
-                    d = dy[n0 + s].reshape(G, Og, P)
-                    parts.append([d[g] @ col4[g, :, s].T for g in range(G)])
+            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
+            if dw is not None:
+                # one product per image and group, dy (Og, P) in place against the image's
+                # columns, summed over the chunk's images here, over chunks below.  With
+                # runs of at least 8 values (kw*Cg) the channel-last patches (P, kh*kw*Cg),
+                # contiguous: OpenBLAS ran that 1.4x faster than the channel-major
+                # columns' transpose (CIFAR-10 conv1, 3 channels; LeNet's conv1, one
+                # channel, keeps the channel-major columns)
+                d4 = dy[n0:n0 + n].reshape(n, G, Og, P)
+                if last:
+                    xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
+                    col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
+                    c4 = col.reshape(n, P, G, -1).transpose(2, 0, 1, 3)
+                else:
+                    col = self._cn_im2col(ws, x[n0:n0 + n], n)
+                    c4 = col.reshape(G, -1, n, P).transpose(0, 2, 3, 1)
+                parts = [np.add.reduce(np.matmul(d4[:, g], c4[g]), axis=0) for g in range(G)]
             if dx is not None:
                 dy2 = self._buffer(ws, "cn_out", O * step * P, dy.dtype)[:O * n * P]
                 dy2.reshape(O, n, *self.out_spatial)[...] = dy[n0:n0 + n].transpose(1, 0, 2, 3)
@@ -366,15 +424,20 @@ class ConvEngine:
                 dcol = dcol.reshape(G, -1, n * P)
                 np.matmul(w3.transpose(0, 2, 1), dy3, out=dcol)
                 self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
-            return parts
-        parts = self._chunks(N, step, dy.dtype, chunk)
+            return parts, bias
+        results = self._chunks(N, step, dy.dtype, chunk)
+        if db is not None:
+            self._sum_in_order(db, [r[1] for r in results])
         if dw is not None:
-            dw3 = np.zeros((G, Og, w3.shape[2]), dw.dtype)
-            for chunk_parts in parts:            # in image order, as the serial loop
-                for image_parts in chunk_parts:
-                    for g in range(G):
-                        dw3[g] += image_parts[g]
-            dw += dw3.reshape(dw.shape)
+            dwr = np.zeros((G, Og, w3.shape[2]), dw.dtype)
+            for chunk_parts, _ in results:       # in chunk order, as the serial loop
+                for g in range(G):
+                    dwr[g] += chunk_parts[g]
+            if last:
+                (kh, kw), Cg = self.kernel, self.C // G
+                dw += dwr.reshape(self.O, kh, kw, Cg).transpose(0, 3, 1, 2)
+            else:
+                dw += dwr.reshape(dw.shape)
 
     # -- generic (CuPy, N-D) ------------------------------------------------------------
     def _im2col(self, x):
@@ -385,10 +448,10 @@ class ConvEngine:
         a = (self.kernel, self.pad, self.stride, self.dilation)
         return col2im(col, shape, *a) if self.ns == 2 else col2im_nd(col, shape, *a)
 
-    def forward_generic(self, xp, x, w, y, budget):
+    def forward_generic(self, xp, x, w, y, budget, bias=None):
         """The reference path every shape and array module can take: im2col from the
-        kernels package and one batched GEMM per chunk of images (``forward`` picks a
-        faster numpy path where one applies)."""
+        kernels package and one batched GEMM per chunk of images, then the bias over
+        the whole output (``forward`` picks a faster numpy path where one applies)."""
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         step = self.chunk(N, x.dtype.itemsize, budget)
@@ -398,9 +461,15 @@ class ConvEngine:
             out = gemm_batched(xp, w3, col, xp.empty((G, O // G, n * P), dtype=y.dtype),
                                tf32=self.tf32)
             y[n0:n0 + n] = out.reshape(O, n, *self.out_spatial).swapaxes(0, 1)
+        if bias is not None:
+            y += bias.reshape((1, -1) + (1,) * self.ns)
 
-    def backward_generic(self, xp, x, w, dy, dw, dx, budget):
+    def backward_generic(self, xp, x, w, dy, dw, dx, budget, db=None):
         """The reference backward (im2col/col2im and batched GEMMs), as ``forward_generic``."""
+        if db is not None:
+            db += self._bias_part(dy)
+        if dw is None and dx is None:
+            return
         N, G, P, O = dy.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         dw3 = None if dw is None else dw.reshape(G, O // G, -1)

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ..core import context
+from ..core import threads
 from ..core.blob import Blob
 from ..core.filler import fill
 from .layer import Layer, NeuronLayer
@@ -42,6 +43,16 @@ class _SavesInput(NeuronLayer):
         return bottom[0].data_for(xp)
 
 
+def _in_pool(fn, *arrays):
+    """``fn(inputs, out)`` on flat ranges of the arrays (the last is ``out``, the rest the
+    inputs) in the CPU kernel pool (core/threads.py, ``--threads N``); False when the
+    pool is not used (one thread, small or non-contiguous arrays)."""
+    if not all(a.flags.c_contiguous for a in arrays):
+        return False
+    *ins, out = [a.reshape(-1) for a in arrays]
+    return threads.split_flat(out.size, lambda a, b: fn([i[a:b] for i in ins], out[a:b]))
+
+
 def _sigmoid(xp, x):
     return 0.5 * xp.tanh(0.5 * x) + 0.5
 
@@ -64,7 +75,7 @@ class ReLULayer(_SavesInput):
         y = top[0].mutable_data_for(xp)
         if slope:
             y[...] = xp.where(x > 0, x, x * x.dtype.type(slope))
-        else:
+        elif xp is not np or not _in_pool(lambda a, b: np.maximum(a[0], 0, out=b), x, y):
             xp.maximum(x, 0, out=y)
 
     def backward_xp(self, xp, top, propagate_down, bottom):
@@ -77,8 +88,11 @@ class ReLULayer(_SavesInput):
         dx = bottom[0].mutable_diff_for(xp)
         if slope:
             dx[...] = dy * xp.where(x > 0, x.dtype.type(1), x.dtype.type(slope))
-        else:
+        elif dx.dtype.kind != "f":    # e.g. ml_dtypes' bfloat16: numpy's casting rules
             dx[...] = dy * (x > 0)
+        elif xp is not np or not _in_pool(lambda a, b: np.multiply(a[1], a[0] > 0, out=b),
+                                          x, dy, dx):
+            xp.multiply(dy, x > 0, out=dx)   # no float temporary (NaN dy stays NaN)
 
 
 @register_layer("PReLU")

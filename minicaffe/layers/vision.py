@@ -216,21 +216,21 @@ class ConvolutionLayer(BaseConvolutionLayer):
         for b, t in zip(bottom, top):
             x = self._nd(b.data_for(xp), self.channels, self.in_spatial)
             y = self._nd(t.mutable_data_for(xp), self.num_output, self.out_spatial)
-            self.engine.forward(xp, x, w, y, conv_budget(xp))
-            if self.bias_term:
-                self._add_bias(xp, y)
+            bias = self.blobs[1].data_for(xp) if self.bias_term else None
+            self.engine.forward(xp, x, w, y, conv_budget(xp), bias=bias)
 
     def backward_xp(self, xp, top, propagate_down, bottom):
         w = self.blobs[0].data_for(xp)
         dw = self.blobs[0].mutable_diff_for(xp) if self.get_param_propagate_down(0) else None
+        db = (self.blobs[1].mutable_diff_for(xp)
+              if self.bias_term and self.get_param_propagate_down(1) else None)
         for i, (b, t) in enumerate(zip(bottom, top)):
             dy = self._nd(t.diff_for(xp), self.num_output, self.out_spatial)
-            self._bias_grad(xp, dy)
             dx = None
             if propagate_down[i]:
                 dx = self._nd(b.mutable_diff_for(xp), self.channels, self.in_spatial)
             x = self._nd(b.data_for(xp), self.channels, self.in_spatial)
-            self.engine.backward(xp, x, w, dy, conv_budget(xp), dw=dw, dx=dx)
+            self.engine.backward(xp, x, w, dy, conv_budget(xp), dw=dw, dx=dx, db=db)
 
 
 @register_layer("Deconvolution")

@@ -25,6 +25,7 @@ def test_kernel_pool_is_bit_identical_to_one_thread(C, O, G, k, pad, stride, H):
     x = rs.randn(24, C, H, H).astype(np.float32)
     w = rs.randn(O, C // G, k, k).astype(np.float32)
     dy = rs.randn(24, O, OH, OH).astype(np.float32)
+    bias = rs.randn(O).astype(np.float32)
     budget = 4 * C * k * k * OH * OH * 3     # three images per chunk: 8 chunks
     results = []
     try:
@@ -32,15 +33,23 @@ def test_kernel_pool_is_bit_identical_to_one_thread(C, O, G, k, pad, stride, H):
             threads.set_kernel_threads(n)
             assert threads.kernel_threads() == n
             y = np.empty((24, O, OH, OH), np.float32)
-            engine.forward(np, x, w, y, budget)
-            dw = np.full_like(w, 0.5)             # the weight gradient accumulates
+            engine.forward(np, x, w, y, budget, bias=bias)
+            dw = np.full_like(w, 0.5)             # the gradients accumulate
+            db = np.full_like(bias, 0.25)
             dx = np.empty_like(x)
-            engine.backward(np, x, w, dy, budget, dw=dw, dx=dx)
-            results.append((y, dw, dx))
+            engine.backward(np, x, w, dy, budget, dw=dw, dx=dx, db=db)
+            results.append((y, dw, dx, db))
     finally:
         threads.set_kernel_threads(1)
     for serial, pooled in zip(*results):
         assert np.array_equal(serial, pooled)
+    y, db = results[0][0], results[0][3]        # the bias and its gradient are there
+    plain = np.empty_like(y)
+    engine.forward(np, x, w, plain, budget)
+    np.testing.assert_allclose(y - plain, np.broadcast_to(bias[:, None, None], y.shape[1:])
+                               [None].repeat(24, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db, dy.astype(np.float64).sum(axis=(0, 2, 3)) + 0.25,
+                               rtol=1e-5, atol=1e-4)
 
 
 POOLS = [  # kernel, stride, pad, H: Caffe's rounded-up windows, overlapping and not
@@ -96,5 +105,108 @@ def test_cifar10_quick_training_steps_with_two_threads_match_one_thread(monkeypa
     finally:
         minicaffe.set_num_threads(1)
     assert len(weights[0]) == 10
+    for a, b in zip(*weights):
+        assert np.array_equal(a, b)
+
+
+GEMMS = [  # M, K, N, trans_a, trans_b, beta: InnerProduct's three products, and odd sizes
+    (64, 800, 500, False, True, 0.0),     # LeNet ip1 forward: x W^T
+    (500, 64, 800, True, False, 1.0),     # its weight gradient, accumulated: dy^T x
+    (64, 500, 800, False, False, 0.0),    # its data gradient: dy W
+    (100, 1024, 64, False, True, 0.0),    # CIFAR-10 quick ip1 forward
+    (1000, 333, 77, True, True, 1.0),
+    (33, 1000, 1500, False, False, 0.0),
+]
+
+
+@pytest.mark.parametrize("M,K,N,ta,tb,beta", GEMMS)
+def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, ta, tb, beta,
+                                                                     monkeypatch):
+    """numpy GEMMs (kernels/blas.gemm: InnerProduct's) split by rows or columns over the
+    pool's threads: the one-thread bits, for 2, 3 and 16 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+    from minicaffe.kernels import blas
+    submitted = []
+    submit = ThreadPoolExecutor.submit
+    monkeypatch.setattr(ThreadPoolExecutor, "submit",
+                        lambda self, *a, **k: submitted.append(1) or submit(self, *a, **k))
+    rs = np.random.RandomState(M + N)
+    a = rs.randn(*((K, M) if ta else (M, K))).astype(np.float32)
+    b = rs.randn(*((N, K) if tb else (K, N))).astype(np.float32)
+    start = rs.randn(M, N).astype(np.float32)
+    results = []
+    try:
+        for n in (1, 2, 3, 16):
+            threads.set_kernel_threads(n)
+            out = start.copy()
+            blas.gemm(np, a, b, out, trans_a=ta, trans_b=tb, beta=beta)
+            results.append(out)
+            assert len(submitted) >= (0 if n == 1 else 2)   # split in the pool
+            submitted.clear()
+    finally:
+        threads.set_kernel_threads(1)
+    want = (a.T if ta else a) @ (b.T if tb else b) + beta * start
+    np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-3)
+    for pooled in results[1:]:
+        assert np.array_equal(results[0], pooled)
+
+
+def test_relu_in_the_kernel_pool_is_bit_identical_to_one_thread(monkeypatch):
+    """ReLU forward and backward (in place, as CIFAR-10 quick runs it) split into flat
+    ranges over the pool's threads: the one-thread values, NaN gradients kept."""
+    from concurrent.futures import ThreadPoolExecutor
+    from minicaffe.core.blob import Blob
+    from minicaffe.layers.neuron import ReLULayer
+    from minicaffe.proto import caffe_pb2
+    submitted = []
+    submit = ThreadPoolExecutor.submit
+    monkeypatch.setattr(ThreadPoolExecutor, "submit",
+                        lambda self, *a, **k: submitted.append(1) or submit(self, *a, **k))
+    monkeypatch.setattr(threads, "ELEMENTWISE_MIN_PART", 1000)
+    rs = np.random.RandomState(3)
+    x0 = rs.randn(4, 5, 20, 20).astype(np.float32)
+    dy0 = rs.randn(*x0.shape).astype(np.float32)
+    dy0[0, 0, 0, :3] = np.nan
+    results = []
+    try:
+        for n in (1, 3):
+            threads.set_kernel_threads(n)
+            blob = Blob(x0.shape)
+            blob.data[...] = x0
+            layer = ReLULayer(caffe_pb2.LayerParameter(name="relu", type="ReLU"))
+            layer.setup([blob], [blob])
+            layer.forward([blob], [blob])
+            y = blob.data.copy()
+            blob.diff[...] = dy0
+            layer.backward([blob], [True], [blob])
+            results.append((y, blob.diff.copy()))
+            assert len(submitted) == (0 if n == 1 else 6)     # 3 parts forward, 3 backward
+            submitted.clear()
+    finally:
+        threads.set_kernel_threads(1)
+    (y1, dx1), (y3, dx3) = results
+    assert np.array_equal(y1, np.maximum(x0, 0))
+    np.testing.assert_array_equal(dx1, dy0 * (x0 > 0))     # NaN where dy is NaN
+    assert np.array_equal(y1, y3) and np.array_equal(dx1, dx3, equal_nan=True)
+
+
+def test_lenet_training_steps_with_three_threads_match_one_thread():
+    """LeNet at batch 64 (InnerProduct GEMMs large enough to split, ReLU, convolutions with
+    their bias): the same weights after three solver steps on 1 and 3 threads."""
+    import os
+    import minicaffe
+    from minicaffe.synthetic import synthetic_solver
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "models", "lenet",
+                         "train_val.prototxt")
+    weights = []
+    try:
+        for n in (1, 3):
+            minicaffe.set_num_threads(n)
+            solver, _ = synthetic_solver(model=model, batch=64)
+            solver.step(3)
+            weights.append([b.data.copy() for l in solver.net.layers for b in l.blobs])
+    finally:
+        minicaffe.set_num_threads(1)
+    assert len(weights[0]) == 8
     for a, b in zip(*weights):
         assert np.array_equal(a, b)

@@ -361,10 +361,10 @@ def test_numpy_engine_paths_agree_with_naive(monkeypatch, layout, dx_path, k, s,
         ref.append((layer, top.data.copy(), x.diff.copy(), layer.blobs[0].diff.copy()))
     # the same layers through the generic engine (the kernels package's im2col/col2im)
     monkeypatch.setattr(conv_engine.ConvEngine, "forward",
-                        lambda self, xp, *a: self.forward_generic(xp, *a))
+                        lambda self, xp, *a, **k: self.forward_generic(xp, *a, **k))
     monkeypatch.setattr(conv_engine.ConvEngine, "backward",
-                        lambda self, xp, x, w, dy, budget, dw=None, dx=None:
-                        self.backward_generic(xp, x, w, dy, dw, dx, budget))
+                        lambda self, xp, x, w, dy, budget, dw=None, dx=None, db=None:
+                        self.backward_generic(xp, x, w, dy, dw, dx, budget, db))
     for layer, y, dx, dw in ref:
         top, = forward(layer, x)
         np.testing.assert_allclose(top.data, y, rtol=1e-11, atol=1e-11)
