@@ -217,19 +217,10 @@ class GpuStep:
             if place is None or m.size > place.size:
                 # a larger batch: a larger place of its own (the input shapes changed, so
                 # the graphs are captured anew, at this address); None: the place was in
-                # an arena a new plan replaced (``_forget_places``)
+                # an arena a new plan replaced (``replan``)
                 place = entry[1] = backend.alloc_gpu(m.size, m.dtype)
             place[:m.size] = m.gpu_data()[:m.size]
             m.bind_device(place, keep_contents=False)
-
-    def _forget_places(self):
-        """Let go of the data tops' places before a new plan replaces the arena (DYNAMIC
-        offload): a view held here would keep the old arena allocated while the new one is
-        allocated.  The tops stay bound; ``_note_places`` notes their new places before
-        the next forward."""
-        for entries in self.input_places.values():
-            for entry in entries:
-                entry[1] = None
 
     def apply_update(self):
         with self.stream:
@@ -327,7 +318,6 @@ class GpuStep:
     def _run(self, key):
         off = self.offload
         if off is not None and off.profiling_due(key, not self.graphs_on or key in self.warm):
-            self._forget_places()
             off.profile(lambda: self._body(key))   # timed; DYNAMIC's plan replaces ALL's
             self.graphs = {}
             return
