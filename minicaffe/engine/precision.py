@@ -141,7 +141,8 @@ class LossScaler:
 
     # -- the state, wherever it lives -----------------------------------------------------
     def _pull(self):
-        if self.device is not None:
+        # a fixed scale never moves on the device: the host's value (float64, as given)
+        if self.device is not None and self.dynamic:
             if self.device.xp is not np:
                 from ..core import backend
                 backend.synchronize()     # the step's stream may still run iterations
