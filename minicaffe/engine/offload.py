@@ -36,14 +36,15 @@ not a branch inside any layer:
   policy, from one timed iteration (the plan is made again);
 - **the budget** (``--gpu_mem_limit 12GiB``/``auto``: ``resolve_budget``): a budget
   under the plan's peak but over the floor fetches maps on demand rather than ahead
-  (``_fetch_on_demand``); a floor over the budget takes a smaller cuDNN workspace
-  (``fit_workspace``); ``floor_parts`` says what the floor is made of;
+  (``_fetch_on_demand``); cuDNN's workspaces are buffers of the plan, each live at its
+  own step (engine/plan.py), and where a step's floor is over the budget that step's
+  convolution takes a smaller one (``fit_workspace``, per step); ``floor_parts`` says
+  what the floor is made of;
 - **the timeline** (``Timeline``, ``trace_iteration``): CUDA events on the compute and
   both copy streams over one eager forward-backward, for benchmarks/offload.py.
 
 What the plan does not hold stays where it was: parameters, their diffs and the solver's
-history, cuDNN's workspace, what layers keep from forward to backward
-(``Layer.state_bytes``).  After a step an offloaded blob's host side is its slot in the
+history, what layers keep from forward to backward (``Layer.state_bytes``).  After a step an offloaded blob's host side is its slot in the
 slab (what pycaffe reads after ``step()`` is Caffe's value) and it has no device side.
 Offload changes no number: the same kernels run on the same values.
 
