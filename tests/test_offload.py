@@ -522,7 +522,8 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
     first = offload.n_prologue(net)
     data = [e.buf for e in op.entries] + [b for b in op.plan.buffers
                                           if b.kind == "data" and b.part is None]
-    diffs = [b for b in op.plan.buffers if b.kind == "diff"]
+    # diffs and cuDNN workspaces (engine/plan.py) write junk where they are placed
+    diffs = [b for b in op.plan.buffers if b.kind in ("diff", "workspace")]
     checked = 0
     for _ in range(iterations):
         latest = {}

@@ -167,10 +167,11 @@ def test_floor_parts_add_up(resnet):
         for policy in ("NONE", "ALL"):
             plan = offload.build(net, policy, history_sets=2).plan
             f = offload.floor_parts(plan)
-            side = sum(f[k] for k in ("params", "diffs", "history", "workspace", "scratch",
-                                      "state", "cublas"))
+            side = sum(f[k] for k in ("params", "diffs", "history", "scratch", "state",
+                                      "cublas"))
             assert side == plan.side_bytes and f["history"] == 2 * f["params"] > 0
-            arena = sum(v for key in ("maps", "map_diffs", "kept") for _, v in f[key])
+            arena = f["workspace"] + sum(v for key in ("maps", "map_diffs", "kept")
+                                         for _, v in f[key])
             assert f["total"] == side + arena == offload.floor_bytes(plan) <= plan.peak
             assert f["layer"] in net.layer_names and f["direction"] in ("forward", "backward")
     # the chain's worst step is a convolution's backward: its input, its output's diff and
@@ -187,7 +188,7 @@ def test_memory_command_shows_the_floor(cli, tmp_path):
     k = next(i for i, l in enumerate(lines) if l.startswith("floor under any offload policy"))
     f = offload.floor_parts(offload.build(_net(), "ALL").plan)
     assert f"{f['total'] / MiB:.2f} MiB, at layer '{f['layer']}' ({f['direction']})" in lines[k]
-    block = "\n".join(lines[k:k + 6])
+    block = "\n".join(lines[k:k + 7])
     for words in ("parameters", "their diffs", "solver history", "cuDNN workspace", "scratch",
                   "layer state", "feature maps it reads or writes", "activation diffs alive",
                   "inputs, outputs and losses"):
@@ -260,37 +261,104 @@ def test_timeline_waits_are_the_copies_compute_stood_still_for():
     assert {x["step"]: x for x in tl.rows()}[r]["wait"] == 0
 
 
-# -- a budget lowers the floor: a smaller cuDNN workspace ------------------------------------
+# -- a budget lowers the floor: each convolution's workspace at its own step -----------------
 def _fake_cudnn_conv(layer, sizes_times):
-    """Give ``layer`` Find's results: per call [(algorithm, workspace bytes, ms)]."""
+    """Give ``layer`` Find's results: per call [(algorithm, workspace bytes, ms)], and the
+    cuDNN layer's workspace protocol (``use_workspace``, ``workspace_need``)."""
     from minicaffe.gpu import cudnn
     layer._cudnn_key = ("fake",)
     layer.candidates = {k: list(sizes_times) for k in ("fwd", "bwd_data", "bwd_filter")}
+    picks = {}
 
-    def use_workspace(cap):
-        picks = [cudnn.pick(layer.candidates[k], cap) for k in ("fwd", "bwd_data", "bwd_filter")]
-        layer.workspace_bytes = max(p[1] for p in picks)
+    def use_workspace(cap, backward_cap=None):
+        b = cap if backward_cap is None else backward_cap
+        picks["forward"] = cudnn.pick(layer.candidates["fwd"], cap)[1]
+        picks["backward"] = max(cudnn.pick(layer.candidates[k], b)[1]
+                                for k in ("bwd_data", "bwd_filter"))
+        layer.workspace_bytes = max(picks.values())
     layer.use_workspace = use_workspace
+    layer.workspace_need = lambda direction: picks[direction]
     use_workspace(max(a[1] for a in sizes_times))
 
 
-def test_a_budget_under_the_floor_takes_a_smaller_workspace():
+def _two_fake_convs(net):
+    conv1b = net.layers[net.layer_names.index("conv1b")]
+    conv2 = net.layers[net.layer_names.index("conv2")]
+    _fake_cudnn_conv(conv1b, [(0, 0, 3.0), (1, 8 * MiB, 2.0), (2, 64 * MiB, 1.0)])
+    _fake_cudnn_conv(conv2, [(0, 0, 3.0), (1, 8 * MiB, 2.0), (2, 32 * MiB, 1.0)])
+    return conv1b, conv2
+
+
+def test_each_workspace_lives_at_its_own_step_in_the_arena(monkeypatch):
+    """The plan counts a convolution's workspace at its forward and its backward step
+    only: two convolutions of 64 and 32 MiB raise the planned peak by about the larger,
+    not by their sum; the floor's worst step is the larger one's, workspace and all."""
     net = _net()
-    conv = net.layers[net.layer_names.index("conv1b")]
-    _fake_cudnn_conv(conv, [(0, 0, 3.0), (1, 8 * MiB, 2.0), (2, 64 * MiB, 1.0)])
+    bare = offload.build(net, "NONE").plan.peak
+    conv1b, conv2 = _two_fake_convs(net)
+    plan = offload.build(net, "NONE").plan
+    assert plan.workspace_bytes == 64 * MiB
+    assert 64 * MiB <= plan.peak - bare < 64 * MiB + 32 * MiB
+    f = offload.floor_parts(plan)
+    assert f["layer"] == "conv1b" and f["workspace"] == 64 * MiB
+    assert [n for n, _ in f["workspaces"]] == [f"conv1b ({f['direction']} workspace)"]
+    assert f["total"] == plan.side_bytes + f["workspace"] + sum(
+        v for k in ("maps", "map_diffs", "kept") for _, v in f[k])
+    # the offload schedule waits for a copy out before a workspace takes its place: on
+    # the fake device every workspace writes junk where it is placed
+    from test_offload import _run_on_fake_device
+    op = offload.build(net, "ALL")
+    assert any(b.kind == "workspace" for b in op.plan.buffers)
+    assert _run_on_fake_device(monkeypatch, net, op, early=False, iterations=1) > 0
+
+
+def test_a_budget_squeezes_only_the_workspaces_of_the_steps_over_it():
+    net = _net()
+    conv1b, conv2 = _two_fake_convs(net)
     before = offload.floor_bytes(offload.build(net, "ALL").plan)
-    assert offload.build(net, "ALL").plan.workspace_bytes == 64 * MiB
     # a budget the floor meets: nothing changes
-    assert offload.fit_workspace(net, before) is None and conv.workspace_bytes == 64 * MiB
-    # 40 MiB too little: the largest workspace within that, 8 MiB
-    assert offload.fit_workspace(net, before - 40 * MiB) == (64 * MiB, 8 * MiB)
-    assert conv.workspace_bytes == 8 * MiB
-    assert offload.floor_bytes(offload.build(net, "ALL").plan) <= before - 40 * MiB
+    assert offload.fit_workspace(net, before) is None
+    assert conv1b.workspace_bytes == 64 * MiB and conv2.workspace_bytes == 32 * MiB
+    # 20 MiB too little at conv1b's steps: conv1b takes the largest within what is free
+    # there (8 MiB); conv2's steps still have room for its 32 MiB, which it keeps (one
+    # workspace for the whole net would have cut both)
+    budget = before - 20 * MiB
+    assert offload.fit_workspace(net, budget) == (64 * MiB, 32 * MiB)
+    assert conv1b.workspace_need("forward") == conv1b.workspace_need("backward") == 8 * MiB
+    assert conv2.workspace_bytes == 32 * MiB
+    assert offload.floor_bytes(offload.build(net, "ALL").plan) <= budget
+    assert offload.build(net, "ALL", budget).peak <= budget
     # far too little: the least-workspace algorithms; the budget error still names the layer
-    conv.use_workspace(64 * MiB)
+    conv1b.use_workspace(64 * MiB)
     assert offload.fit_workspace(net, before - 63 * MiB) == (64 * MiB, 0)
+    assert conv1b.workspace_bytes == conv2.workspace_bytes == 0
     with pytest.raises(offload.BudgetError, match="layer '"):
         offload.build(net, "ALL", before - 100 * MiB)
+
+
+def test_memory_command_shows_each_layers_workspace(cli, tmp_path):
+    """`minicaffe memory` has a workspace column per layer (fwd/bwd; 0 on the CPU engine,
+    whose convolutions have no cuDNN workspace) and names the floor's workspace line."""
+    (tmp_path / "net.prototxt").write_text(CHAIN)
+    rc, out, err = cli("memory", "--model", "net.prototxt", "--offload", "ALL")
+    assert rc == 0, err
+    lines = out.splitlines()
+    heads = [l for l in lines if l.startswith("layer ") and "workspace MiB fwd/bwd" in l]
+    assert len(heads) == 2          # the plan's table and the offload policies' table
+    rows = [l for l in lines if l.startswith("conv1b ")]
+    assert len(rows) == 2 and all(r.split()[-3:] == ["0.00", "/", "0.00"] for r in rows)
+    assert any(l.startswith("  cuDNN workspace of that step: ") for l in lines)
+    net = _net()
+    _two_fake_convs(net)
+    from minicaffe.engine.offload import format_memory_report, memory_rows
+    rows, summary = memory_rows(net, ("NONE",))
+    text = "\n".join(format_memory_report(net, rows, summary))
+    row = next(l for l in text.splitlines() if l.startswith("conv1b "))
+    assert row.split()[-3:] == ["64.00", "/", "64.00"], row
+    row = next(l for l in text.splitlines() if l.startswith("conv2 "))
+    assert row.split()[-3:] == ["32.00", "/", "32.00"], row
+    row = next(l for l in text.splitlines() if l.startswith("relu1b "))
+    assert row.split()[-3:] == ["0.00", "/", "0.00"], row
 
 
 # -- hiding the copies: longer lives within the memory -------------------------------------------

@@ -177,3 +177,51 @@ def test_copies_and_events_are_captured_in_the_graph(gpu):
     st.stream.synchronize()
     st.offload.park()
     assert all(e.buf.mem.device_array is None for e in st.offload.oplan.entries)
+
+
+def test_each_convolution_gets_its_workspace_in_the_plan(gpu):
+    """Under the GPU step each cuDNN convolution's forward and backward workspace is a
+    buffer of the memory plan, the size its chosen algorithms need, placed apart from
+    everything alive at its step; training does not grow the thread's shared workspace."""
+    from minicaffe.engine.plan import workspace_need
+    context.get().handles.pop("cudnn_ws", None)
+    s = _solver("NONE")
+    s.step(3)
+    plan = s.gpu_step.plan
+    convs = [l for l in s.net.layers if getattr(l, "uses_cudnn", False)]
+    assert convs
+    want = {(l.name, d): workspace_need(l, d) for l in convs
+            for d in ("forward", "backward") if workspace_need(l, d)}
+    got = {(b.mem.layer.name, b.mem.direction): b.mem.size
+           for b in plan.buffers if b.kind == "workspace"}
+    print("planned workspaces (bytes):", got)
+    assert got == want
+    for b in plan.buffers:
+        if b.kind == "workspace":
+            for c in plan.buffers:
+                if c is not b and c.overlaps(b):
+                    assert b.offset + b.nbytes <= c.offset or c.offset + c.nbytes <= b.offset
+    assert context.get().handles.get("cudnn_ws") is None
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+def test_a_budget_under_the_floor_squeezes_the_workspaces_of_its_steps(gpu, graphs):
+    """A budget under the floor that the net's workspaces make: the convolutions whose
+    steps are over it take smaller workspaces, and the net trains within the budget."""
+    net = _solver("NONE").net
+    plan = offload.build(net, "ALL").plan
+    f = offload.floor_parts(plan)
+    maps, _ = offload.step_floor(plan)
+    # half the worst step's workspace too little, never below the floor without any
+    budget = max(f["total"] - f["workspace"] // 2, int(maps.max()) + plan.side_bytes + (1 << 20))
+    if budget >= f["total"]:
+        pytest.skip("cuDNN chose algorithms without workspace for this net here")
+    s = _solver("ALL", budget, graphs=graphs)
+    s.step(4)
+    st = s.gpu_step
+    print("budget", budget, "floor", f["total"], "planned peak", st.plan.peak)
+    assert st.offload is not None and st.plan.peak <= budget
+    assert offload.floor_bytes(st.plan) <= budget < f["total"]
+    assert np.isfinite(s.smoothed_loss)
+    if graphs:
+        assert st.graphs

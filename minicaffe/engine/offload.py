@@ -36,14 +36,15 @@ not a branch inside any layer:
   policy, from one timed iteration (the plan is made again);
 - **the budget** (``--gpu_mem_limit 12GiB``/``auto``: ``resolve_budget``): a budget
   under the plan's peak but over the floor fetches maps on demand rather than ahead
-  (``_fetch_on_demand``); a floor over the budget takes a smaller cuDNN workspace
-  (``fit_workspace``); ``floor_parts`` says what the floor is made of;
+  (``_fetch_on_demand``); cuDNN's workspaces are buffers of the plan, each live at its
+  own step (engine/plan.py), and where a step's floor is over the budget that step's
+  convolution takes a smaller one (``fit_workspace``, per step); ``floor_parts`` says
+  what the floor is made of;
 - **the timeline** (``Timeline``, ``trace_iteration``): CUDA events on the compute and
   both copy streams over one eager forward-backward, for benchmarks/offload.py.
 
 What the plan does not hold stays where it was: parameters, their diffs and the solver's
-history, cuDNN's workspace, what layers keep from forward to backward
-(``Layer.state_bytes``).  After a step an offloaded blob's host side is its slot in the
+history, what layers keep from forward to backward (``Layer.state_bytes``).  After a step an offloaded blob's host side is its slot in the
 slab (what pycaffe reads after ``step()`` is Caffe's value) and it has no device side.
 Offload changes no number: the same kernels run on the same values.
 
@@ -111,42 +112,98 @@ def resolve_budget(budget):
     return n
 
 
-def fit_workspace(net, budget, history_sets=1):
-    """Lower the floor under ``budget``: where the floor (``floor_bytes``) is over the
-    budget and cuDNN's shared workspace is part of it, the net's convolutions take, each,
-    the fastest algorithms within a smaller workspace -- the largest that lets the floor
-    fit, chosen among the sizes Find timed by the same price rule as before
-    (``cudnn.choose_workspace``), or each call's least-workspace algorithm where none
-    fits.  Returns (old bytes, new bytes), or None where nothing changed.  (Other
-    algorithms may round differently in the last bits.)"""
-    from .plan import MemoryPlan
+def fit_workspace(net, budget, history_sets=1, margin=0):
+    """Lower the floor under ``budget``, step by step.  Each cuDNN convolution's forward
+    and backward workspace is a buffer of the plan live at its own step (engine/plan.py),
+    so what a workspace may take is what that step's floor leaves free: ``budget`` less
+    ``margin``, everything beside the arena, and the arena's part of the floor at that
+    step (the maps it reads or writes, the diffs alive then, what is kept all iteration:
+    ``step_floor``).  A convolution whose chosen algorithms fit there keeps them (the
+    same numbers as without a budget); one that does not takes, for that direction, the
+    fastest algorithms within what is free there, or the least-workspace ones where
+    none fits.  Returns (largest workspace before, after), or None where nothing
+    changed.  (Other algorithms may round differently in the last bits.)"""
+    from .plan import MemoryPlan, workspace_need
     convs = [l for l in net.layers if getattr(l, "_cudnn_key", None) is not None and
              getattr(l, "candidates", None) and hasattr(l, "use_workspace")]
     if not convs or not budget:
         return None
     plan = MemoryPlan(net, train=True, history_sets=history_sets)
-    over = floor_bytes(plan) - budget
     old = plan.workspace_bytes
-    if over <= 0 or old == 0:
+    if old == 0:
         return None
-    cap = max(0, old - over)
-    from ..gpu import cudnn
-    from ..layers import cudnn_layers
-    calls = [c for l in convs for c in l.candidates.values()]
-    within = [[a for a in c if a[1] <= cap] or [min(c, key=lambda a: a[1])] for c in calls]
-    new = min(cudnn.choose_workspace(within, cudnn_layers.OFFLOAD_PRICE_PER_GIB), cap)
+    maps, ws = step_floor(plan)
+    free = budget - margin - plan.side_bytes - maps          # per step, for a workspace
+    caps = {}
+    for b in plan.workspaces:
+        room = int(free[b.start:b.end + 1].min())
+        if b.nbytes > room:
+            caps.setdefault(id(b.mem.layer), {})[b.mem.direction] = max(0, room)
+    if not caps:
+        return None
+    changed = []
     for l in convs:
-        l.use_workspace(new)
-    new = max((getattr(l, "workspace_bytes", 0) for l in net.layers), default=0)
-    if new >= old:
-        return None
+        c = caps.get(id(l))
+        if not c:
+            continue
+        # within the layer's present largest: a call that fits keeps its algorithm
+        now = max(workspace_need(l, "forward"), workspace_need(l, "backward"))
+        l.use_workspace(min(now, c.get("forward", now)), min(now, c.get("backward", now)))
+        changed.append(l)
+    new = MemoryPlan(net, train=True, history_sets=history_sets).workspace_bytes
     ws = context.get().handles.get("cudnn_ws")
-    if ws is not None and ws.nbytes > new:     # the step allocates the smaller one
+    if ws is not None and ws.nbytes > new:     # a shared one left from before: let it go
         context.get().handles.pop("cudnn_ws", None)
-    log.info("cuDNN workspace of net %s: %.1f MiB instead of %.1f MiB, to bring the offload "
-             "floor under the budget of %.2f GiB", net.name, new / MiB, old / MiB, budget / GiB)
-    net._workspace_cap = new
+    log.info("cuDNN workspace of net %s: %d convolution(s) take smaller workspaces (largest "
+             "%.1f MiB, was %.1f MiB) to bring their steps under the budget of %.2f GiB%s: %s",
+             net.name, len(changed), new / MiB, old / MiB, budget / GiB,
+             f" less {margin / MiB:.0f} MiB" if margin else "",
+             ", ".join(f"'{l.name}' {workspace_need(l, 'forward') / MiB:.1f}/"
+                       f"{workspace_need(l, 'backward') / MiB:.1f} MiB" for l in changed[:8])
+             + (f" and {len(changed) - 8} more" if len(changed) > 8 else ""))
     return old, new
+
+
+def _build_fitting(net, policy, budget, history_sets, times=None):
+    """``build(net, policy, budget)`` after ``fit_workspace``: where the plan is still
+    over the budget (it holds more than the floor: maps fetched ahead of their readers,
+    gaps the placement leaves), the workspaces are fitted again leaving a margin (256
+    MiB, 1 GiB, then everything: each convolution's least-workspace algorithms) before
+    the BudgetError stands."""
+    try:
+        return build(net, policy, budget, history_sets, times=times)
+    except BudgetError as e:
+        err = e
+    if not budget:
+        raise err
+    for margin in (256 << 20, 1 << 30, budget):
+        if fit_workspace(net, budget, history_sets, margin) is None:
+            continue
+        try:
+            return build(net, policy, budget, history_sets, times=times)
+        except BudgetError as e:
+            err = e
+    raise err
+
+
+def step_floor(plan):
+    """Per step of ``plan``, (the arena's bytes the floor counts there without the
+    workspaces: diffs alive, what lives the whole iteration, the data the step reads or
+    writes; the workspaces live there), two int64 arrays (see ``floor_parts``)."""
+    n = np.zeros(plan.steps, dtype=np.int64)
+    w = np.zeros(plan.steps, dtype=np.int64)
+    for b in plan.buffers:
+        if b.part == "backward":
+            continue
+        if b.kind == "workspace":
+            w[b.start:b.end + 1] += b.nbytes
+        elif b.kind == "diff" or b.pinned:
+            n[b.start:min(b.end, plan.steps - 1) + 1] += b.nbytes
+        else:
+            for s in set(b.writes) | set(b.reads) | set(b.bwd_reads):
+                if 0 <= s < plan.steps:
+                    n[s] += b.nbytes
+    return n, w
 
 
 def check_solver(solver):
@@ -765,26 +822,18 @@ def _build(net, policy, budget, history_sets, times):
 def floor_parts(plan):
     """What the floor (``floor_bytes``) is made of: a dict with the worst step's
     ``layer`` and ``direction``, ``total`` bytes, the parts beside the arena
-    (``params``, ``diffs`` (the parameters'), ``history``, ``workspace``, ``scratch``,
-    ``state``, ``cublas``) and the arena's at that step: ``maps`` (the data that step
+    (``params``, ``diffs`` (the parameters'), ``history``, ``scratch``, ``state``,
+    ``cublas``) and the arena's at that step: ``workspace`` (bytes of the cuDNN
+    workspaces live then, ``workspaces`` naming them), ``maps`` (the data that step
     reads or writes), ``map_diffs`` (the activations' diffs alive then) and ``kept``
-    (what lives the whole iteration: inputs, outputs, losses), each of these three a
+    (what lives the whole iteration: inputs, outputs, losses), each of these four a
     list of (name, bytes), largest first.  At each step, the diffs alive then, the
     data the step itself touches and what lives the whole iteration: offload moves
     feature maps between their uses; it cannot take away what one layer's forward or
     backward reads and writes at once."""
-    worst, at = -1, 0
-    for s in range(plan.steps):
-        n = 0
-        for b in plan.buffers:
-            if b.part == "backward":
-                continue
-            if b.kind == "diff" or b.pinned:
-                n += b.nbytes if b.start <= s <= b.end else 0
-            elif s in b.writes or s in b.reads or s in b.bwd_reads:
-                n += b.nbytes
-        if n > worst:
-            worst, at = n, s
+    n, w = step_floor(plan)
+    at = int(np.argmax(n + w)) if plan.steps else 0
+    worst = int(n[at] + w[at]) if plan.steps else 0
     maps, diffs, kept = [], [], []
     for b in plan.buffers:
         if b.part == "backward":
@@ -801,9 +850,12 @@ def floor_parts(plan):
     out = {"layer": plan.net.layer_names[i], "direction": direction,
            "params": plan.params_bytes, "diffs": plan.params_bytes if plan.train else 0,
            "history": plan.params_bytes * hist if plan.train else 0,
-           "workspace": plan.workspace_bytes, "scratch": plan.scratch_bytes,
+           "workspace": int(w[at]) if plan.steps else 0, "scratch": plan.scratch_bytes,
            "state": plan.state_bytes, "cublas": plan.fixed_bytes}
-    for key, items in (("maps", maps), ("map_diffs", diffs), ("kept", kept)):
+    wss = [(b.names[0], b.nbytes) for b in plan.buffers
+           if b.kind == "workspace" and b.start <= at <= b.end]
+    for key, items in (("maps", maps), ("map_diffs", diffs), ("kept", kept),
+                       ("workspaces", wss)):
         out[key] = sorted(items, key=lambda x: -x[1])
     out["total"] = max(worst, 0) + plan.side_bytes
     return out
@@ -829,10 +881,11 @@ def floor_lines(plan):
         return text + (f" and {len(items) - n} more" if len(items) > n else "")
 
     side = [("parameters", f["params"]), ("their diffs", f["diffs"]),
-            ("solver history", f["history"]), ("cuDNN workspace", f["workspace"]),
+            ("solver history", f["history"]),
             ("scratch", f["scratch"]), ("layer state", f["state"]),
             ("cuBLAS workspace", f["cublas"])]
-    arena = [("feature maps it reads or writes", f["maps"]),
+    arena = [("cuDNN workspace of that step", f["workspaces"]),
+             ("feature maps it reads or writes", f["maps"]),
              ("activation diffs alive then", f["map_diffs"]),
              ("inputs, outputs and losses (kept all iteration)", f["kept"])]
     out = [f"floor under any offload policy: {amount(f['total'])} {unit}, at layer "
@@ -860,7 +913,10 @@ def memory_rows(net, policies=POLICIES, budget=0, history_sets=1, times=None):
     'top_data', 'params', policy: {'live': max device bytes of the arena over the
     layer's forward and backward, 'offloaded': its top data leaves}} and a summary per
     policy ({'peak', 'moved', 'n', 'error'}).  DYNAMIC without ``times`` uses
-    ``estimate_times``; without a budget it is left out (nothing to fit)."""
+    ``estimate_times``; without a budget it is left out (nothing to fit).  Each row's
+    ``workspace`` is (forward, backward) bytes of the layer's cuDNN workspace, each in the
+    arena at its own step (engine/plan.py)."""
+    from .plan import workspace_need
     L = len(net.layers)
     rows = []
     for i, layer in enumerate(net.layers):
@@ -870,7 +926,9 @@ def memory_rows(net, policies=POLICIES, budget=0, history_sets=1, times=None):
                 seen.add(id(t.data_mem))
                 data += t.count() * t.dtype.itemsize
         rows.append({"layer": net.layer_names[i], "type": layer.type, "top_data": data,
-                     "params": sum(b.count() * b.dtype.itemsize for b in layer.blobs)})
+                     "params": sum(b.count() * b.dtype.itemsize for b in layer.blobs),
+                     "workspace": (workspace_need(layer, "forward"),
+                                   workspace_need(layer, "backward"))})
     summary = {}
     for policy in policies:
         policy = parse_policy(policy)
@@ -904,6 +962,7 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
     head = f"{'layer':28s} {'type':16s} {'top MiB':>10s} {'params MiB':>10s}"
     for p in pols:
         head += f" {p + ' live MiB':>18s}"
+    head += f" {'workspace MiB fwd/bwd':>22s}"
     out = [head]
     for r in rows:
         line = (f"{r['layer'][:28]:28s} {r['type'][:16]:16s} {r['top_data'] / MiB:10.2f} "
@@ -911,10 +970,14 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
         for p in pols:
             c = r.get(p)
             line += f" {c['live'] / MiB:16.2f} {'h' if c['offloaded'] else ' '}"
+        wf, wb = r.get("workspace", (0, 0))
+        line += f" {wf / MiB:10.2f} / {wb / MiB:.2f}"
         out.append(line)
     out.append("")
-    out.append("live MiB: the feature maps and diffs on the device during the layer's forward "
-               "or backward (the larger); h: its output goes to host memory")
+    out.append("live MiB: the feature maps, diffs and cuDNN workspaces on the device during the "
+               "layer's forward or backward (the larger); h: its output goes to host memory; "
+               "workspace MiB fwd/bwd: the layer's cuDNN workspace, in the arena at its step "
+               "only")
     for p, s in summary.items():
         if "error" in s:
             out.append(f"{p:8s}: {s['error']}")
@@ -978,13 +1041,14 @@ class Offloader:
                          none.peak / GiB, budget / GiB)
                 step.plan = none.plan
                 return None
-            op = build(net, "ALL", budget, hist)          # run under ALL until profiled
+            op = _build_fitting(net, "ALL", budget, hist)  # run under ALL until profiled
             log.info("Offload (DYNAMIC) of net %s: %.2f GiB planned without offload, over "
                      "the budget of %.2f GiB; the first iterations run under ALL (%.2f GiB), "
                      "one of them timed layer by layer", net.name, none.peak / GiB,
                      budget / GiB, op.peak / GiB)
         else:
-            op = build(net, policy, budget, hist)
+            op = (_build_fitting(net, policy, budget, hist) if budget and policy != "NONE"
+                  else build(net, policy, budget, hist))
             if policy == "NONE":
                 step.plan = op.plan
                 return None
@@ -1152,7 +1216,7 @@ class Offloader:
         self.times = times
         step = self.step
         hist = len(step.solver.history_flat)
-        op = build(self.net, self.policy, self.budget, hist, times=times)
+        op = _build_fitting(self.net, self.policy, self.budget, hist, times=times)
         for line in op.describe():
             log.info("%s", line)
         self.d2h.synchronize()

@@ -24,14 +24,23 @@ Buffers are placed greedily, largest first, at the lowest offset that overlaps n
 buffer of overlapping lifetime (offsets aligned to 256 bytes).  The arena is one
 allocation made once, so addresses never change and a CUDA graph can replay over it.
 
+A layer's cuDNN workspace (``layer.workspace_need(direction)``: a cuDNN convolution's,
+for the algorithms it chose) is a buffer of the arena too, of kind ``workspace``, live
+only during the op that runs that layer's forward (or backward): placed like any map,
+it shares memory with the maps of other steps, so each convolution's workspace is
+counted at its own step, not the largest one for the whole iteration.  ``apply()``
+points the layer at its place (``layer.planned_workspace[direction]``).
+
 What the arena does not hold is counted beside it, so that ``peak`` predicts the device
 memory of a training run: the parameters, their diffs and the solver's history (flat
-buffers), the largest cuDNN workspace, what layers keep from forward to backward
-(``Layer.state_bytes``: masks, saved inputs), and cuBLAS's workspace.
+buffers), what layers keep from forward to backward (``Layer.state_bytes``: masks, saved
+inputs), scratch and cuBLAS's workspace.
 """
 
+import numpy as np
+
 from ..core import backend
-from .schedule import accesses, compile_iteration, fusion_pass
+from .schedule import accesses, compile_iteration, fusion_pass, op_steps
 
 ALIGN = 256
 CUBLAS_WORKSPACE = 32 << 20
@@ -45,6 +54,41 @@ def _fusion(net, i):
     """(fused pair, role) of layer i in ``net`` (layers/fused.py), or (None, None)."""
     fusion_of = getattr(net, "fusion_of", None)
     return fusion_of(i) if fusion_of is not None else (None, None)
+
+
+def workspace_need(layer, direction):
+    """Bytes of cuDNN workspace ``layer``'s ``direction`` ("forward", "backward") takes:
+    ``layer.workspace_need(direction)`` where it says, else its ``workspace_bytes``
+    (both directions), else 0."""
+    f = getattr(layer, "workspace_need", None)
+    if callable(f):
+        return int(f(direction) or 0)
+    return int(getattr(layer, "workspace_bytes", 0) or 0)
+
+
+class WorkspaceMemory:
+    """The device memory of one layer's cuDNN workspace for one direction, as the plan
+    sees a buffer (``size``, ``dtype``, ``bind_device``): binding it points the layer at
+    its place in the arena (``layer.planned_workspace[direction]``)."""
+
+    def __init__(self, layer, direction, nbytes):
+        self.layer, self.direction = layer, direction
+        self.size = int(nbytes)
+        self.dtype = np.dtype(np.uint8)
+        self.device_array = None
+
+    def bind_device(self, view):
+        self.device_array = view
+        places = getattr(self.layer, "planned_workspace", None)
+        if places is None:
+            places = self.layer.planned_workspace = {}
+        places[self.direction] = view
+
+    def unbind_device(self, keep=False):
+        self.device_array = None
+        places = getattr(self.layer, "planned_workspace", None)
+        if places is not None:
+            places.pop(self.direction, None)
 
 
 class Buffer:
@@ -152,11 +196,34 @@ class MemoryPlan:
                         buf(mem(u), "diff", net.blob_names[u.blob]).touch(step)
                 for u in acc.writes:
                     buf(mem(u), "diff", net.blob_names[u.blob]).touch(step)
+        # each layer's cuDNN workspace, live during the op that runs it (a fused pair's
+        # op runs both layers' steps: the workspace spans them)
+        self.workspaces = []
+        for op in schedule:
+            if op.kind not in ("forward", "backward") or (op.kind == "backward" and
+                                                           not train):
+                continue
+            steps = op_steps(net, op)
+            if not steps:
+                continue
+            direction = op.kind
+            for i in op.layers:
+                need = workspace_need(net.layers[i], direction)
+                if need <= 0:
+                    continue
+                w = WorkspaceMemory(net.layers[i], direction, need)
+                b = bufs[id(w)] = Buffer(w, "workspace",
+                                         f"{net.layer_names[i]} ({direction} workspace)")
+                b.start, b.end = min(steps), max(steps)
+                self.workspaces.append(b)
         loss_diffs = {id(t.diff_mem) for i, l in enumerate(net.layers)
                       for j, t in enumerate(net.top_vecs[i]) if l.loss(j)}
         self.buffers = []
         for b in bufs.values():
             if id(b.mem) in loss_diffs or b.mem.size == 0:
+                continue
+            if b.kind == "workspace":
+                self.buffers.append(b)
                 continue
             if b.pinned or (b.kind == "data" and not share_data):
                 b.start, b.end = 0, end
@@ -202,8 +269,12 @@ class MemoryPlan:
         self.params_bytes = sum(_aligned(b.count() * b.dtype.itemsize)
                                 for b in net.learnable_params)
         self.param_bytes_total = self.params_bytes * ((2 + history_sets) if self.train else 1)
-        self.workspace_bytes = max((getattr(l, "workspace_bytes", 0) for l in net.layers),
-                                   default=0)
+        # the cuDNN workspaces are in the arena, each at its step (see the module docstring)
+        self.workspace_bytes = max((b.nbytes for b in self.workspaces), default=0)
+        ws = {}
+        for b in self.workspaces:
+            i = net.layers.index(b.mem.layer)
+            ws.setdefault(i, {})[b.mem.direction] = b.nbytes
         self.rows = []
         self.state_bytes = 0
         for i, layer in enumerate(net.layers):
@@ -217,12 +288,14 @@ class MemoryPlan:
             # a fused pair shows its type on its first layer, its second marked "fused"
             kind = layer.type if f is None else f.type if role == 0 else f"{layer.type} (fused)"
             self.rows.append({"layer": net.layer_names[i], "type": kind, "top_data": data,
-                              "state": st, "params": params})
+                              "state": st, "params": params,
+                              "workspace_fwd": ws.get(i, {}).get("forward", 0),
+                              "workspace_bwd": ws.get(i, {}).get("backward", 0)})
         self.scratch_bytes = max((int(getattr(l, "scratch_bytes", lambda b, t: 0)(
             net.bottom_vecs[i], net.top_vecs[i])) for i, l in enumerate(net.layers)), default=0)
         self.fixed_bytes = CUBLAS_WORKSPACE
         # everything beside the arena (a constant of the net: offload leaves it alone)
-        self.side_bytes = (self.param_bytes_total + self.workspace_bytes + self.state_bytes +
+        self.side_bytes = (self.param_bytes_total + self.state_bytes +
                            self.scratch_bytes + self.fixed_bytes)
         self.peak = self.arena_bytes + self.side_bytes
 
@@ -276,10 +349,11 @@ class MemoryPlan:
         """Lines of text: per layer bytes, then the totals and the planned peak."""
         mib = 1 << 20
         out = [f"{'layer':28s} {'type':18s} {'top data MiB':>12s} {'state MiB':>10s} "
-               f"{'params MiB':>10s}"]
+               f"{'params MiB':>10s} {'workspace MiB fwd/bwd':>22s}"]
         for r in self.rows:
             out.append(f"{r['layer'][:28]:28s} {r['type'][:18]:18s} {r['top_data'] / mib:12.2f} "
-                       f"{r['state'] / mib:10.2f} {r['params'] / mib:10.2f}")
+                       f"{r['state'] / mib:10.2f} {r['params'] / mib:10.2f} "
+                       f"{r['workspace_fwd'] / mib:10.2f} / {r['workspace_bwd'] / mib:9.2f}")
         out.append("")
         out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
                    f"{self.arena_bytes / mib:.1f} MiB in the planned arena "
@@ -287,7 +361,8 @@ class MemoryPlan:
         out.append(f"parameters{', diffs and solver history' if self.train else ''}: "
                    f"{self.param_bytes_total / mib:.1f} MiB")
         out.append(f"kept from forward to backward by layers: {self.state_bytes / mib:.1f} MiB")
-        out.append(f"largest cuDNN workspace: {self.workspace_bytes / mib:.1f} MiB; shared "
+        out.append(f"largest cuDNN workspace (in the arena, live at its layer's step only): "
+                   f"{self.workspace_bytes / mib:.1f} MiB; shared "
                    f"scratch: {self.scratch_bytes / mib:.1f} MiB; cuBLAS workspace: "
                    f"{self.fixed_bytes / mib:.1f} MiB")
         out.append(f"planned peak: {self.peak / mib:.1f} MiB ({self.peak / (1 << 30):.2f} GiB)")

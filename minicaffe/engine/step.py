@@ -122,9 +122,9 @@ class GpuStep:
             self.plan.apply()
             if self.offload is not None:
                 self.offload.attach()
-            # the shared buffers at their final sizes now, not grown layer by layer
-            from ..layers.cudnn_layers import scratch, workspace
-            workspace(self.plan.workspace_bytes)
+            # the shared buffers at their final sizes now, not grown layer by layer (cuDNN's
+            # workspaces are the plan's, in the arena: engine/plan.py)
+            from ..layers.cudnn_layers import scratch
             if self.plan.scratch_bytes:
                 scratch("bn_dx", self.plan.scratch_bytes)
             mib = 1 << 20

@@ -17,8 +17,11 @@ Caffe does, takes Caffe's engine from then on (one line), never cuDNN again.
 Convolution: descriptors per input shape, algorithms chosen by cuDNN's Find (timed on
 the real shapes, once per geometry and process: ``gpu/cudnn.find_algorithms``), with one
 workspace size for the whole net (``share_workspace``), strict fp32 (CUDNN_FMA_MATH) unless TF32 is
-switched on (``gpu/options``).  The workspace is one per thread and device, grown at the
-first (eager) run of each shape and never while a CUDA graph is being captured.
+switched on (``gpu/options``).  Under the GPU training step each convolution's forward
+and backward workspace is a buffer of the memory plan, at its own place in the arena
+(``workspace_need``, engine/plan.py); elsewhere (a test net, pycaffe) the workspace is
+one per thread and device, grown at the first (eager) run of each shape and never while
+a CUDA graph is being captured.
 """
 
 import numpy as np
@@ -216,12 +219,39 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
         self._desc_key = key
 
-    def use_workspace(self, cap):
+    def use_workspace(self, cap, backward_cap=None):
         """Take, for each of the three calls, the fastest algorithm within ``cap`` bytes of
-        workspace (``share_workspace`` sets one cap for a whole net)."""
-        self.fwd, self.bwd_data, self.bwd_filter = (
-            cudnn.pick(self.candidates[k], cap) for k in ("fwd", "bwd_data", "bwd_filter"))
+        workspace (``share_workspace`` sets one cap for a whole net); ``backward_cap``:
+        another cap for the two backward calls (offload.fit_workspace, per step)."""
+        bcap = cap if backward_cap is None else backward_cap
+        self.fwd = cudnn.pick(self.candidates["fwd"], cap)
+        self.bwd_data, self.bwd_filter = (cudnn.pick(self.candidates[k], bcap)
+                                          for k in ("bwd_data", "bwd_filter"))
         self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
+
+    def workspace_need(self, direction):
+        """Bytes of workspace this layer's ``direction`` ("forward"/"backward") takes with
+        the algorithms chosen (0 where this shape runs Caffe's engine): the memory plan
+        gives each its own place, live only at that step (engine/plan.py)."""
+        if getattr(self, "_cudnn_key", None) is None or not hasattr(self, "fwd"):
+            return 0
+        if direction == "forward":
+            return int(self.fwd[1])
+        return int(max(self.bwd_data[1], self.bwd_filter[1]))
+
+    def _workspace(self, direction):
+        """(pointer, bytes) of the workspace for ``direction``: the place the memory plan
+        gave it (``planned_workspace``, set by MemoryPlan.apply) when it is there and
+        large enough, else this thread's shared workspace (a net run outside the GPU step:
+        a test net, pycaffe)."""
+        need = self.workspace_need(direction)
+        if need == 0:
+            return None, 0
+        view = (getattr(self, "planned_workspace", None) or {}).get(direction)
+        if view is not None and view.nbytes >= need:
+            return view.data.ptr, int(view.nbytes)
+        ws = workspace(self.workspace_bytes)
+        return (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
 
     # -- reduced precision (issue 20): cuDNN in float16/bfloat16, the blobs fp32 ----------
     def _reduced_storage(self, dt):
@@ -246,8 +276,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     def _forward_reduced(self, bottom, top, relu):
         h = cudnn.handle()
         dt = np.float32
-        ws = workspace(self.workspace_bytes)
-        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        wsp, wsn = self._workspace("forward")
         w16 = self._cast_in("w16", self.blobs[0].gpu_data())
         bias = self.blobs[1].gpu_data() if self.bias_term else None
         for b, t in zip(bottom, top):
@@ -270,8 +299,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     def _backward_reduced(self, top, propagate_down, bottom):
         h = cudnn.handle()
         dt = np.float32
-        ws = workspace(self.workspace_bytes)
-        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        wsp, wsn = self._workspace("backward")
         w16 = self._cast_in("w16", self.blobs[0].gpu_data())
         for i, (b, t) in enumerate(zip(bottom, top)):
             dy = t.gpu_diff()
@@ -306,8 +334,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             return self._forward_reduced(bottom, top, relu=True)
         h = cudnn.handle()
         dt = bottom[0].dtype
-        ws = workspace(self.workspace_bytes)
-        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        wsp, wsn = self._workspace("forward")
         w = self.blobs[0].gpu_data()
         if getattr(self, "_act", None) is None:
             self._act = cudnn.ActDesc(cudnn.ACT_RELU)
@@ -327,8 +354,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             return
         h = cudnn.handle()
         dt = bottom[0].dtype
-        ws = workspace(self.workspace_bytes)
-        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        wsp, wsn = self._workspace("forward")
         w = self.blobs[0].gpu_data()
         for b, t in zip(bottom, top):
             y = t.mutable_gpu_data()
@@ -353,8 +379,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             return self._backward_reduced(top, propagate_down, bottom)
         h = cudnn.handle()
         dt = top[0].dtype
-        ws = workspace(self.workspace_bytes)
-        wsp, wsn = (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
+        wsp, wsn = self._workspace("backward")
         w = self.blobs[0].gpu_data()
         for i, (b, t) in enumerate(zip(bottom, top)):
             dy = t.gpu_diff()
