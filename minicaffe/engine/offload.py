@@ -1222,6 +1222,8 @@ class Offloader:
         self.d2h.synchronize()
         self.h2d.synchronize()
         old, old_slab = self.oplan.entries, self.slab
+        for e in old:                # nor any device side into the old arena: an offloaded
+            e.buf.mem.unbind_device(keep=False)   # map fetched back would keep it allocated
         step.replan(op.plan)         # (what ALL had parked is copied from the old slab)
         self._use(op)
         kept = {id(e.buf.mem) for e in op.entries}
