@@ -106,6 +106,11 @@ class _ChosenOnce:
     Caffe's engine for good, with one line, at the first cuDNN cannot compute."""
     _engine = None      # this layer's choice: None (not made yet), "CUDNN" or "CAFFE"
 
+    @property
+    def uses_cudnn(self):
+        """True when the last reshape chose cuDNN (False: Caffe's body runs this shape)."""
+        return getattr(self, "_use", False)
+
     def shape_refuses(self, bottom, top):
         return None
 
@@ -408,10 +413,6 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
     Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
     otherwise.  MAX's backward reads the top data, so a MAX pooling whose top a later
     layer rewrites in place is built with Caffe's mask-based class (``cudnn_reads_top``)."""
-    @property
-    def uses_cudnn(self):
-        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
-        return getattr(self, "_use", False)
 
     @classmethod
     def cudnn_refuses(cls, param):
@@ -495,11 +496,6 @@ class CuDNNLRNLayer(_ChosenOnce, LRNLayer):
     formula, alpha divided by the window); Caffe's kernels otherwise.  Backward reads x
     and y: a top rewritten in place later keeps Caffe's body."""
 
-    @property
-    def uses_cudnn(self):
-        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
-        return getattr(self, "_use", False)
-
     @classmethod
     def cudnn_refuses(cls, param):
         p = param.lrn_param
@@ -567,10 +563,6 @@ class _CuDNNActivation(_ChosenOnce):
     Caffe's class (``cudnn_reads_top``)."""
     act_mode = None
 
-    @property
-    def uses_cudnn(self):
-        """True when the last reshape chose cuDNN (False: Caffe's body runs this shape)."""
-        return getattr(self, "_use", False)
 
     @classmethod
     def cudnn_reads_top(cls, param):
@@ -638,11 +630,6 @@ class CuDNNTanHLayer(_CuDNNActivation, TanHLayer):
 class CuDNNSoftmaxLayer(_ChosenOnce, SoftmaxLayer):
     """Softmax over ``axis`` through cuDNN (ACCURATE, per channel of an
     (outer, C, inner, 1) view); dx = y * (dy - sum(dy * y))."""
-
-    @property
-    def uses_cudnn(self):
-        """True when the last reshape chose cuDNN (False: Caffe's body runs this shape)."""
-        return getattr(self, "_use", False)
 
     def shape_refuses(self, bottom, top):
         if bottom[0].dtype not in cudnn.DATA:
@@ -712,11 +699,6 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
     folds into Caffe's three statistics blobs exactly as Caffe does; global statistics
     run cuDNN's inference mode on mean_sum/s and var_sum/s.  Backward needs the input x:
     in place, forward keeps a copy of it."""
-
-    @property
-    def uses_cudnn(self):
-        """True when the last reshape chose cuDNN (False: Caffe's kernels run this shape)."""
-        return getattr(self, "_use", False)
 
     @classmethod
     def cudnn_refuses(cls, param):
