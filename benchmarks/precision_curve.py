@@ -16,7 +16,11 @@ in the rounding of feature maps and their gradients.
 Prints the loss every ``--every`` iterations per precision, then, per reduced precision,
 the largest relative gap of its smoothed curve (moving average of ``--window``
 iterations, Caffe's ``average_loss``) to fp32's, ``max |s_p - s_fp32| / s_fp32``, over the
-iterations where the window is full, and the fp16 run's loss scale and skipped steps.
+iterations where the window is full, and the fp16 run's loss scale and skipped steps; then
+the same gap for fp32 trained again from other initial weights (seed 1702, same batches):
+the spread of two fp32 runs, against which the reduced precisions' gaps are to be read.
+Each gap is given over the whole run and over its second half (where the early, steep
+part of the curve, in which other initial weights differ most, is over).
 ``--plot FILE`` draws the three raw and smoothed curves (matplotlib, the optional ``plot``
 extra; without it, one line saying so and no file).  ``run_curves`` is the function the
 test calls on a tiny input.
@@ -161,16 +165,17 @@ def run_curves(images, labels, iterations, batch, size, precisions=PRECISIONS, *
     return res
 
 
-def max_gap(curve, ref, window):
-    """The largest relative gap of the smoothed curves where the window is full."""
+def max_gap(curve, ref, window, start=0):
+    """The largest relative gap of the smoothed curves where the window is full, from
+    iteration ``start`` on; (gap, the iteration where it is)."""
     s, r = smooth(curve, window), smooth(ref, window)
-    start = min(window - 1, len(s) - 1)
+    start = min(max(window - 1, start), len(s) - 1)
     gap = np.abs(s[start:] - r[start:]) / np.abs(r[start:])
     i = int(np.argmax(gap))
     return float(gap[i]), start + i
 
 
-def plot(path, curves, window, title):
+def plot(path, curves, window, other, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -181,6 +186,8 @@ def plot(path, curves, window, title):
         ax.plot(it, losses, color=colors.get(p), alpha=0.18, linewidth=0.8)
         ax.plot(it, smooth(losses, window), color=colors.get(p), linewidth=1.6,
                 label=f"{p} (mean of {window})")
+    ax.plot(np.arange(len(other)), smooth(other, window), color="gray", linestyle="--",
+            linewidth=1.0, label=f"fp32, seed {SEED + 1} (mean of {window})")
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
@@ -243,6 +250,13 @@ def main(argv=None):
         solver.close()
         print(f"{p}: {a.iterations} iterations in {time.perf_counter() - t0:.1f} s",
               flush=True)
+    # the noise floor: fp32 again from other initial weights (seed + 1), same batches
+    t0 = time.perf_counter()
+    other, solver = train_curve("fp32", images, labels, a.iterations, a.batch, size,
+                                base_lr=a.lr, seed=SEED + 1)
+    solver.close()
+    print(f"fp32, seed {SEED + 1}: {a.iterations} iterations in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
     shown = sorted(set(range(0, a.iterations, a.every)) | {a.iterations - 1})
     print("\nloss at iteration | " + " | ".join(PRECISIONS) +
           f" | smoothed ({a.window}): " + " | ".join(PRECISIONS))
@@ -251,16 +265,21 @@ def main(argv=None):
         print(f"{i:5d} | " + " | ".join(f"{curves[p][i]:.4f}" for p in PRECISIONS) + " | " +
               " | ".join(f"{sm[p][i]:.4f}" for p in PRECISIONS))
     print()
-    for p in PRECISIONS[1:]:
-        gap, at = max_gap(curves[p], curves["fp32"], a.window)
-        print(f"{p}: max relative gap of the smoothed curve to fp32's {gap:.4f} "
-              f"(iteration {at}); final smoothed loss {sm[p][-1]:.4f} against "
-              f"{sm['fp32'][-1]:.4f}")
+    half = a.iterations // 2
+    print(f"max relative gap of the smoothed curve to fp32's (seed {SEED}), over the whole "
+          f"run / over iterations {half}-{a.iterations - 1}; final smoothed loss")
+    rows = [(p, curves[p]) for p in PRECISIONS[1:]] + \
+        [(f"fp32 seed {SEED + 1} (other initial weights: the noise floor)", other)]
+    for name, c in rows:
+        g, at = max_gap(c, curves["fp32"], a.window)
+        g2, at2 = max_gap(c, curves["fp32"], a.window, start=half)
+        print(f"{name}: {g:.4f} (iteration {at}) / {g2:.4f} (iteration {at2}); "
+              f"{smooth(c, a.window)[-1]:.4f} against {sm['fp32'][-1]:.4f}")
     sc = scalers["fp16"]
     if sc is not None:
         print(f"fp16: {sc.describe()}")
     if a.plot:
-        plot(a.plot, curves, a.window,
+        plot(a.plot, curves, a.window, other,
              f"ResNet-style net on {a.data}, batch {a.batch}, CPU (rounded storage)")
         print(f"figure: {a.plot}")
 
