@@ -213,6 +213,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.iterations < 1 or a.batch < 1 or a.every < 1 or a.window < 1:
         ap.error("--iterations, --batch, --every and --window must be positive")
+    if a.plot and not os.path.isdir(os.path.dirname(os.path.abspath(a.plot))):
+        ap.error(f"--plot {a.plot}: its directory does not exist")
     if a.plot:
         try:
             import matplotlib  # noqa: F401
