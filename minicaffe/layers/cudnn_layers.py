@@ -99,7 +99,8 @@ def _ptr(a):
 
 class _ChosenOnce:
     """The engine choice of a cuDNN layer that only its blobs can tell (see the module
-    docstring): ``shape_refuses(bottom, top)`` gives None or why cuDNN cannot compute
+    docstring): a data type cuDNN does not take (``cudnn.DATA``) refuses it for every
+    layer, and ``shape_refuses(bottom, top)`` gives None or why cuDNN cannot compute
     these blobs as Caffe does; ``_cudnn_for(bottom, top)``, called at each reshape, asks
     it on a GPU until the answer is Caffe's engine, which it keeps: a layer that took
     cuDNN checks each shape (cheap: the descriptors are cached per shape) and takes
@@ -117,7 +118,9 @@ class _ChosenOnce:
     def _cudnn_for(self, bottom, top):
         if not context.is_gpu() or self._engine == "CAFFE":
             return False
-        why = type(self).cudnn_refuses(self.layer_param) or self.shape_refuses(bottom, top)
+        why = (type(self).cudnn_refuses(self.layer_param)
+               or (f"data type {bottom[0].dtype}" if bottom[0].dtype not in cudnn.DATA
+                   else self.shape_refuses(bottom, top)))
         if why is None:
             self._engine = "CUDNN"
             return True
@@ -158,8 +161,6 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             return f"channel axis {self.channel_axis}"
         if self.num_spatial not in (2, 3):
             return f"{self.num_spatial} spatial axes"
-        if bottom[0].dtype not in cudnn.DATA:
-            return f"data type {bottom[0].dtype}"
         return None
 
     def reshape(self, bottom, top):
@@ -433,8 +434,6 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
     def shape_refuses(self, bottom, top):
         if len(top) != 1:
             return "a second top (the mask)"
-        if bottom[0].dtype not in cudnn.DATA:
-            return f"data type {bottom[0].dtype}"
         key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
                self.method, options.deterministic)
         if getattr(self, "_desc_key", None) != key:
@@ -518,8 +517,6 @@ class CuDNNLRNLayer(_ChosenOnce, LRNLayer):
             return "in place"
         if bottom[0].num_axes != 4:
             return f"an input of {bottom[0].num_axes} axes"
-        if bottom[0].dtype not in cudnn.DATA:
-            return f"data type {bottom[0].dtype}"
         return None
 
     def reshape(self, bottom, top):
@@ -563,15 +560,9 @@ class _CuDNNActivation(_ChosenOnce):
     Caffe's class (``cudnn_reads_top``)."""
     act_mode = None
 
-
     @classmethod
     def cudnn_reads_top(cls, param):
         return True
-
-    def shape_refuses(self, bottom, top):
-        if bottom[0].dtype not in cudnn.DATA:
-            return f"data type {bottom[0].dtype}"
-        return None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -630,11 +621,6 @@ class CuDNNTanHLayer(_CuDNNActivation, TanHLayer):
 class CuDNNSoftmaxLayer(_ChosenOnce, SoftmaxLayer):
     """Softmax over ``axis`` through cuDNN (ACCURATE, per channel of an
     (outer, C, inner, 1) view); dx = y * (dy - sum(dy * y))."""
-
-    def shape_refuses(self, bottom, top):
-        if bottom[0].dtype not in cudnn.DATA:
-            return f"data type {bottom[0].dtype}"
-        return None
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -709,8 +695,6 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         b = bottom[0]
         if b.num_axes not in (4, 5):
             return f"an input of {b.num_axes} axes"
-        if b.dtype not in cudnn.DATA:
-            return f"data type {b.dtype}"
         return None
 
     def reshape(self, bottom, top):
