@@ -2,6 +2,7 @@ import contextlib
 import os
 import pathlib
 import signal
+import subprocess
 
 # Tests use small GEMMs: one BLAS thread is faster than two spinning ones, and it keeps
 # the suite steady on CI's 2 cores.  Must be set before numpy loads OpenBLAS.
@@ -110,3 +111,28 @@ def cli(capsys, tmp_path, monkeypatch):
 
     yield run
     log.restore_config(saved)
+
+
+@pytest.fixture
+def on_a_tty():
+    """``run(argv, cwd, env)``: run a command with its stderr on a pseudo-terminal (Linux),
+    stdout discarded; returns (exit status, what the terminal showed)."""
+    import pty
+
+    def run(argv, cwd, env):
+        master, slave = pty.openpty()
+        p = subprocess.Popen(argv, cwd=cwd, env=env, stderr=slave, stdout=subprocess.DEVNULL)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        status = p.wait(60)
+        os.close(master)
+        return status, b"".join(chunks).decode(errors="replace")
+    return run

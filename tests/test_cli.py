@@ -479,28 +479,13 @@ def test_signal_effects_from_flags(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs a pseudo-terminal")
-def test_progress_bar_on_a_terminal_only(tmp_path):
-    import pty
+def test_progress_bar_on_a_terminal_only(tmp_path, on_a_tty):
     _setup(tmp_path, net=CONST_NET,
            solver=LONG_SOLVER.replace("max_iter: 1000000", "max_iter: 300"))
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "minicaffe", "train", "--solver", "solver.prototxt",
-                          "--log", "run.log"], cwd=tmp_path, env=env, stderr=slave,
-                         stdout=subprocess.DEVNULL)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    assert p.wait(60) == 0
-    os.close(master)
-    tty = b"".join(chunks).decode(errors="replace")
+    status, tty = on_a_tty([sys.executable, "-m", "minicaffe", "train", "--solver",
+                            "solver.prototxt", "--log", "run.log"], tmp_path, env)
+    assert status == 0
     assert re.search(r"\d+/300 \[", tty), tty[-2000:]  # tqdm's bar
     assert "Optimization Done." in tty
     logged = (tmp_path / "run.log").read_text()

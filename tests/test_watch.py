@@ -379,26 +379,11 @@ snapshot_after_train: false
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs a pseudo-terminal")
-def test_progress_line_on_a_terminal_and_the_log_unchanged_elsewhere(tmp_path):
-    import pty
+def test_progress_line_on_a_terminal_and_the_log_unchanged_elsewhere(tmp_path, on_a_tty):
     _setup(tmp_path, net=DUMMY_NET, solver=PROGRESS_SOLVER)
-    master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "minicaffe", "train", "--solver",
-                          "solver.prototxt", "--log", "tty.log"], cwd=tmp_path, env=_env(),
-                         stderr=slave, stdout=subprocess.DEVNULL)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    assert p.wait(60) == 0
-    os.close(master)
-    tty = b"".join(chunks).decode(errors="replace")
+    status, tty = on_a_tty([sys.executable, "-m", "minicaffe", "train", "--solver",
+                            "solver.prototxt", "--log", "tty.log"], tmp_path, _env())
+    assert status == 0
     line = re.findall(r"it (\d+)/3000 \[[\d:]+<[\d:?]+, loss ([\d.e+-]+), lr 0\.01, "
                       r"([\d.k]+) img/s, data wait (n/a|\d+%)\]", tty)
     assert line, tty[-2000:]
