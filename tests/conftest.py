@@ -95,6 +95,17 @@ def mnist_dir():
     return MNIST_CACHE
 
 
+@pytest.fixture(autouse=True)
+def _logging_put_back():
+    """Every test gets the logging it found put back after it: a test that runs the CLI or
+    ``init_log`` in this process would otherwise leave a handler on its captured (then
+    closed) stderr, and a later test's log lines end in "I/O operation on closed file"."""
+    from minicaffe.core import log
+    saved = log.save_config()
+    yield
+    log.restore_config(saved)
+
+
 @pytest.fixture
 def cli(capsys, tmp_path, monkeypatch):
     """Run ``minicaffe.cli.main(argv)`` in this process, in tmp_path; returns (rc, stdout,
