@@ -345,3 +345,69 @@ def test_an_nvidia_caffe_fp16_net_trains_unchanged():
     s.step(3)
     assert not np.array_equal(w0, s.net.params["ip"][0].data)
     assert s.net.params["ip"][0].data.dtype == np.float32
+
+
+# -- loss scaling on the device (the GPU step's code, numpy standing in for cupy) ----------------
+def _device_style_step(s, dev):
+    """One iteration as engine/step.GpuStep runs it with loss scaling: forward, backward
+    (the loss gradient times the device's scale), the flat diffs unscaled and checked into
+    the device flag, the update where the flag is clear (the fused kernel's test), the
+    scale's rule -- no host read of the scale on the way."""
+    s.net.clear_param_diffs()
+    with np.errstate(over="ignore", invalid="ignore"):   # as Solver.step, for the overflow
+        s.net.forward()
+        s.net.backward()
+        dev.unscale(s.net.flat_params().diff.mutable_cpu_data())
+    if not dev.found[0]:                   # what the update kernel reads on the GPU
+        s.apply_update()
+    dev.update_state()
+    s.iter += 1
+
+
+@pytest.mark.parametrize("extra", ["", "global_grad_scale: 1000"])
+def test_device_loss_scale_follows_the_eager_scaler_step_for_step(extra):
+    """The GPU step's loss scaling (engine/precision.DeviceLossScale, run here on numpy
+    arrays) against the eager path's LossScaler: the same weights bit for bit, the same
+    skipped steps, the same scale -- through an injected overflow and a growth.  (Each
+    solver seeds the generators when built: one is built and run, then the other.)"""
+    fixed = bool(extra)
+
+    def scenario(device):
+        s = solver_of(NET + extra, precision="fp16")
+        dev = s.loss_scaler.to_device(np) if device else None
+        seen = []
+
+        def run(n):
+            if device:
+                for _ in range(n):
+                    _device_style_step(s, dev)
+            else:
+                s.step(n)
+            seen.append(([b.data.copy() for b in s.net.learnable_params],
+                         s.loss_scaler.state()))
+
+        run(2)
+        if device:
+            assert dev.read() == s.loss_scaler.state()    # the state lives in the arrays
+        s.loss_scaler.scale = 2.0 ** 40                   # the fp16 diffs overflow
+        run(1)
+        if not fixed:
+            s.loss_scaler.scale = 2.0 ** 10
+            s.loss_scaler.good = 1999                     # one clean step short of growing
+            run(2)
+        return seen, s.loss_scaler.describe()
+
+    eager, eager_line = scenario(False)
+    device, device_line = scenario(True)
+    for (we, se), (wd, sd) in zip(eager, device):
+        assert se == sd
+        assert all(np.array_equal(a, b) for a, b in zip(we, wd))
+    assert device_line == eager_line
+    assert all(np.array_equal(a, b) for a, b in zip(device[0][0], device[1][0]))  # skipped
+    if fixed:
+        assert device[1][1] == (2.0 ** 40, 0, 0)  # fixed: the scale never moves, no count
+        # (a step with non-finite gradients is still not applied)
+    else:
+        assert device[1][1] == (2.0 ** 39, 0, 1)
+        assert device[2][1] == (2.0 ** 11, 1, 1)
+        assert "loss scale 2048 (dynamic), 1 steps skipped" in device_line

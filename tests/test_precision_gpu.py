@@ -158,3 +158,123 @@ def test_gpu_casts_round_as_the_cpu(storage):
     ref = np.maximum(want + cp.asnumpy(bias)[None, :, None, None], 0)
     ok = ~np.isnan(want)
     assert np.array_equal(cp.asnumpy(out)[ok], ref[ok])
+
+
+# -- fp16 loss scaling inside the GPU step (the replayed CUDA graph) against the eager path ------
+LENET = """
+name: "lenet_dummy"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 64 dim: 1 dim: 28 dim: 28 } shape { dim: 64 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "uniform" min: 0 max: 9.99 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 20 kernel_size: 5 weight_filler { type: "xavier" } } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+  convolution_param { num_output: 50 kernel_size: 5 weight_filler { type: "xavier" } } }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+  inner_product_param { num_output: 500 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param { num_output: 10 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+
+
+def fp16_solver(net, graph, **fields):
+    """fp16 on the GPU: ``graph`` True, the GPU step (its body replayed as a CUDA graph,
+    loss scaling on the device); False, the eager layer-by-layer path (an SGD solver
+    without a fused rule: the eager update, the host's check of the scale)."""
+    from minicaffe.solvers import SGDSolver
+
+    class EagerSGD(SGDSolver):
+        fused_rule = None
+
+    context.set_mode_gpu()
+    sp = parse_text(SOLVER % net, caffe_pb2.SolverParameter())
+    sp.solver_mode = caffe_pb2.SolverParameter.GPU
+    for k, v in fields.items():
+        setattr(sp, k, v)
+    s = (SGDSolver if graph else EagerSGD)(sp, config=RunConfig(precision="fp16",
+                                                               cuda_graphs=graph))
+    assert s.uses_gpu_step == graph and s.loss_scaler.dynamic
+    return s
+
+
+def _scale_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "loss scale" in r.getMessage()]
+
+
+@pytest.mark.parametrize("net", [LENET, CONV_NET], ids=["lenet", "convs"])
+def test_fp16_graph_step_matches_the_eager_step(net, deterministic, caplog):
+    """Same skips, same scale (an injected overflow, then a growth after 2000 clean
+    steps), same display lines; weights within rtol 1e-4 / atol 1e-6 (the fused update
+    kernel against the eager update; deterministic cuDNN)."""
+    import logging
+
+    def scenario(graph):
+        caplog.clear()
+        seen = []
+
+        def run(n):
+            s.step(n)
+            seen.append((weights(s), s.loss_scaler.state()))
+
+        with caplog.at_level(logging.INFO):
+            s = fp16_solver(net, graph, display=3)
+            run(3)
+            s.loss_scaler.scale = 2.0 ** 40     # the fp16 diffs overflow (iteration 3)
+            run(1)
+            s.loss_scaler.scale = 2.0 ** 10
+            s.loss_scaler.good = 1999           # one clean step short of growing
+            run(2)
+        if graph:
+            assert s.gpu_step.graphs, "the iteration was not captured as a CUDA graph"
+        return seen, _scale_lines(caplog)
+
+    eager, eager_lines = scenario(False)
+    graph, graph_lines = scenario(True)
+    assert [st for _, st in graph] == [st for _, st in eager]
+    assert [st for _, st in graph][1:] == [(2.0 ** 39, 0, 1), (2.0 ** 11, 1, 1)]
+    assert graph_lines == eager_lines and len(graph_lines) == 3   # Solver init, iters 0, 3
+    assert "1 steps skipped" in graph_lines[-1]
+    for (we, _), (wg, _) in zip(eager, graph):
+        for a, b in zip(we, wg):
+            assert np.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert all(np.array_equal(a, b) for a, b in zip(graph[0][0], graph[1][0]))   # skipped
+
+
+def test_fp16_huge_loss_weight_is_skipped_and_counted_in_the_graph():
+    """A loss weight of 1e8 overflows every fp16 diff until the scale has come down:
+    the first 6 steps are all skipped, on both paths (the weights do not move), the
+    scale halves each time, the count reaches 6."""
+    net = CONV_NET.replace('top: "loss" }', 'top: "loss" loss_weight: 1e8 }')
+    for graph in (False, True):
+        s = fp16_solver(net, graph)
+        w0 = weights(s)
+        s.step(6)
+        assert s.loss_scaler.state() == (2.0 ** 10, 0, 6), graph
+        assert all(np.array_equal(a, b) for a, b in zip(w0, weights(s))), graph
+
+
+def test_fp16_graph_resume_is_exact_and_carries_the_scale(tmp_path, deterministic):
+    prefix = str(tmp_path / "gs")
+    net = NET.replace('type: "gaussian" std: 1', 'type: "constant" value: 0.5')
+    s = fp16_solver(net, True, snapshot_prefix=prefix)
+    s.step(2)
+    s.loss_scaler.scale = 2.0 ** 40
+    s.step(1)                                   # skipped, counted, in the replayed graph
+    assert s.loss_scaler.state() == (2.0 ** 39, 0, 1)
+    s.loss_scaler.scale = 2.0 ** 10             # (2^39 would overflow again)
+    s.snapshot()
+    s.step(3)
+    want, state = weights(s), s.loss_scaler.state()
+    r = fp16_solver(net, True, snapshot_prefix=prefix)
+    r.restore(prefix + "_iter_3.solverstate")
+    assert r.loss_scaler.state() == (2.0 ** 10, 0, 1)
+    r.step(3)
+    assert r.loss_scaler.state() == state == (2.0 ** 10, 3, 1)
+    for a, b in zip(want, weights(r)):
+        assert np.array_equal(a, b)

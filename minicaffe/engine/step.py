@@ -25,6 +25,12 @@ counter; losses and gradient norms come back through two more rings.  The host r
 them only at log points (display, test, snapshot, the end of ``step``), so it runs up to
 ``RING`` iterations ahead of the GPU and never waits in between.  Eager and replayed
 iterations execute the same kernels in the same order: the same bits come out.
+
+fp16 loss scaling (``solver.loss_scaler``) runs on the device as well
+(engine/precision.DeviceLossScale): the loss gradient times the device's scale, the diffs
+unscaled and checked into a flag that the update kernel reads (a step with a non-finite
+gradient changes nothing), the scale moved by array operations inside the body; the host
+reads the scale and the skipped steps only at display and snapshot.
 """
 import collections
 
@@ -72,6 +78,10 @@ class GpuStep:
         self.scalars = cp.zeros(N_SCALARS, dtype=np.float32)
         self.sumsq = cp.zeros(1, dtype=np.float32)
         self.partial = cp.zeros(step_kernels.SUMSQ_BLOCKS, dtype=np.float64)
+        # fp16 loss scaling on the device (engine/precision.py): the loss gradient scaled,
+        # the diffs unscaled and checked, the update skipped, the scale moved, no host read
+        scaler = getattr(solver, "loss_scaler", None)
+        self.loss_scale = scaler.to_device(cp) if scaler is not None else None
         self.stream = context.kept_stream("step")
         self.launched = 0
         self.pending = collections.deque()
@@ -304,13 +314,18 @@ class GpuStep:
             self._update_body()
 
     def _update_body(self):
+        ls = self.loss_scale
+        if ls is not None:     # before the norm: clipping reads the unscaled diffs
+            ls.unscale(self.update.flat.diff.mutable_gpu_data())
         sumsq = None
         if self.clip:
             step_kernels.sumsq(self.update.flat.diff.mutable_gpu_data(), self.partial, self.sumsq,
                                self.norms.ptr, self.counter, RING)
             sumsq = self.sumsq
         step_kernels.fetch_and_advance(self.counter, self.sched.ptr, N_SCALARS, RING, self.scalars)
-        self.update.launch(self.scalars, sumsq)
+        self.update.launch(self.scalars, sumsq, ls.found if ls is not None else None)
+        if ls is not None:
+            ls.update_state()
 
     def _shape_key(self):
         return tuple(b.shape for b in self.input_blobs)

@@ -4,7 +4,9 @@ Caffe's update, per parameter and element (each rule's CUDA body is its solver c
 ``fused_rule`` in ``sgd_solvers.py``, beside the array body it matches): clip
 (global L2 norm), normalise by iter_size, regularise (L2 or L1 weight decay), the
 type's rule, then ``w -= update`` and ``diff = update`` (Caffe leaves the update value in
-the diff).  On the GPU the parameters, their diffs and the history live in flat buffers
+the diff).  With fp16 loss scaling the kernel first reads the scaler's device flag and
+changes nothing when the step's gradients were not finite (the step is skipped without a
+host branch).  On the GPU the parameters, their diffs and the history live in flat buffers
 of one layout (``flat_params.py``), so all of it is one kernel launch per iteration: each
 element finds its parameter through a chunk table (the layout aligns parameters to
 ``ALIGN`` elements, so a 64-element chunk never straddles two), and reads that
@@ -28,8 +30,9 @@ assert ALIGN % CHUNK == 0
 _TEMPLATE = r"""
 extern "C" __global__ void mc_update(T* w, T* gdiff, T* h, T* h2, const int* table,
     const float* lr_tab, const float* decay_tab, const long long* off_tab,
-    const long long* cnt_tab, const float* sc, const float* sumsq, float clip,
-    float inv_iter_size, int l1, long long n, EXTRA) {
+    const long long* cnt_tab, const float* sc, const float* sumsq, const int* skip,
+    float clip, float inv_iter_size, int l1, long long n, EXTRA) {
+  if (skip != 0 && skip[0] != 0) return;   // fp16 loss scaling: a non-finite gradient
   const float rate = sc[0];
   float clip_scale = 1.0f;
   bool clipping = false;
@@ -107,10 +110,12 @@ class FusedUpdate:
     def intact(self):
         return self.flat.intact() and all(h.intact() for h in self.hist)
 
-    def launch(self, scalars, sumsq=None):
+    def launch(self, scalars, sumsq=None, skip=None):
         """One launch on the current stream.  ``scalars``: this iteration's scalars in
         device memory (the learning rate, the rule's extra); ``sumsq`` (a device float[1]
-        holding the squared global norm) turns clipping on."""
+        holding the squared global norm) turns clipping on; ``skip`` (a device int[1], the
+        loss scaler's non-finite flag, engine/precision.DeviceLossScale) makes the launch
+        change nothing (weights, diffs, history) when it holds a non-zero value."""
         from ..kernels._backend import launch
         w = self.flat.data.mutable_gpu_data()
         g = self.flat.diff.mutable_gpu_data()
@@ -119,4 +124,5 @@ class FusedUpdate:
         launch(self.kernel, w.size,
                (w, g, h, h2, self.table, self.lr_tab, self.decay_tab, self.off_tab, self.cnt_tab,
                 scalars, sumsq if sumsq is not None else np.uint64(0),
+                skip if skip is not None else np.uint64(0),
                 self.clip, self.inv_iter_size, self.l1, np.int64(w.size)) + self.scalars)

@@ -339,7 +339,9 @@ class Solver:
                     timer_start = self._log_display(timer_start)
             for cb in self.callbacks:
                 cb.on_gradients_ready()
-            if self.loss_scaler is None or self.loss_scaler.unscale():
+            # loss scaling: the eager path checks the diffs here; the GPU step on the
+            # device, inside its update (engine/precision.DeviceLossScale)
+            if self.loss_scaler is None or ex.step is not None or self.loss_scaler.unscale():
                 ex.update()
             if self.loss_scaler is not None and display and self.root:
                 log.info("Iteration %d, %s", self.iter, self.loss_scaler.describe())
@@ -393,7 +395,6 @@ class Solver:
         fused kernel (``fused_rule`` None: a subclass that writes its own update)."""
         return (context.is_gpu() and hasattr(self, "history_flat") and not self.param.debug_info
                 and not self.net.net_param.debug_info
-                and getattr(self, "loss_scaler", None) is None   # scaling: eager (so far)
                 and getattr(self, "fused_rule", None) is not None)
 
     @property
