@@ -63,6 +63,27 @@ class ReLULayer(_SavesInput):
 
     retain_inputs, retain_outputs = (0,), ()
 
+    @property
+    def reduced_body(self):
+        """A plain ReLU runs on 2-byte buffers (engine/precision.py; kernels/reduced.py)."""
+        return self.layer_param.relu_param.negative_slope == 0
+
+    def forward_gpu(self, bottom, top):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None:
+            return super().forward_gpu(bottom, top)
+        reduced.relu_forward(bottom[0].gpu_data(), top[0].mutable_gpu_data(), s)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None:
+            return super().backward_gpu(top, propagate_down, bottom)
+        if propagate_down[0]:
+            reduced.relu_backward(bottom[0].gpu_data(), top[0].gpu_diff(),
+                                  bottom[0].mutable_gpu_diff(), s)
+
     def state_bytes(self, bottom, top):
         if self.layer_param.relu_param.negative_slope < 0 and bottom[0] is top[0]:
             return bottom[0].count() * bottom[0].dtype.itemsize
