@@ -64,6 +64,12 @@ NATIVE = {
     "Pooling": _pool_native,
     "Split": lambda lp: len(lp.top) <= 2,
     "InnerProduct": lambda lp: True,
+    "BatchNorm": lambda lp: not (lp.batch_norm_param.use_global_stats
+                                 if lp.batch_norm_param.HasField("use_global_stats")
+                                 else lp.phase == 1),
+    "Eltwise": lambda lp: (lp.eltwise_param.operation == 1 and len(lp.bottom) == 2 and
+                           all(c == 1 for c in lp.eltwise_param.coeff) and
+                           not set(lp.top) & set(lp.bottom)),
     "Flatten": lambda lp: True,
     "Reshape": lambda lp: True,
 }
@@ -85,6 +91,10 @@ def native_storage(net, i):
     else:
         rule = NATIVE.get(lt.type)
         ok = rule is not None and rule(net.net_param.layer[i])
+        if lt.type == "Scale" and i > 0:     # fused on the GPU with the BatchNorm before it
+            prev, lp = net.net_param.layer[i - 1], net.net_param.layer[i]
+            ok = prev.type == "BatchNorm" and list(lp.bottom) == list(prev.top) and \
+                native_storage(net, i - 1) == s and len(lp.bottom) == 1
     return s if ok else None
 
 
@@ -170,6 +180,13 @@ def storage_casts(net, schedule, storage):
         if op.kind not in ("forward", "backward") or "hooks only" in op.detail:
             continue
         natives = {native_storage(net, i) for i in op.layers}
+        if len(op.layers) > 1:      # a fused pair may have a body of its own (BN+Scale)
+            f = net.fusion_of(op.layers[0])[0]
+            rule = getattr(f, "reduced_body", None)
+            if rule is not None:
+                lt = net.types.layers[op.layers[0]]
+                natives = {lt.forward_type if rule and lt.forward_type == lt.backward_type
+                           and lt.forward_type != P.FLOAT else None}
         native = natives.pop() if len(natives) == 1 else None
         want = native or P.FLOAT
         steps = op_steps(net, op)

@@ -12,7 +12,8 @@ half of an fp32 word), a FLOAT16 one an array of float16.  Every kernel here loa
   dx = dy where x > 0 (a non-finite dy kept, as the fp32 product would be);
 - ``bias_act(y, bias, relu)``: y = [max](y + bias[c], 0) in place, channel axis 1 (a
   cuDNN convolution's output in the reduced type);
-- ``add(a, b, out)``: out = a + b (Split's backward of two tops);
+- ``add(a, b, out, relu)``: out = a + b [then max(., 0)] (Split's backward of two
+  tops, Eltwise SUM, ResNet's Eltwise+ReLU);
 - ``channel_sum(dy, out, partial)``: out[c] += the sum of dy over every axis but 1 in
   float64 (a bias gradient), deterministic (kernels/reduce.py's partition).
 """
@@ -62,8 +63,9 @@ def _kernel(s, what):
             f"mc_bias_act_{tag}")
     if what == "add":
         return elementwise_kernel(
-            f"{t} a, {t} b", f"{t} y",
+            f"{t} a, {t} b, int32 relu", f"{t} y",
             f"float v = {load.format(x='a')} + {load.format(x='b')};\n"
+            "if (relu && !(v > 0.0f)) v = 0.0f;\n"
             + store.format(v="v", out="y"), f"mc_add_{tag}")
     raise ValueError(what)
 
@@ -97,8 +99,9 @@ def _dummy():
     return _DUMMY[0]
 
 
-def add(a, b, out, s):
-    _kernel(s, "add")(a, b, out)
+def add(a, b, out, s, relu=False):
+    """out = a + b (then max(., 0) with ``relu``), rounded once."""
+    _kernel(s, "add")(a, b, np.int32(bool(relu)), out)
 
 
 _H2F = r"""

@@ -541,14 +541,51 @@ class EltwiseLayer(Layer):
         SUM of two bottoms with unit coefficients, out of place."""
         if not self._fusable(bottom, top):
             return False
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is not None:
+            reduced.add(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data(),
+                        s, relu=True)
+            return True
         _add_relu()(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data())
         return True
+
+    # on 2-byte buffers (real 16-bit storage, engine/precision.py): the SUM of two bottoms
+    # with unit coefficients, out of place (ResNet's), alone or fused with its ReLU
+    @property
+    def reduced_body(self):
+        p = self.layer_param
+        return (self.op == _SUM and all(c == 1 for c in self.coeffs) and len(p.bottom) == 2
+                and not set(p.top) & set(p.bottom))
+
+    def forward_gpu(self, bottom, top):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None:
+            return super().forward_gpu(bottom, top)
+        reduced.add(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data(), s)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels import reduced
+        if reduced.storage(top[0], diff=True) is None:
+            return super().backward_gpu(top, propagate_down, bottom)
+        dy = top[0].gpu_diff()
+        for i, b in enumerate(bottom):
+            if propagate_down[i]:
+                b.mutable_gpu_diff()[...] = dy
 
     def backward_gpu_relu(self, top, propagate_down, bottom):
         """The backward of Eltwise+ReLU: dx_i = dy where y > 0, else 0 (reads y)."""
         y, dy = top[0].gpu_data(), top[0].gpu_diff()
         outs = [b.mutable_gpu_diff() if propagate_down[i] else None
                 for i, b in enumerate(bottom)]
+        from ..kernels import reduced
+        s = reduced.storage(top[0], diff=True)
+        if s is not None:
+            for o in outs:
+                if o is not None:
+                    reduced.relu_backward(y, dy, o, s)
+            return
         if outs[0] is not None and outs[1] is not None:
             _relu_grad2()(y, dy, outs[0], outs[1])
         else:

@@ -789,6 +789,24 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         from ..kernels._backend import cuda_type, raw_kernel
         return raw_kernel(_BN_FOLD, name, cuda_type(dt))
 
+    # on 2-byte buffers (real 16-bit storage, engine/precision.py): cuDNN's training
+    # batch norm with bfloat16/float16 x, y, dy, dx and fp32 scale, bias and statistics
+    @property
+    def reduced_body(self):
+        return bool(getattr(self, "_use", False)) and not self.use_global_stats
+
+    def _descs(self, blob):
+        """(x descriptor, parameter descriptor) for the type ``blob``'s buffers hold now."""
+        s = r16.storage(blob)
+        if s is None:
+            return self.x_desc, self.p_desc
+        key = (s, self._desc_key)
+        if getattr(self, "_descs16", (None,))[0] != key:
+            dt = "bfloat16" if s == precision.BFLOAT16 else np.dtype(np.float16)
+            xd = cudnn.TensorDesc(blob.shape, dt)
+            self._descs16 = (key, xd, cudnn.BNParamDesc(xd, cudnn.BN_SPATIAL))
+        return self._descs16[1:]
+
     def forward_gpu_scale(self, bottom, top, scale):
         """The fused type BatchNorm+Scale (layers/fused.py): training with batch statistics,
         the learned per-channel Scale ``scale`` after us, in place on our top, is applied in
@@ -818,6 +836,7 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             xc[...] = x
             x = xc
         y = top[0].mutable_gpu_data()
+        xd, pd = self._descs(bottom[0])
         stats = [s.mutable_gpu_data() for s in self.blobs]
         if self.use_global_stats:
             self._kernel("mc_bn_global", dt)(grid, (256,), (stats[0], stats[1], stats[2],
@@ -833,8 +852,8 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             beta = sc.blobs[1].gpu_data() if sc.bias_term else self._zeros
         self._fused = sc
         cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL, cudnn.one(dt),
-                   cudnn.zero(dt), self.x_desc.ptr, _ptr(x), self.x_desc.ptr, _ptr(y),
-                   self.p_desc.ptr, _ptr(gamma), _ptr(beta), 1.0, _ptr(self._mean),
+                   cudnn.zero(dt), xd.ptr, _ptr(x), xd.ptr, _ptr(y),
+                   pd.ptr, _ptr(gamma), _ptr(beta), 1.0, _ptr(self._mean),
                    _ptr(self._var), float(self.eps), _ptr(self._save_mean), _ptr(self._save_inv))
         self._kernel("mc_bn_fold", dt)(grid, (256,), (stats[0], stats[1], stats[2], self._mean,
                                                       self._var, dt.type(self.moving_average_fraction),
@@ -867,9 +886,10 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             if sc.bias_term and sc.get_param_propagate_down(1):
                 dbeta = sc.blobs[1].mutable_gpu_diff()
             pbeta = cudnn.one(dt)   # parameter diffs accumulate (into the scratch too)
+        xd, pd = self._descs(bottom[0])
         cudnn.call("cudnnBatchNormalizationBackward", h, cudnn.BN_SPATIAL, cudnn.one(dt),
-                   cudnn.zero(dt), cudnn.one(dt), pbeta, self.x_desc.ptr, _ptr(x),
-                   self.x_desc.ptr, _ptr(dy), self.x_desc.ptr, _ptr(out), self.p_desc.ptr,
+                   cudnn.zero(dt), cudnn.one(dt), pbeta, xd.ptr, _ptr(x),
+                   xd.ptr, _ptr(dy), xd.ptr, _ptr(out), pd.ptr,
                    _ptr(gamma), _ptr(dgamma), _ptr(dbeta), float(self.eps),
                    _ptr(self._save_mean), _ptr(self._save_inv))
         if out is not dx:

@@ -422,8 +422,10 @@ class Net:
             if tops[i] and not getattr(self.layers[i], "rounds_outputs", False):
                 xp = context.xp()
                 for blob, storage in tops[i]:
-                    # (a buffer held in 2-byte words needs none: engine/precision.py)
-                    if getattr(blob.data_mem, "reduced", None) is None:
+                    # (a buffer held in 2-byte words, or pointed at a 16-bit scratch by
+                    # a cast op, needs none: engine/precision.py)
+                    if getattr(blob.data_mem, "reduced", None) is None and \
+                            getattr(blob.data_mem, "storage", None) is None:
                         round_storage(xp, blob.mutable_data_for(xp), storage)
 
         def after_backward(i):
@@ -434,7 +436,8 @@ class Net:
                     not getattr(self.layers[i], "rounds_outputs", False):
                 xp = context.xp()
                 for blob, storage in bottoms[i]:
-                    if getattr(blob.diff_mem, "reduced", None) is None:
+                    if getattr(blob.diff_mem, "reduced", None) is None and \
+                            getattr(blob.diff_mem, "storage", None) is None:
                         round_storage(xp, blob.mutable_diff_for(xp), storage)
 
         self.add_hook("after_forward", after_forward)
