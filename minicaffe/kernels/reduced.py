@@ -21,7 +21,7 @@ import numpy as np
 
 from ..core import precision as P
 from ._backend import elementwise_kernel, raw_kernel
-from .reduce import _SRC as _SUM_SRC, _splits, partial_size  # noqa: F401 (re-exported)
+from .reduce import _SRC as _SUM_SRC, _splits
 
 _TYPE = {P.BFLOAT16: "uint16", P.FLOAT16: "float16"}
 _LOAD = {P.BFLOAT16: "__uint_as_float(((unsigned int)({x})) << 16)",
