@@ -64,6 +64,7 @@ NATIVE = {
     "Pooling": _pool_native,
     "Split": lambda lp: len(lp.top) <= 2,
     "InnerProduct": lambda lp: True,
+    "Dropout": lambda lp: lp.phase == 0,
     "BatchNorm": lambda lp: not (lp.batch_norm_param.use_global_stats
                                  if lp.batch_norm_param.HasField("use_global_stats")
                                  else lp.phase == 1),
