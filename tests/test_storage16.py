@@ -56,13 +56,20 @@ def test_plan_arena_shrinks_and_cast_scratch_is_planned():
     assert any("16-bit storage: " in line for line in half.report())
 
 
+FC = CHAIN.replace('layer { name: "ip"', '''layer { name: "fc" type: "InnerProduct" bottom: "pool2" top: "fc"
+        inner_product_param { num_output: 6 weight_filler { type: "xavier" } } }
+layer { name: "ip"''').replace('bottom: "pool2" top: "ip"', 'bottom: "fc" top: "ip"')
+
+
 @pytest.mark.parametrize("prec,kind", [("bf16", "BFLOAT16"), ("fp16", "FLOAT16")])
 def test_listing_says_which_layers_run_native_and_which_in_fp32(prec, kind):
-    lines = storage_lines(_net(prec))
+    lines = storage_lines(_net(prec, FC))
     assert f"  conv1 (Convolution): native {kind}" in lines
     assert f"  relu1 (ReLU): native {kind}" in lines
     assert f"  pool1 (Pooling): native {kind}" in lines
-    assert f"  ip (InnerProduct): native {kind}" in lines
+    assert f"  fc (InnerProduct): native {kind}" in lines
+    # the last InnerProduct reads the loss's gradient, FLOAT by the type rules: fp32 body
+    assert "  ip (InnerProduct): fp32" in lines
     assert "  loss (SoftmaxWithLoss): fp32" in lines
     assert storage_lines(_net(None)) == []
 
@@ -73,12 +80,16 @@ def test_schedule_casts_only_at_the_fp32_boundaries():
     casts = [t for t in text if t.startswith("cast")]
     # the input (stored fp32) goes to conv1 as bfloat16, in forward and in backward
     assert casts.count("cast data (data FLOAT -> BFLOAT16 scratch)") == 2
-    # the loss reads ip's bfloat16 output through an fp32 scratch; ip's backward reads
-    # the loss's fp32 gradient as bfloat16
+    # ip (fp32: it reads the loss's fp32 gradient) and the loss read bfloat16 maps
+    # through fp32 scratch; ip's output is rounded into its bfloat16 buffer
+    k = text.index("forward 7 ip")
+    assert text[k - 1] == "cast pool2 (data BFLOAT16 -> FLOAT scratch)"
+    assert text[k + 1] == "cast ip (data FLOAT scratch -> BFLOAT16)"
     k = text.index("forward 8 loss")
     assert text[k - 1] == "cast ip (data BFLOAT16 -> FLOAT scratch)"
     k = text.index("backward 7 ip")
-    assert text[k - 1] == "cast ip (diff FLOAT -> BFLOAT16 scratch)"
+    assert text[k - 1] == "cast pool2 (data BFLOAT16 -> FLOAT scratch)"
+    assert text[k + 1] == "cast pool2 (diff FLOAT scratch -> BFLOAT16)"
     # nothing between the native layers; no rounding of 2-byte blobs
     assert not any("conv1" in t or "pool1" in t or "conv2" in t for t in casts)
     # the one rounding left: the input, an fp32 buffer holding bfloat16 values

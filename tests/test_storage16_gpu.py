@@ -112,7 +112,8 @@ def test_real_storage_forward_backward_matches_the_emulation(prec):
         assert b.dtype == np.float32 and b.shape == a.shape, name      # pycaffe: fp32 NCHW
         assert P.representable(np, b, KIND[prec]), name
         assert np.abs(a - b).max() <= tol * np.abs(a).max() + 1e-6, name
-    for name in ("conv1", "conv2", "sum", "pool"):
+    # (the plan's diffs share memory once read: those written last are still there)
+    for name in ("conv1", "conv2"):
         a, b = emu.blobs[name].diff, real.blobs[name].diff
         assert P.representable(np, b, KIND[prec]), name
         assert np.abs(a - b).max() <= 2 * tol * np.abs(a).max() + 1e-9, name

@@ -87,6 +87,17 @@ def native_storage(net, i):
     s = lt.forward_type
     if s == P.FLOAT or lt.backward_type != s:
         return None
+    # every buffer it touches typed so: a layer reading an fp32-typed gradient (the loss's,
+    # into the last InnerProduct) keeps its fp32 body, as the type rules say
+    names = net.blob_names
+    for j, b in enumerate(net.bottom_id_vecs[i]):
+        if t.data.get(names[b]) != s or (net.bottom_need_backward[i][j] and
+                                         t.diff.get(names[b]) != s):
+            return None
+    for b in net.top_id_vecs[i]:
+        if t.data.get(names[b]) != s or (net.layer_need_backward[i] and
+                                         t.diff.get(names[b]) != s):
+            return None
     if context.is_gpu():
         ok = bool(getattr(net.layers[i], "reduced_body", False))
     else:
