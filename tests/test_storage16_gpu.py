@@ -167,3 +167,59 @@ def test_bf16_lenet_steps_track_fp32_and_the_emulation(graphs, tmp_path):
     fp32 = Net(LENET, phase=caffe_pb2.TRAIN, weights=f"{tmp_path}/s_iter_5.caffemodel")
     for a, b in zip(weights(low), [b.data for b in fp32.learnable_params]):
         assert np.array_equal(a, b)
+
+
+# ResNet's pieces: Convolution, BatchNorm+Scale (fused: cuDNN's batch norm on 2-byte
+# buffers), ReLU, Eltwise SUM+ReLU (fused), MAX pooling, a native InnerProduct
+BLOCK = """
+name: "block"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 16 dim: 8 dim: 8 dim: 8 } shape { dim: 16 } } }
+layer { name: "c1" type: "Convolution" bottom: "data" top: "c1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 bias_term: false
+    weight_filler { type: "msra" } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "c1" top: "c1" }
+layer { name: "s1" type: "Scale" bottom: "c1" top: "c1" scale_param { bias_term: true } }
+layer { name: "r1" type: "ReLU" bottom: "c1" top: "c1" }
+layer { name: "c2" type: "Convolution" bottom: "c1" top: "c2"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 bias_term: false
+    weight_filler { type: "msra" } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "c2" top: "c2" }
+layer { name: "s2" type: "Scale" bottom: "c2" top: "c2" scale_param { bias_term: true } }
+layer { name: "sum" type: "Eltwise" bottom: "c2" bottom: "data" top: "sum" }
+layer { name: "r2" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "pool" type: "Pooling" bottom: "sum" top: "pool"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+  inner_product_param { num_output: 6 weight_filler { type: "xavier" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "fc" top: "ip"
+  inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_resnet_pieces_on_16_bit_storage_match_the_emulation(prec):
+    from minicaffe.engine.precision import storage_lines
+    emu, real, plan = _pair(prec, BLOCK)
+    lines = storage_lines(real)
+    for name in ("c1 (Convolution)", "bn1 (BatchNorm)", "s1 (Scale)", "sum (Eltwise)",
+                 "pool (Pooling)", "fc (InnerProduct)"):
+        assert f"  {name}: native {KIND[prec]}" in lines, name
+    l1 = float(emu.forward()["loss"])
+    l2 = float(real.forward()["loss"])
+    emu.backward()
+    real.backward()
+    tol = TOL[prec]
+    assert abs(l1 - l2) <= tol * abs(l1)
+    for name in ("c1", "c2", "sum", "pool", "fc", "ip"):
+        a, b = emu.blobs[name].data, real.blobs[name].data
+        assert P.representable(np, b, KIND[prec]), name
+        assert np.abs(a - b).max() <= 2 * tol * np.abs(a).max() + 1e-6, name
+    for name in emu.params:     # batch norm's statistics and every gradient
+        for k, (a, b) in enumerate(zip(emu.params[name], real.params[name])):
+            assert np.abs(a.data - b.data).max() <= 2 * tol * np.abs(a.data).max() + 1e-6, \
+                (name, k)
+            assert np.abs(a.diff - b.diff).max() <= 4 * tol * np.abs(a.diff).max() + 1e-9, \
+                (name, k)
+    plan.release()
