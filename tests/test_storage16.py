@@ -125,3 +125,14 @@ def test_narrow_and_widen_are_the_rounding_of_the_emulation():
         same = (back == ref) | (np.isnan(back) & np.isnan(ref))
         assert same.all(), s
     assert P.storage_of(np.zeros(1, np.float32)) == P.FLOAT
+
+
+def test_memory_cli_lists_native_layers(cli, tmp_path):
+    (tmp_path / "net.prototxt").write_text(FC)
+    rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "fp16")
+    assert rc == 0, err
+    assert "16-bit storage on a GPU" in out
+    assert "  conv2 (Convolution): native FLOAT16" in out
+    assert "  ip (InnerProduct): fp32" in out
+    rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt")
+    assert rc == 0 and "16-bit storage" not in out
