@@ -769,8 +769,11 @@ def memory(flags):
     net = solver.net
     net._share_workspace(config)    # the workspace an offloading net would take (--offload)
     hist = len(getattr(solver, "history_flat", [])) or 1
-    plan = MemoryPlan(net, train=True, history_sets=hist)
-    shared = MemoryPlan(net, train=True, history_sets=hist, share_data=True)
+    policy, budget = offload.settings(net.net_param, config)     # as the GPU step plans:
+    real = policy == "NONE" and not budget      # 16-bit storage unless offloaded
+    plan = MemoryPlan(net, train=True, history_sets=hist, reduced_storage=real)
+    shared = MemoryPlan(net, train=True, history_sets=hist, share_data=True,
+                        reduced_storage=real)
     engine = ("cuDNN" if any(type(l).__name__.startswith("CuDNN") for l in net.layers)
               else "Caffe's")
     print(f"memory plan of {net.name}: batch {net.blobs[net.inputs[0]].shape[0]}, "
@@ -792,17 +795,20 @@ def memory(flags):
         if policy != "NONE":
             times = offload.estimate_times(net) if policy == "DYNAMIC" else None
             oplan = offload.build(net, policy, budget, hist, times=times)
-        _print_schedule(solver, oplan)
+        _print_schedule(solver, oplan, real=real)
     solver.close()
     return 0
 
 
-def _print_schedule(solver, oplan=None):
-    """``memory --schedule``: the engine's ops of one training iteration (engine/schedule.py)."""
+def _print_schedule(solver, oplan=None, real=True):
+    """``memory --schedule``: the engine's ops of one training iteration (engine/schedule.py);
+    ``real``: with the GPU step's 16-bit storage and its cast ops (the CPU rounds fp32
+    buffers instead)."""
     from .engine.precision import precision_pass
     from .engine.schedule import schedule_for
     print()
-    print(precision_pass(schedule_for(solver.net, solver.param.iter_size, oplan), solver.net))
+    print(precision_pass(schedule_for(solver.net, solver.param.iter_size, oplan), solver.net,
+                         None if real else {}))
 
 
 def _memory_cpu(solver, schedule=False):
@@ -847,25 +853,29 @@ def _memory_cpu(solver, schedule=False):
           f"MiB (the rest of the peak is scratch: im2col columns, temporaries)")
     _print_precision(net)
     if schedule:
-        _print_schedule(solver)
+        _print_schedule(solver, real=False)
     solver.close()
     return 0
 
 
 def _print_precision(net):
     """``memory --precision``: the storage types the net resolved (core/precision.py).
-    The blobs are fp32 buffers holding the reduced type's values (docs/precision.md), so
-    the bytes above are fp32's; the line says what reduced storage would hold."""
+    On the CPU the blobs are fp32 buffers holding the reduced type's values; the GPU
+    step's plan holds them in 2-byte words (docs/precision.md): the listing says which
+    layers run on them and which between cast ops."""
     t = net.types
     if not t.reduced:
         return
     full = sum(b.count() * 4 for b in net.blobs.values())
     reduced = sum(t.bytes_of(n, b.count()) for n, b in net.blobs.items())
     print(f"precision {t.precision or 'from the net'}: {t.describe()}")
-    print(f"feature-map data in its storage types: {reduced / (1 << 20):.1f} MiB (held as fp32 "
-          f"buffers: {full / (1 << 20):.1f} MiB)")
+    print(f"feature-map data in its storage types: {reduced / (1 << 20):.1f} MiB (the CPU and "
+          f"a net outside the GPU step hold fp32 buffers: {full / (1 << 20):.1f} MiB)")
     for line in t.lines():
         print("  " + line)
+    from .engine.precision import storage_lines
+    for line in storage_lines(net):
+        print(line)
 
 
 def _g(x):

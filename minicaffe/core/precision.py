@@ -259,3 +259,55 @@ def representable(xp, a, storage):
     b = a.copy()
     round_to(xp, b, storage)
     return bool(((b == a) | (xp.isnan(a) & xp.isnan(b))).all())
+
+
+# -- real 16-bit storage (the GPU engine's memory plan, engine/precision.py) ---------------
+def buffer_dtype(storage):
+    """The array dtype a buffer stored in ``storage`` is held in: float32 for FLOAT,
+    float16 for FLOAT16, uint16 words for BFLOAT16 (numpy and CuPy have no bfloat16)."""
+    if storage in (None, FLOAT):
+        return np.dtype(np.float32)
+    if storage == FLOAT16:
+        return np.dtype(np.float16)
+    if storage == BFLOAT16:
+        return np.dtype(np.uint16)
+    raise ValueError(f"unknown storage type {storage!r}")
+
+
+def storage_of(a):
+    """The storage type an array holds (by its dtype: see ``buffer_dtype``)."""
+    k = np.dtype(a.dtype)
+    if k == np.uint16:
+        return BFLOAT16
+    if k == np.float16:
+        return FLOAT16
+    return FLOAT
+
+
+def narrow(xp, a, out, storage):
+    """``out`` (``buffer_dtype(storage)``) = the float32 array ``a`` rounded to nearest
+    even (NaN stays NaN, beyond float16's range: inf); numpy or CuPy."""
+    if storage == FLOAT16:
+        with np.errstate(over="ignore"):
+            out[...] = a.astype(xp.float16)
+        return out
+    if storage != BFLOAT16:
+        raise ValueError(f"unknown storage type {storage!r}")
+    u = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
+    r = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
+    nan = xp.isnan(a)
+    if bool(nan.any()):
+        r[nan] = 0x7FC0
+    out[...] = r.reshape(out.shape)
+    return out
+
+
+def widen(xp, h, out, storage):
+    """``out`` (float32) = the values of ``h`` (a buffer of ``storage``): exact."""
+    if storage == FLOAT16:
+        out[...] = h.astype(xp.float32)
+        return out
+    if storage != BFLOAT16:
+        raise ValueError(f"unknown storage type {storage!r}")
+    out[...] = (h.astype(xp.uint32) << 16).view(xp.float32).reshape(out.shape)
+    return out

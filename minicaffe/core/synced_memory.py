@@ -18,6 +18,14 @@ becomes a place in an arena: ``planned``), ``unbind_device(keep)`` (back out of 
 ``park(host)`` (a host slot becomes the newest side, no device side), ``drop_host()``
 (forget an adopted host side), ``device_written()`` (a replayed graph wrote the device
 side).
+
+Real 16-bit storage (issue 20; engine/precision.py): a memory plan may bind the device
+side to a buffer of 2-byte words (``bind_device(view, storage=BFLOAT16|FLOAT16)``): the
+host side stays ``dtype`` (float32, what pycaffe reads), and the copies between the
+sides convert (round to nearest even host->device, exact device->host).  ``storage``
+names the type of the device array now (None: ``dtype``'s), ``reduced`` the planned one
+(kept while the engine's cast ops point the device side at an fp32 scratch for a layer
+without a reduced-type body: ``swap_device``).
 """
 import numpy as np
 
@@ -31,7 +39,7 @@ SYNCED = "SYNCED"
 
 class SyncedMemory:
     __slots__ = ("size", "dtype", "_cpu", "_gpu", "_own_cpu", "_own_gpu", "head",
-                 "_pinned", "device", "planned")
+                 "_pinned", "device", "planned", "storage", "reduced")
 
     def __init__(self, size=0, dtype=np.float32):
         self.size = int(size)
@@ -44,6 +52,8 @@ class SyncedMemory:
         self.head = UNINITIALIZED
         self.device = None
         self.planned = False   # the device side is a place in a memory plan's arena
+        self.storage = None    # the device array's type when not ``dtype`` (2-byte words)
+        self.reduced = None    # the planned reduced storage (kept while swapped)
 
     @property
     def nbytes(self):
@@ -103,7 +113,10 @@ class SyncedMemory:
         elif self.head == HEAD_AT_GPU:
             if self._cpu is None:
                 self._alloc_cpu()
-            backend.copy_to_host(self._cpu, self._gpu)
+            if self.storage is not None:
+                self._widen_to_host()
+            else:
+                backend.copy_to_host(self._cpu, self._gpu)
             self.head = SYNCED
 
     def to_gpu(self):
@@ -113,8 +126,22 @@ class SyncedMemory:
         elif self.head == HEAD_AT_CPU:
             if self._gpu is None:
                 self._alloc_gpu()
-            backend.copy_to_gpu(self._gpu, self._cpu)
+            if self.storage is not None:
+                backend.copy_to_gpu(self._gpu, self._narrowed_host())
+            else:
+                backend.copy_to_gpu(self._gpu, self._cpu)
             self.head = SYNCED
+
+    def _widen_to_host(self):
+        from .precision import buffer_dtype, widen
+        tmp = np.empty(self.size, dtype=buffer_dtype(self.storage))
+        backend.copy_to_host(tmp, self._gpu[:self.size])
+        widen(np, tmp, self._cpu[:self.size], self.storage)
+
+    def _narrowed_host(self):
+        from .precision import buffer_dtype, narrow
+        tmp = np.empty(self.size, dtype=buffer_dtype(self.storage))
+        return narrow(np, self._cpu[:self.size], tmp, self.storage)
 
     # -- access ------------------------------------------------------------
     def cpu_data(self):
@@ -148,6 +175,7 @@ class SyncedMemory:
         self._gpu = array
         self._own_gpu = False
         self.planned = False
+        self.storage = self.reduced = None
         self.head = HEAD_AT_GPU
 
     def _check_shared(self, array, xp):
@@ -164,7 +192,8 @@ class SyncedMemory:
             raise RuntimeError(f"async_gpu_data needs HEAD_AT_CPU, head is {self.head}")
         if self._gpu is None:
             self._alloc_gpu()
-        backend.copy_to_gpu(self._gpu, self._cpu, stream=stream)
+        src = self._narrowed_host() if self.storage is not None else self._cpu
+        backend.copy_to_gpu(self._gpu, src, stream=stream)
         self.head = SYNCED
         return self._gpu
 
@@ -176,19 +205,57 @@ class SyncedMemory:
             self.head = HEAD_AT_CPU
         self._gpu = None
         self._own_gpu = False
+        self.storage = self.reduced = None
 
     # -- the engine's transitions (memory plan, offload, graphs) --------------------------
-    def bind_device(self, view, keep_contents=True):
+    def bind_device(self, view, keep_contents=True, storage=None):
         """Make ``view`` (a device array of at least ``size`` elements: a place in a memory
         plan's arena, not owned) the device side; ``keep_contents``: the newest contents
-        (host or device) are copied there first.  Ends HEAD_AT_GPU and ``planned``."""
+        (host or device) are copied there first.  Ends HEAD_AT_GPU and ``planned``.
+        ``storage`` (FLOAT16, BFLOAT16): ``view`` holds that type's 2-byte words (see the
+        module docstring); the contents are rounded into it."""
+        from .precision import FLOAT, narrow, widen
+        storage = None if storage == FLOAT else storage
         if keep_contents:
             if self.head == HEAD_AT_CPU:
-                backend.copy_to_gpu(view, self._cpu[:self.size])
+                if storage is None:
+                    backend.copy_to_gpu(view, self._cpu[:self.size])
+                else:
+                    tmp = np.empty(self.size, dtype=view.dtype)
+                    backend.copy_to_gpu(view, narrow(np, self._cpu[:self.size], tmp, storage))
             elif self.head in (HEAD_AT_GPU, SYNCED) and self._gpu is not None:
-                view[...] = self._gpu[:self.size]
-        self.set_gpu_data(view)
+                old = self._gpu[:self.size]
+                if storage == self.storage:
+                    view[...] = old
+                elif storage is None:
+                    widen(backend.gpu_module(), old, view[:self.size], self.storage)
+                else:
+                    if self.storage is not None:
+                        old = widen(backend.gpu_module(), old,
+                                    backend.gpu_module().empty(self.size, np.float32),
+                                    self.storage)
+                    narrow(backend.gpu_module(), old, view[:self.size], storage)
+        if storage is None:
+            self.set_gpu_data(view)
+        else:
+            if view.ndim != 1:
+                view = view.reshape(-1)
+            self._gpu, self._own_gpu = view, False
+            self.head = HEAD_AT_GPU
+            self.storage = self.reduced = storage
         self.planned = True
+
+    def swap_device(self, array):
+        """Point the device side at ``array`` (float32, or 2-byte words of the planned
+        type) for the span of one layer's step, and return the array it had: the engine's
+        cast ops (engine/precision.StorageCasts) around a layer that has no body for the
+        planned type.  The head and ``planned`` are left as they are."""
+        from .precision import FLOAT, storage_of
+        old = self._gpu
+        self._gpu = array
+        s = storage_of(array)
+        self.storage = None if s == FLOAT else s
+        return old
 
     def unbind_device(self, keep):
         """Leave the arena place ``bind_device`` gave (a no-op when none): ``keep`` brings
@@ -205,6 +272,7 @@ class SyncedMemory:
             if self.head == HEAD_AT_GPU:
                 self.head = UNINITIALIZED
         self.planned = False
+        self.storage = self.reduced = None
 
     def park(self, host):
         """Make host array ``host`` (not owned: an offload slot holding the newest

@@ -31,6 +31,12 @@ it shares memory with the maps of other steps, so each convolution's workspace i
 counted at its own step, not the largest one for the whole iteration.  ``apply()``
 points the layer at its place (``layer.planned_workspace[direction]``).
 
+With ``reduced_storage`` (the GPU step's plan of a net in bf16 or fp16 without offload;
+engine/precision.py) the buffers ``storage_plan`` names are held in 2-byte words of their
+reduced type (sized and bound so: ``SyncedMemory.bind_device(view, storage)``), and the
+fp32 (or 16-bit) scratch of each cast op (``storage_casts``: around the ops whose layers
+have no body for the planned type) is a buffer of kind ``cast``, live at its op only.
+
 What the arena does not hold is counted beside it, so that ``peak`` predicts the device
 memory of a training run: the parameters, their diffs and the solver's history (flat
 buffers), what layers keep from forward to backward (``Layer.state_bytes``: masks, saved
@@ -40,6 +46,7 @@ inputs), scratch and cuBLAS's workspace.
 import numpy as np
 
 from ..core import backend
+from ..core import precision as P
 from .schedule import accesses, compile_iteration, fusion_pass, op_steps
 
 ALIGN = 256
@@ -93,7 +100,7 @@ class WorkspaceMemory:
 
 class Buffer:
     __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned",
-                 "writes", "reads", "bwd_reads", "part", "view")
+                 "writes", "reads", "bwd_reads", "part", "view", "storage")
 
     def __init__(self, mem, kind, name):
         self.mem = mem
@@ -110,6 +117,7 @@ class Buffer:
         # a part's device side is pointed at ``view`` by whoever split it, not by apply()
         self.part = None
         self.view = None
+        self.storage = None   # FLOAT16/BFLOAT16: held in 2-byte words (reduced_storage)
 
     def touch(self, step):
         self.start = step if self.start is None else min(self.start, step)
@@ -119,10 +127,12 @@ class Buffer:
         return not (self.end < other.start or other.end < self.start)
 
 
-def memory_pass(schedule, net, train=True, history_sets=1, share_data=False):
+def memory_pass(schedule, net, train=True, history_sets=1, share_data=False,
+                reduced_storage=False):
     """The memory plan of ``net`` read from ``schedule``'s ops (see the module docstring);
     offload (engine/offload.py) splits and re-places its buffers."""
-    return MemoryPlan(net, train, history_sets, share_data, schedule=schedule)
+    return MemoryPlan(net, train, history_sets, share_data, schedule=schedule,
+                      reduced_storage=reduced_storage)
 
 
 class MemoryPlan:
@@ -136,7 +146,9 @@ class MemoryPlan:
     that backward does not read share too (a forward-only pass, ``minicaffe memory``'s
     second figure)."""
 
-    def __init__(self, net, train=True, history_sets=1, share_data=False, schedule=None):
+    def __init__(self, net, train=True, history_sets=1, share_data=False, schedule=None,
+                 reduced_storage=False):
+        from .precision import storage_casts, storage_plan
         self.net = net
         self.train = train
         L = len(net.layers)
@@ -216,13 +228,28 @@ class MemoryPlan:
                                          f"{net.layer_names[i]} ({direction} workspace)")
                 b.start, b.end = min(steps), max(steps)
                 self.workspaces.append(b)
+        # real 16-bit storage: 2-byte buffers, and the cast ops' scratch at their op
+        self.storage = storage_plan(net) if reduced_storage else {}
+        for b in bufs.values():
+            s = self.storage.get(id(b.mem)) if b.kind in ("data", "diff") else None
+            if s is not None:
+                b.storage = s
+                b.nbytes = _aligned(b.mem.size * P.ITEMSIZE[s])
+        self.cast_groups = [g for g in storage_casts(net, schedule, self.storage)
+                            if train or g.kind == "forward"]
+        self.casts = []
+        for g in self.cast_groups:
+            for c in g.casts:
+                b = bufs[id(c)] = Buffer(c, "cast", f"{c.name} ({c.kind} {c.want} scratch)")
+                b.start, b.end = c.start, c.end
+                self.casts.append(b)
         loss_diffs = {id(t.diff_mem) for i, l in enumerate(net.layers)
                       for j, t in enumerate(net.top_vecs[i]) if l.loss(j)}
         self.buffers = []
         for b in bufs.values():
             if id(b.mem) in loss_diffs or b.mem.size == 0:
                 continue
-            if b.kind == "workspace":
+            if b.kind in ("workspace", "cast"):
                 self.buffers.append(b)
                 continue
             if b.pinned or (b.kind == "data" and not share_data):
@@ -283,7 +310,8 @@ class MemoryPlan:
             kept = self.train and not (role == 1 and not f.second_backward_runs)
             st = int(layer.state_bytes(bot, top)) if kept else 0
             self.state_bytes += st
-            data = sum(t.data_mem.size * t.dtype.itemsize for t in top)
+            data = sum(t.data_mem.size * P.ITEMSIZE[self.storage.get(id(t.data_mem), P.FLOAT)]
+                       for t in top)
             params = sum(b.count() * b.dtype.itemsize for b in layer.blobs)
             # a fused pair shows its type on its first layer, its second marked "fused"
             kind = layer.type if f is None else f.type if role == 0 else f"{layer.type} (fused)"
@@ -312,13 +340,24 @@ class MemoryPlan:
             raise self.does_not_fit(free, "has free")
         for b in self.buffers:
             m = b.mem
-            view = self.arena[b.offset:b.offset + m.size * m.dtype.itemsize].view(m.dtype)
+            dt = P.buffer_dtype(b.storage) if b.storage else m.dtype
+            view = self.arena[b.offset:b.offset + m.size * dt.itemsize].view(dt)
             if b.part is not None:
                 b.view = view      # the offload schedule points the memory here and back
                 continue
-            m.bind_device(view)
+            if b.storage:
+                m.bind_device(view, storage=b.storage)
+            else:
+                m.bind_device(view)
         for blob in self.net._blobs:
             blob.drop_views()
+        if self.cast_groups or getattr(self.net, "_storage_casts", None) is not None:
+            from .precision import StorageCasts
+            sc = getattr(self.net, "_storage_casts", None)
+            if sc is None:
+                sc = self.net._storage_casts = StorageCasts(self.net, [])
+            sc.set_groups(self.cast_groups)
+            sc.active = bool(self.storage)
 
     def release(self):
         """Give the arena back (before another plan of the same net is applied): what
@@ -332,6 +371,9 @@ class MemoryPlan:
                 b.mem.unbind_device(keep=b.start == 0 and b.end == self.steps)
         for blob in self.net._blobs:
             blob.drop_views()
+        sc = getattr(self.net, "_storage_casts", None)
+        if sc is not None:
+            sc.active = False
         self.arena = None
 
     def does_not_fit(self, available, words):
@@ -355,6 +397,11 @@ class MemoryPlan:
                        f"{r['state'] / mib:10.2f} {r['params'] / mib:10.2f} "
                        f"{r['workspace_fwd'] / mib:10.2f} / {r['workspace_bwd'] / mib:9.2f}")
         out.append("")
+        if self.storage:
+            n16 = sum(1 for b in self.buffers if b.storage)
+            out.append(f"16-bit storage: {n16} of {sum(b.kind in ('data', 'diff') for b in self.buffers)}"
+                       f" activation buffers in 2-byte words; {len(self.casts)} cast ops' scratch "
+                       f"({sum(b.nbytes for b in self.casts) / mib:.1f} MiB unshared)")
         out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
                    f"{self.arena_bytes / mib:.1f} MiB in the planned arena "
                    f"({len(self.buffers)} buffers)")

@@ -2,11 +2,26 @@
 (NVIDIA Caffe 0.17's ``global_grad_scale``; PyTorch's ``GradScaler`` for the dynamic
 scale).
 
-- ``precision_pass(schedule, net)``: after each forward op, a ``cast`` op for every top
-  its layer stores in a reduced type, after each backward op one for every bottom diff
-  (the Net's types, core/precision.py).  As the offload pass, it prints what the Net's
-  hooks do at those points (``Net._round_to_storage``), so that ``minicaffe memory
-  --schedule`` shows where the values change type.
+- Real 16-bit storage on the GPU (the memory plan's, engine/plan.py): ``storage_plan
+  (net)`` says which device buffers (a blob's data or diff, one SyncedMemory however
+  many blobs share it) are held in 2-byte words of their reduced type: those whose
+  every blob is typed so (core/precision.py), except the data layers' tops, the net's
+  outputs and the loss tops (fp32: the host reads them).  ``native_storage(net, i)``
+  says whether layer i has a body that reads and writes such buffers (a layer's
+  ``reduced_body``: the cuDNN convolution and pooling, ReLU, Split, Flatten, Reshape...;
+  on the CPU, which runs every layer in fp32, what the GPU's engine would do:
+  ``NATIVE``).  ``storage_casts(net, schedule, storage)`` gives, per forward or backward
+  op, the buffers whose planned type is not the one the op's layers take (fp32 for a
+  layer without a reduced body): the ``cast`` ops that point such a buffer at a scratch
+  of the wanted type for the span of the op (cast in where the op reads it, cast back,
+  rounding, where it writes it).  ``StorageCasts`` runs them from the Net's hooks; the
+  plan places their scratch buffers in its arena, live at their op only.
+- ``precision_pass(schedule, net)``: those cast ops, and where a blob stays an fp32
+  buffer holding a reduced type's values (the emulation: the CPU, a net run outside the
+  GPU step), a ``cast`` op after each forward op for every top its layer stores in a
+  reduced type, after each backward op one for every bottom diff (the Net's rounding
+  hooks, ``Net._round_to_storage``), so that ``minicaffe memory --schedule`` shows where
+  the values change type.
 - ``LossScaler(net, scale)``: multiplies the gradient of every loss by ``scale`` before
   the backward (the loss layers' top diffs, which hold their loss weights, scaled and
   put back after), so that small gradients survive a FLOAT16 diff; ``unscale()`` divides
@@ -28,35 +43,302 @@ scale).
   asks for it (``LossScaler.scale``/``good``/``skipped``: at display and snapshot).  The
   same code runs with numpy arrays (the CPU test holds it against ``LossScaler.unscale``).
 """
+import dataclasses
+
 import numpy as np
 
 from ..core import context
 from ..core import precision as P
-from .schedule import Op, Schedule
+from .schedule import Op, Schedule, accesses, op_steps
 
 INIT_SCALE = 2.0 ** 16
 GROWTH, BACKOFF, INTERVAL = 2.0, 0.5, 2000
 
 
-def precision_pass(schedule, net):
-    """``cast`` ops where the Net's hooks round a blob to its reduced storage type
-    (``Net.rounding``: not after a layer that writes only values it read; on the GPU a
-    cuDNN convolution in a reduced type, and a fused pair, round in their own kernels)."""
+# -- real 16-bit storage ----------------------------------------------------------------
+def _pool_native(lp):
+    from ..layers.registry import engine_name
+    p = lp.pooling_param
+    return p.pool in (0, 1) and len(lp.top) == 1 and engine_name(lp) != "CAFFE"
+
+
+def _conv_native(lp):
+    from ..layers.registry import engine_name
+    return engine_name(lp) != "CAFFE"
+
+
+# what the GPU engine's layers can run on 2-byte buffers (their ``reduced_body``), by
+# type and parameters: what ``native_storage`` answers on the CPU
+NATIVE = {
+    "Convolution": _conv_native,
+    "ReLU": lambda lp: lp.relu_param.negative_slope == 0,
+    "Pooling": _pool_native,
+    "Split": lambda lp: len(lp.top) <= 2,
+    "InnerProduct": lambda lp: True,
+    "Dropout": lambda lp: lp.phase == 0,
+    "BatchNorm": lambda lp: not (lp.batch_norm_param.use_global_stats
+                                 if lp.batch_norm_param.HasField("use_global_stats")
+                                 else lp.phase == 1),
+    "Eltwise": lambda lp: (lp.eltwise_param.operation == 1 and len(lp.bottom) == 2 and
+                           all(c == 1 for c in lp.eltwise_param.coeff) and
+                           not set(lp.top) & set(lp.bottom)),
+    "Flatten": lambda lp: True,
+    "Reshape": lambda lp: True,
+}
+
+
+def native_storage(net, i):
+    """The reduced type layer i of ``net`` runs in on 2-byte buffers (FLOAT16,
+    BFLOAT16), or None: its types store data and diffs in one reduced type and its
+    body takes them (``layer.reduced_body`` on the GPU; ``NATIVE`` on the CPU)."""
+    t = getattr(net, "types", None)
+    if t is None or not t.reduced:
+        return None
+    lt = t.layers[i]
+    s = lt.forward_type
+    if s == P.FLOAT or lt.backward_type != s:
+        return None
+    # every buffer it touches typed so: a layer reading an fp32-typed gradient (the loss's,
+    # into the last InnerProduct) keeps its fp32 body, as the type rules say
+    names = net.blob_names
+    for j, b in enumerate(net.bottom_id_vecs[i]):
+        if t.data.get(names[b]) != s or (net.bottom_need_backward[i][j] and
+                                         t.diff.get(names[b]) != s):
+            return None
+    for b in net.top_id_vecs[i]:
+        if t.data.get(names[b]) != s or (net.layer_need_backward[i] and
+                                         t.diff.get(names[b]) != s):
+            return None
+    if context.is_gpu():
+        ok = bool(getattr(net.layers[i], "reduced_body", False))
+        fusion_of = getattr(net, "fusion_of", None)
+        if not ok and fusion_of is not None:    # the second layer of a pair with a body
+            f, role = fusion_of(i)                 # of its own (BatchNorm+Scale)
+            ok = role == 1 and bool(getattr(f, "reduced_body", False))
+    else:
+        rule = NATIVE.get(lt.type)
+        ok = rule is not None and rule(net.net_param.layer[i])
+        if lt.type == "Scale" and i > 0:     # fused on the GPU with the BatchNorm before it
+            prev, lp = net.net_param.layer[i - 1], net.net_param.layer[i]
+            ok = prev.type == "BatchNorm" and list(lp.bottom) == list(prev.top) and \
+                native_storage(net, i - 1) == s and len(lp.bottom) == 1
+    return s if ok else None
+
+
+def storage_plan(net):
+    """{id(SyncedMemory): FLOAT16 or BFLOAT16} of the device buffers the GPU's memory plan
+    holds in 2-byte words (see the module docstring); {} for an fp32 net."""
+    t = getattr(net, "types", None)
+    if t is None or not t.reduced:
+        return {}
+    keep = set()        # fp32 always: what the data layers write, outputs, losses
+    n = 0
+    while n < len(net.layers) and net.layers[n].graph_prologue:
+        n += 1
+    for i in range(len(net.layers)):
+        for j, b in enumerate(net.top_vecs[i]):
+            if i < n or net.layers[i].loss(j):
+                keep.update((id(b.data_mem), id(b.diff_mem)))
+    for k in net.output_blob_indices:
+        b = net._blobs[k]
+        keep.update((id(b.data_mem), id(b.diff_mem)))
+    votes = {}
+    for name, b in zip(net.blob_names, net._blobs):
+        for mem, s in ((b.data_mem, t.data.get(name, P.FLOAT)),
+                       (b.diff_mem, t.diff.get(name, P.FLOAT))):
+            votes.setdefault(id(mem), set()).add(s)
+    return {k: next(iter(v)) for k, v in votes.items()
+            if len(v) == 1 and next(iter(v)) != P.FLOAT and k not in keep}
+
+
+@dataclasses.dataclass
+class Cast:
+    """One buffer an op's layers want in another type than it is stored in: ``mem``
+    (the SyncedMemory), ``name`` (its first blob's), ``kind`` (data, diff), ``stored``
+    and ``want`` (FLOAT, FLOAT16, BFLOAT16), whether the op reads it (cast in before)
+    and writes it (cast back after), the plan's steps it lives at; ``view``: its scratch
+    in the arena once the plan is applied."""
+    mem: object
+    name: str
+    kind: str
+    stored: str
+    want: str
+    read: bool
+    write: bool
+    start: int
+    end: int
+    view: object = None
+    saved: object = None
+
+    @property
+    def size(self):
+        return self.mem.size
+
+    @property
+    def dtype(self):
+        return P.buffer_dtype(self.want)
+
+    def bind_device(self, view):
+        self.view = view
+
+    def unbind_device(self, keep=False):
+        self.view = None
+
+
+@dataclasses.dataclass
+class CastGroup:
+    """The casts of one forward or backward op: ``first`` and ``last`` are the layers
+    whose hooks open and close it (a fused op spans two layers), ``native`` the reduced
+    type its layers run in (None: fp32)."""
+    kind: str
+    first: int
+    last: int
+    native: object
+    casts: list
+
+
+def storage_casts(net, schedule, storage):
+    """[CastGroup] of ``schedule``'s forward and backward ops under ``storage`` (what
+    ``storage_plan`` gives; see the module docstring)."""
+    if not storage:
+        return []
+    groups = []
+    for op in schedule.ops:
+        if op.kind not in ("forward", "backward") or "hooks only" in op.detail:
+            continue
+        natives = {native_storage(net, i) for i in op.layers}
+        if len(op.layers) > 1:      # a fused pair may have a body of its own (BN+Scale)
+            f = net.fusion_of(op.layers[0])[0]
+            rule = getattr(f, "reduced_body", None)
+            if rule is not None:
+                lt = net.types.layers[op.layers[0]]
+                natives = {lt.forward_type if rule and lt.forward_type == lt.backward_type
+                           and lt.forward_type != P.FLOAT else None}
+        native = natives.pop() if len(natives) == 1 else None
+        want = native or P.FLOAT
+        steps = op_steps(net, op)
+        found = {}
+        for acc in accesses(net, op):
+            i = acc.layer
+            for uses, how in ((acc.reads, "read"), (acc.writes, "write")):
+                for u in uses:
+                    blob = (net.top_vecs if u.side == "top" else net.bottom_vecs)[i][u.j]
+                    mem = blob.data_mem if u.kind == "data" else blob.diff_mem
+                    stored = storage.get(id(mem), P.FLOAT)
+                    if stored == want or mem.size == 0:
+                        continue
+                    c = found.get(id(mem))
+                    if c is None:
+                        c = found[id(mem)] = Cast(mem, net.blob_names[u.blob], u.kind, stored,
+                                                  want, False, False, min(steps), max(steps))
+                    setattr(c, how, True)
+        layers = op.layers if op.kind == "forward" else tuple(reversed(op.layers))
+        groups.append(CastGroup(op.kind, layers[0], layers[-1], native, list(found.values())))
+    return groups
+
+
+def _convert(src, dst, src_type, dst_type):
+    """``dst`` = ``src`` in ``dst_type`` (one of them FLOAT), on the device of both."""
+    from ..core import backend
+    xp = np if isinstance(src, np.ndarray) else backend.gpu_module()
+    if xp is np:
+        if dst_type == P.FLOAT:
+            P.widen(np, src, dst, src_type)
+        else:
+            P.narrow(np, src, dst, dst_type)
+        return
+    from ..kernels.precision import from_reduced, to_reduced
+    if dst_type == P.FLOAT:
+        from_reduced(src, dst, src_type)
+    else:
+        to_reduced(src, dst, dst_type)
+
+
+class StorageCasts:
+    """Runs ``groups`` (storage_casts) from ``net``'s hooks: before the first layer of
+    an op each cast points its buffer at its scratch (converted in where the op reads
+    it), after the last one points it back (converted back, rounded, where the op wrote
+    it).  Active while a plan is applied (``active``)."""
+
+    def __init__(self, net, groups):
+        self.net = net
+        self.active = False
+        self.set_groups(groups)
+        net.add_hook("before_forward", lambda i: self._in(("forward", i)))
+        net.add_hook("after_forward", lambda i: self._out(("forward", i)))
+        net.add_hook("before_backward", lambda i: self._in(("backward", i)))
+        net.add_hook("after_backward", lambda i: self._out(("backward", i)))
+
+    def set_groups(self, groups):
+        self.open, self.close = {}, {}
+        for g in groups:
+            if g.casts:
+                self.open[(g.kind, g.first)] = g
+                self.close[(g.kind, g.last)] = g
+
+    def _in(self, key):
+        g = self.open.get(key) if self.active else None
+        if g is None:
+            return
+        for c in g.casts:
+            m = c.mem
+            if c.view is None or (m.reduced or P.FLOAT) != c.stored:
+                continue          # not bound as planned (no plan applied)
+            old = m.gpu_data()    # the newest contents on the device
+            c.saved = m.swap_device(c.view)
+            if c.read:
+                _convert(old[:m.size], c.view, c.stored, c.want)
+
+    def _out(self, key):
+        g = self.close.get(key) if self.active else None
+        if g is None:
+            return
+        for c in g.casts:
+            if c.saved is None:
+                continue
+            cur = c.mem.swap_device(c.saved)
+            if c.write:
+                _convert(cur, c.saved[:c.mem.size], c.want, c.stored)
+            c.saved = None
+
+
+def precision_pass(schedule, net, storage=None):
+    """The cast ops of ``schedule`` (see the module docstring): with ``storage`` (a
+    ``storage_plan``: the GPU step's, the default) those of real 16-bit storage around
+    the ops whose layers want another type, and the rounding where a blob is an fp32
+    buffer holding a reduced type's values (``Net.rounding``: not after a layer that
+    writes only values it read; on the GPU a cuDNN convolution in a reduced type, and a
+    fused pair, round in their own kernels)."""
     t = getattr(net, "types", None)
     rounding = getattr(net, "rounding", None)
     if t is None or not t.reduced or rounding is None:
         return schedule
+    if storage is None:
+        storage = storage_plan(net)
+    real = {n for b, n in zip(net._blobs, net.blob_names) if id(b.data_mem) in storage}
+    real_diff = {n for b, n in zip(net._blobs, net.blob_names) if id(b.diff_mem) in storage}
+    groups = {(g.kind, g.first): g for g in storage_casts(net, schedule, storage)}
     out = []
     for op in schedule.ops:
+        g = groups.get((op.kind, (op.layers[0] if op.kind == "forward" else
+                                  op.layers[-1]) if op.layers else -1))
+        for c in (g.casts if g else ()):
+            if c.read:
+                out.append(Op("cast", -1, c.name, f"{c.kind} {c.stored} -> {c.want} scratch"))
         out.append(op)
+        for c in (g.casts if g else ()):
+            if c.write:
+                out.append(Op("cast", -1, c.name, f"{c.kind} {c.want} scratch -> {c.stored}"))
         if op.kind in ("prologue", "forward"):
             for i in op.layers:
                 for name, s in rounding[0][i]:
-                    out.append(Op("cast", i, name, f"data to {s}"))
+                    if name not in real:
+                        out.append(Op("cast", i, name, f"data to {s}"))
         elif op.kind == "backward" and "hooks only" not in op.detail:
             for i in reversed(op.layers):
                 for name, s in rounding[1][i]:
-                    out.append(Op("cast", i, name, f"diff to {s}"))
+                    if name not in real_diff:
+                        out.append(Op("cast", i, name, f"diff to {s}"))
     return Schedule(out, schedule.passes + ["precision"])
 
 
@@ -117,6 +399,21 @@ class DeviceLossScale:
         factor = (1.0 - (1.0 - BACKOFF) * bad) * (1.0 + (GROWTH - 1.0) * grow)
         self.scale *= factor.astype(np.float32)
         self.inv[...] = 1.0 / self.scale
+def storage_lines(net, storage=None):
+    """Lines for ``minicaffe memory``: per layer, whether it runs on its 2-byte buffers
+    (native) or in fp32 between cast ops, and the bytes of the planned storage."""
+    t = getattr(net, "types", None)
+    if t is None or not t.reduced:
+        return []
+    if storage is None:
+        storage = storage_plan(net)
+    where = "on this GPU" if context.is_gpu() else "on a GPU (the CPU emulates it in fp32)"
+    out = [f"16-bit storage {where}: layer bodies on 2-byte buffers (native) or in fp32 "
+           "(with cast ops around them):"]
+    for i, name in enumerate(net.layer_names):
+        s = native_storage(net, i)
+        out.append(f"  {name} ({t.layers[i].type}): " + (f"native {s}" if s else "fp32"))
+    return out
 
 
 class LossScaler:

@@ -113,10 +113,14 @@ class GpuStep:
         self.offload = None
         if reason is None:
             # every layer declares what it keeps: activations' diffs can share memory
-            from .offload import Offloader
+            from .offload import Offloader, settings
             from .plan import memory_pass
+            # bf16/fp16: feature maps in 2-byte buffers (engine/precision.py), unless
+            # offloaded (its copies move fp32 buffers)
+            policy, budget = settings(net.net_param, net.config)
             self.plan = memory_pass(self.schedule, net, train=True,
-                                    history_sets=len(solver.history_flat))
+                                    history_sets=len(solver.history_flat),
+                                    reduced_storage=policy == "NONE" and not budget)
             # offload_param: a plan whose offloaded feature maps live twice (offload.py)
             self.offload = Offloader.for_step(self)
             self.plan.apply()

@@ -5,7 +5,9 @@ with a handle of our own, a fixed workspace (``cublasSetWorkspace_v2``, so cuBLA
 allocates nothing while capturing) and the current stream, captures and gives the same
 results (DESIGN.md).  One handle per thread and device, kept in the thread's manager.
 
-``matmul(a, b, out)`` is the row-major product of C-contiguous 2-D CuPy arrays (with
+``matmul_ex(a, b, out)`` the same through ``cublasGemmEx`` for 2-byte operands
+(float16, or bfloat16 held as uint16 words) with fp32 accumulation, into a 2-byte or an
+fp32 ``out`` (real 16-bit storage, engine/precision.py).  ``matmul(a, b, out)`` is the row-major product of C-contiguous 2-D CuPy arrays (with
 optional transposes, alpha and beta); ``matmul_batched`` the same over a leading batch
 axis.  Math mode follows the caller's ``tf32`` (a layer passes its run's
 ``RunConfig.tf32``), else ``options.tf32``: strict fp32 unless TF32 is switched on.
@@ -46,6 +48,10 @@ def lib():
             getattr(l, name).argtypes = [_c_void_p, _c_int, _c_int, _c_int, _c_int, _c_int, p,
                                          _c_void_p, _c_int, _c_longlong, _c_void_p, _c_int,
                                          _c_longlong, p, _c_void_p, _c_int, _c_longlong, _c_int]
+        l.cublasGemmEx.argtypes = [_c_void_p, _c_int, _c_int, _c_int, _c_int, _c_int,
+                                   _c_void_p, _c_void_p, _c_int, _c_int, _c_void_p, _c_int,
+                                   _c_int, _c_void_p, _c_void_p, _c_int, _c_int, _c_int,
+                                   _c_int]
         _lib = l
     return _lib
 
@@ -152,4 +158,30 @@ def matmul_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0,
                          N, M, K, _scalar(dt, alpha), b.data.ptr, b2.shape[1], sb,
                          a.data.ptr, a2.shape[1], sa, _scalar(dt, beta), out.data.ptr, N, M * N,
                          nb), "cublasSgemmStridedBatched")
+    return out
+
+
+# cudaDataType of an operand by its array dtype (uint16 words: bfloat16)
+_CUDA_R = {np.dtype(np.float32): 0, np.dtype(np.float16): 2, np.dtype(np.uint16): 14}
+_COMPUTE_32F, _GEMM_DEFAULT = 68, -1
+
+
+def matmul_ex(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """``matmul`` with 2-byte ``a`` and ``b`` (float16, or bfloat16 as uint16 words) and
+    fp32 accumulation (tensor cores); ``out`` 2-byte (rounded) or float32."""
+    for x in (a, b, out):
+        if x.ndim != 2 or not x.flags.c_contiguous:
+            raise ValueError("matmul_ex wants C-contiguous 2-D arrays")
+    M, N, K = _dims(a, b, trans_a, trans_b)
+    if out.shape != (M, N):
+        raise ValueError(f"matmul_ex: out has shape {out.shape}, the product is ({M}, {N})")
+    if M == 0 or N == 0:
+        return out
+    fa = ctypes.c_float(alpha)
+    fb = ctypes.c_float(beta)
+    _check(lib().cublasGemmEx(
+        handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, N, M, K,
+        ctypes.addressof(fa), b.data.ptr, _CUDA_R[b.dtype], b.shape[1], a.data.ptr,
+        _CUDA_R[a.dtype], a.shape[1], ctypes.addressof(fb), out.data.ptr, _CUDA_R[out.dtype], N,
+        _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
     return out

@@ -5,7 +5,9 @@ Philox maps (key, counter) to random bits with no state: element i of forward pa
 draws philox(counter = (i, k), key = the layer's seed).  The layer keeps k in device
 memory; forward uses it and a second kernel increments it, so a replayed graph draws a
 new mask every iteration, and backward recomputes the same mask from (i, k - 1)
-instead of reading a saved one.  Keep rule as Caffe's: keep when bits > UINT_MAX * ratio.
+instead of reading a saved one.  Keep rule as Caffe's: keep when bits > UINT_MAX * ratio.  ``dropout16`` does the same
+on 2-byte buffers (bfloat16 words, float16; real 16-bit storage): fp32 product, one
+rounding on store.
 """
 import numpy as np
 
@@ -77,3 +79,31 @@ def philox_bits(cp, n, seed, pass_index):
            (out, np.int64(n), np.uint32(seed & 0xFFFFFFFF), np.uint32((seed >> 32) & 0xFFFFFFFF),
             np.int64(pass_index)))
     return out
+
+
+_PHILOX = _SRC.split("extern")[0]
+
+
+def dropout16(x, y, seed, pass_counter, ratio, scale, storage, backward=False):
+    """``dropout`` on 2-byte ``x``, ``y`` of ``storage`` (FLOAT16, BFLOAT16)."""
+    from ._backend import _cupy, NVRTC_OPTIONS
+    from . import reduced
+    k = _K16.get(storage)
+    if k is None:
+        t, load, store = (reduced._TYPE[storage], reduced._LOAD[storage],
+                          reduced._STORE[storage])
+        k = _K16[storage] = _cupy().ElementwiseKernel(
+            f"{t} x, raw int64 pass, int64 delta, uint32 k0, uint32 k1, uint32 thr, "
+            "float32 scale", f"{t} y",
+            "const unsigned long long kk = (unsigned long long)(pass[0] + delta);\n"
+            f"float v = {load.format(x='x')};\n"
+            "v = mc_philox((unsigned long long)i, kk, k0, k1) > thr ? v * scale : 0.0f;\n"
+            + store.format(v="v", out="y"), f"mc_dropout16_{t}", preamble=_PHILOX,
+            options=NVRTC_OPTIONS)
+    k(x, pass_counter, np.int64(-1 if backward else 0), np.uint32(seed & 0xFFFFFFFF),
+      np.uint32((seed >> 32) & 0xFFFFFFFF), threshold(ratio), np.float32(scale), y)
+    if not backward:
+        raw_kernel(_SRC, "mc_pass_increment", "float")((1,), (1,), (pass_counter,))
+
+
+_K16 = {}

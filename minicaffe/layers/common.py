@@ -122,6 +122,58 @@ class InnerProductLayer(Layer):
 
     retain_inputs, retain_outputs = (0,), ()
 
+    # -- on 2-byte buffers (real 16-bit storage, engine/precision.py): cuBLAS GemmEx with
+    # fp32 accumulation; the weights cast to the reduced type (a shared scratch), the
+    # weight gradient accumulated into the fp32 master diff
+    reduced_body = True
+
+    def _w16(self, s, name="w16"):
+        from ..kernels.precision import to_reduced
+        from ..core.precision import buffer_dtype
+        from .cudnn_layers import scratch
+        w = self.blobs[0].gpu_data()
+        dt = buffer_dtype(s)
+        buf = scratch(name, w.size * dt.itemsize)[:w.size * dt.itemsize].view(dt)
+        return to_reduced(w, buf.reshape(w.shape), s)
+
+    def forward_gpu(self, bottom, top):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None or reduced.storage(top[0]) != s:
+            return super().forward_gpu(bottom, top)
+        from ..gpu.cublas import matmul_ex
+        x = bottom[0].gpu_data().reshape(self.M, self.K)
+        y = top[0].mutable_gpu_data().reshape(self.M, self.N)
+        matmul_ex(x, self._w16(s), y, trans_b=not self.transpose)
+        if self.bias_term:
+            reduced.bias_act(y, s, bias=self.blobs[1].gpu_data())
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels import reduced
+        s = reduced.storage(top[0], diff=True)
+        if s is None or reduced.storage(bottom[0]) != s or (
+                propagate_down[0] and reduced.storage(bottom[0], diff=True) != s):
+            return super().backward_gpu(top, propagate_down, bottom)
+        from ..gpu.cublas import matmul_ex
+        dy = top[0].gpu_diff().reshape(self.M, self.N)
+        x = bottom[0].gpu_data().reshape(self.M, self.K)
+        if self.get_param_propagate_down(0):
+            dw = self.blobs[0].mutable_gpu_diff()
+            if self.transpose:
+                matmul_ex(x, dy, dw, trans_a=True, beta=1.0)
+            else:
+                matmul_ex(dy, x, dw, trans_a=True, beta=1.0)
+        if self.bias_term and self.get_param_propagate_down(1):
+            from ..kernels.reduce import partial_size
+            n = partial_size(self.M, self.N)
+            p = getattr(self, "_partial16", None)
+            if p is None or p.size < n:
+                p = self._partial16 = backend.gpu_module().empty(n, dtype=np.float64)
+            reduced.channel_sum(dy, self.blobs[1].mutable_gpu_diff(), p, s)
+        if propagate_down[0]:
+            dx = bottom[0].mutable_gpu_diff().reshape(self.M, self.K)
+            matmul_ex(dy, self._w16(s), dx, trans_b=self.transpose)
+
     def _ones(self, xp):
         o = getattr(self, "_ones_arr", None)
         if o is None or o.shape != (1, self.M) or not isinstance(o, xp.ndarray):
@@ -146,8 +198,24 @@ class SplitLayer(Layer):
             t.reshape(bottom[0].shape)
             t.share_data(bottom[0])
 
+    @property
+    def reduced_body(self):
+        """On 2-byte buffers (engine/precision.py) for one or two tops."""
+        return len(self.layer_param.top) <= 2
+
     def forward_xp(self, xp, bottom, top):
         pass
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0], diff=True)
+        if s is None or not propagate_down[0]:
+            return super().backward_gpu(top, propagate_down, bottom)
+        dx = bottom[0].mutable_gpu_diff()
+        if len(top) == 1:
+            dx[...] = top[0].gpu_diff()
+        else:
+            reduced.add(top[0].gpu_diff(), top[1].gpu_diff(), dx, s)
 
     def backward_xp(self, xp, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -473,14 +541,51 @@ class EltwiseLayer(Layer):
         SUM of two bottoms with unit coefficients, out of place."""
         if not self._fusable(bottom, top):
             return False
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is not None:
+            reduced.add(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data(),
+                        s, relu=True)
+            return True
         _add_relu()(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data())
         return True
+
+    # on 2-byte buffers (real 16-bit storage, engine/precision.py): the SUM of two bottoms
+    # with unit coefficients, out of place (ResNet's), alone or fused with its ReLU
+    @property
+    def reduced_body(self):
+        p = self.layer_param
+        return (self.op == _SUM and all(c == 1 for c in self.coeffs) and len(p.bottom) == 2
+                and not set(p.top) & set(p.bottom))
+
+    def forward_gpu(self, bottom, top):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None:
+            return super().forward_gpu(bottom, top)
+        reduced.add(bottom[0].gpu_data(), bottom[1].gpu_data(), top[0].mutable_gpu_data(), s)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels import reduced
+        if reduced.storage(top[0], diff=True) is None:
+            return super().backward_gpu(top, propagate_down, bottom)
+        dy = top[0].gpu_diff()
+        for i, b in enumerate(bottom):
+            if propagate_down[i]:
+                b.mutable_gpu_diff()[...] = dy
 
     def backward_gpu_relu(self, top, propagate_down, bottom):
         """The backward of Eltwise+ReLU: dx_i = dy where y > 0, else 0 (reads y)."""
         y, dy = top[0].gpu_data(), top[0].gpu_diff()
         outs = [b.mutable_gpu_diff() if propagate_down[i] else None
                 for i, b in enumerate(bottom)]
+        from ..kernels import reduced
+        s = reduced.storage(top[0], diff=True)
+        if s is not None:
+            for o in outs:
+                if o is not None:
+                    reduced.relu_backward(y, dy, o, s)
+            return
         if outs[0] is not None and outs[1] is not None:
             _relu_grad2()(y, dy, outs[0], outs[1])
         else:
@@ -566,6 +671,8 @@ class FlattenLayer(Layer):
         top[0].share_data(b)
         top[0].share_diff(b)
 
+    reduced_body = True     # shares its bottom's buffers, whatever their type
+
     def forward_xp(self, xp, bottom, top):
         pass
 
@@ -632,6 +739,8 @@ class ReshapeLayer(Layer):
         top[0].reshape(shape)
         top[0].share_data(b)
         top[0].share_diff(b)
+
+    reduced_body = True     # shares its bottom's buffers, whatever their type
 
     def forward_xp(self, xp, bottom, top):
         pass

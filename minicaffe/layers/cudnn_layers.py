@@ -29,6 +29,7 @@ import numpy as np
 from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
 from ..kernels.precision import buffer_dtype, from_reduced, to_reduced
+from ..kernels import reduced as r16
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
 from .registry import engine_name, register_cudnn
@@ -279,6 +280,19 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     def _cast_in(self, name, a):
         return to_reduced(a, self._reduced(name, a.shape), self._storage)
 
+    def _in16(self, name, blob, diff=False):
+        """``blob``'s data (diff) in this layer's reduced type: the blob's own 2-byte
+        buffer (real 16-bit storage), else a cast of its fp32 one into scratch."""
+        a = blob.gpu_diff() if diff else blob.gpu_data()
+        return a if r16.storage(blob, diff) == self._storage else self._cast_in(name, a)
+
+    @property
+    def reduced_body(self):
+        """True when this layer runs cuDNN in its reduced type: it reads and writes 2-byte
+        buffers of that type (engine/precision.py), and fp32 ones through casts."""
+        return getattr(self, "_cudnn_key", None) is not None and \
+            getattr(self, "_storage", None) is not None
+
     def _forward_reduced(self, bottom, top, relu):
         h = cudnn.handle()
         dt = np.float32
@@ -286,13 +300,17 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         w16 = self._cast_in("w16", self.blobs[0].gpu_data())
         bias = self.blobs[1].gpu_data() if self.bias_term else None
         for b, t in zip(bottom, top):
-            x16 = self._cast_in("x16", b.gpu_data())
+            x16 = self._in16("x16", b)
             y = t.mutable_gpu_data()
-            y16 = self._reduced("y16", y.shape)
+            direct = r16.storage(t) == self._storage
+            y16 = y if direct else self._reduced("y16", y.shape)
             cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), self.x_desc.ptr,
                        _ptr(x16), self.w_desc.ptr, _ptr(w16), self.conv_desc.ptr,
                        self.fwd[0], wsp, wsn, cudnn.zero(dt), self.y_desc.ptr, _ptr(y16))
-            from_reduced(y16, y, self._storage, bias=bias, relu=relu, rounded=True)
+            if direct:
+                r16.bias_act(y, self._storage, bias=bias, relu=relu)
+            else:
+                from_reduced(y16, y, self._storage, bias=bias, relu=relu, rounded=True)
         return True
 
     @property
@@ -309,11 +327,16 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         w16 = self._cast_in("w16", self.blobs[0].gpu_data())
         for i, (b, t) in enumerate(zip(bottom, top)):
             dy = t.gpu_diff()
-            dy16 = self._cast_in("y16", dy)
+            native_dy = r16.storage(t, diff=True) == self._storage
+            dy16 = dy if native_dy else self._cast_in("y16", dy)
             if self.bias_term and self.get_param_propagate_down(1):
-                channel_sum(dy, self.blobs[1].mutable_gpu_diff(), self._partial(dy))
+                if native_dy:
+                    r16.channel_sum(dy, self.blobs[1].mutable_gpu_diff(), self._partial(dy),
+                                    self._storage)
+                else:
+                    channel_sum(dy, self.blobs[1].mutable_gpu_diff(), self._partial(dy))
             if self.get_param_propagate_down(0):
-                x16 = self._cast_in("x16", b.gpu_data())
+                x16 = self._in16("x16", b)
                 dwm = self.blobs[0].mutable_gpu_diff()
                 dw16 = self._reduced("dw16", dwm.shape)
                 cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt), self.x_desc.ptr,
@@ -323,12 +346,14 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                 from_reduced(dw16, dwm, self._storage, accumulate=True)
             if propagate_down[i]:
                 dx = b.mutable_gpu_diff()
-                dx16 = self._reduced("x16", dx.shape)
+                direct = r16.storage(b, diff=True) == self._storage
+                dx16 = dx if direct else self._reduced("x16", dx.shape)
                 cudnn.call("cudnnConvolutionBackwardData", h, cudnn.one(dt), self.w_desc.ptr,
                            _ptr(w16), self.y_desc.ptr, _ptr(dy16), self.conv_desc.ptr,
                            self.bwd_data[0], wsp, wsn, cudnn.zero(dt), self.x_desc.ptr,
                            _ptr(dx16))
-                from_reduced(dx16, dx, self._storage)
+                if not direct:
+                    from_reduced(dx16, dx, self._storage)
 
     def forward_gpu_relu(self, bottom, top):
         """The fused type Convolution+ReLU (layers/fused.py): y = max(W * x + b, 0) by one
@@ -466,12 +491,29 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
     def state_bytes(self, bottom, top):
         return 0 if getattr(self, "_use", False) else super().state_bytes(bottom, top)
 
+    @property
+    def reduced_body(self):
+        """cuDNN pools 2-byte buffers (bfloat16, float16) too (engine/precision.py)."""
+        return bool(getattr(self, "_use", False))
+
+    def _descs(self, blob):
+        """(x, y) descriptors for the type ``blob``'s buffers are held in now."""
+        s = r16.storage(blob)
+        if s is None:
+            return self.x_desc, self.y_desc, blob.dtype
+        key = (s, self._desc_key)
+        if getattr(self, "_descs16", (None,))[0] != key:
+            dt = "bfloat16" if s == precision.BFLOAT16 else np.dtype(np.float16)
+            self._descs16 = (key, cudnn.TensorDesc(self.x_desc.shape, dt),
+                             cudnn.TensorDesc(self.y_desc.shape, dt), dt)
+        return self._descs16[1:]
+
     def forward_gpu(self, bottom, top):
         if not self._use:
             return super().forward_gpu(bottom, top)
-        dt = bottom[0].dtype
+        xd, yd, dt = self._descs(bottom[0])
         cudnn.call("cudnnPoolingForward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
-                   self.x_desc.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), self.y_desc.ptr,
+                   xd.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), yd.ptr,
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
@@ -479,11 +521,11 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
             return
-        dt = top[0].dtype
+        xd, yd, dt = self._descs(bottom[0])
         cudnn.call("cudnnPoolingBackward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
-                   self.y_desc.ptr, _ptr(top[0].gpu_data()), self.y_desc.ptr,
-                   _ptr(top[0].gpu_diff()), self.x_desc.ptr, _ptr(bottom[0].gpu_data()),
-                   cudnn.zero(dt), self.x_desc.ptr, _ptr(bottom[0].mutable_gpu_diff()))
+                   yd.ptr, _ptr(top[0].gpu_data()), yd.ptr,
+                   _ptr(top[0].gpu_diff()), xd.ptr, _ptr(bottom[0].gpu_data()),
+                   cudnn.zero(dt), xd.ptr, _ptr(bottom[0].mutable_gpu_diff()))
 
 
 _LRN = caffe_pb2.LRNParameter
@@ -576,15 +618,15 @@ class _CuDNNActivation(_ChosenOnce):
     retain_inputs, retain_outputs = (0,), (0,)      # cuDNN reads x and y
 
     def forward_gpu(self, bottom, top):
-        if not self._use:
-            return super().forward_gpu(bottom, top)
+        if not self._use or r16.storage(bottom[0]) is not None:
+            return super().forward_gpu(bottom, top)   # (2-byte buffers: ReLU's kernel)
         dt = bottom[0].dtype
         cudnn.call("cudnnActivationForward", cudnn.handle(), self.act_desc.ptr, cudnn.one(dt),
                    self.t_desc.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), self.t_desc.ptr,
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
-        if not self._use:
+        if not self._use or r16.storage(bottom[0]) is not None:
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
             return
@@ -747,6 +789,24 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         from ..kernels._backend import cuda_type, raw_kernel
         return raw_kernel(_BN_FOLD, name, cuda_type(dt))
 
+    # on 2-byte buffers (real 16-bit storage, engine/precision.py): cuDNN's training
+    # batch norm with bfloat16/float16 x, y, dy, dx and fp32 scale, bias and statistics
+    @property
+    def reduced_body(self):
+        return bool(getattr(self, "_use", False)) and not self.use_global_stats
+
+    def _descs(self, blob):
+        """(x descriptor, parameter descriptor) for the type ``blob``'s buffers hold now."""
+        s = r16.storage(blob)
+        if s is None:
+            return self.x_desc, self.p_desc
+        key = (s, self._desc_key)
+        if getattr(self, "_descs16", (None,))[0] != key:
+            dt = "bfloat16" if s == precision.BFLOAT16 else np.dtype(np.float16)
+            xd = cudnn.TensorDesc(blob.shape, dt)
+            self._descs16 = (key, xd, cudnn.BNParamDesc(xd, cudnn.BN_SPATIAL))
+        return self._descs16[1:]
+
     def forward_gpu_scale(self, bottom, top, scale):
         """The fused type BatchNorm+Scale (layers/fused.py): training with batch statistics,
         the learned per-channel Scale ``scale`` after us, in place on our top, is applied in
@@ -776,6 +836,7 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             xc[...] = x
             x = xc
         y = top[0].mutable_gpu_data()
+        xd, pd = self._descs(bottom[0])
         stats = [s.mutable_gpu_data() for s in self.blobs]
         if self.use_global_stats:
             self._kernel("mc_bn_global", dt)(grid, (256,), (stats[0], stats[1], stats[2],
@@ -791,8 +852,8 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             beta = sc.blobs[1].gpu_data() if sc.bias_term else self._zeros
         self._fused = sc
         cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL, cudnn.one(dt),
-                   cudnn.zero(dt), self.x_desc.ptr, _ptr(x), self.x_desc.ptr, _ptr(y),
-                   self.p_desc.ptr, _ptr(gamma), _ptr(beta), 1.0, _ptr(self._mean),
+                   cudnn.zero(dt), xd.ptr, _ptr(x), xd.ptr, _ptr(y),
+                   pd.ptr, _ptr(gamma), _ptr(beta), 1.0, _ptr(self._mean),
                    _ptr(self._var), float(self.eps), _ptr(self._save_mean), _ptr(self._save_inv))
         self._kernel("mc_bn_fold", dt)(grid, (256,), (stats[0], stats[1], stats[2], self._mean,
                                                       self._var, dt.type(self.moving_average_fraction),
@@ -825,9 +886,10 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             if sc.bias_term and sc.get_param_propagate_down(1):
                 dbeta = sc.blobs[1].mutable_gpu_diff()
             pbeta = cudnn.one(dt)   # parameter diffs accumulate (into the scratch too)
+        xd, pd = self._descs(bottom[0])
         cudnn.call("cudnnBatchNormalizationBackward", h, cudnn.BN_SPATIAL, cudnn.one(dt),
-                   cudnn.zero(dt), cudnn.one(dt), pbeta, self.x_desc.ptr, _ptr(x),
-                   self.x_desc.ptr, _ptr(dy), self.x_desc.ptr, _ptr(out), self.p_desc.ptr,
+                   cudnn.zero(dt), cudnn.one(dt), pbeta, xd.ptr, _ptr(x),
+                   xd.ptr, _ptr(dy), xd.ptr, _ptr(out), pd.ptr,
                    _ptr(gamma), _ptr(dgamma), _ptr(dbeta), float(self.eps),
                    _ptr(self._save_mean), _ptr(self._save_inv))
         if out is not dx:

@@ -110,6 +110,15 @@ class BatchNormScale(FusedPair):
     fuses_backward = True
     second_backward_runs = False
 
+    @property
+    def reduced_body(self):
+        """The pair runs on 2-byte buffers (real 16-bit storage, engine/precision.py)
+        where cuDNN's training batch norm applies the per-channel Scale."""
+        a, b = self.first, self.second
+        return bool(getattr(a, "reduced_body", False)) and \
+            len(b.layer_param.bottom) == 1 and b.blobs[0].num_axes == 1 and \
+            b.layer_param.scale_param.axis == 1
+
     def forward_gpu(self, bottom, top):
         return self.first.forward_gpu_scale(bottom, top, self.second)
 

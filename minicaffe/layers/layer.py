@@ -38,6 +38,9 @@ class Layer:
     allow_in_place = True   # False: a top may not be one of the bottoms
     engine_name = "CAFFE"   # which engine's class this is (registry: 'CUDNN' for cuDNN's)
     in_place = False        # set by setup: a top is one of the bottoms
+    # GPU: the bodies read and write 2-byte buffers of the layer's reduced type (real
+    # 16-bit storage, engine/precision.py); False: the engine casts around the layer
+    reduced_body = False
     # What backward reads of the data forward saw, declared by each layer beside its math
     # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
     # whose *data* the backward body reads.  None: all of them (the default, always safe).

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core import context
 from ..core import threads
+from ..core.backend import gpu_module as backend_xp
 from ..core.blob import Blob
 from ..core.filler import fill
 from .layer import Layer, NeuronLayer
@@ -62,6 +63,27 @@ class ReLULayer(_SavesInput):
     """y = max(x, 0) + negative_slope * min(x, 0);  dx = dy * (x > 0 ? 1 : negative_slope)."""
 
     retain_inputs, retain_outputs = (0,), ()
+
+    @property
+    def reduced_body(self):
+        """A plain ReLU runs on 2-byte buffers (engine/precision.py; kernels/reduced.py)."""
+        return self.layer_param.relu_param.negative_slope == 0
+
+    def forward_gpu(self, bottom, top):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None:
+            return super().forward_gpu(bottom, top)
+        reduced.relu_forward(bottom[0].gpu_data(), top[0].mutable_gpu_data(), s)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None:
+            return super().backward_gpu(top, propagate_down, bottom)
+        if propagate_down[0]:
+            reduced.relu_backward(bottom[0].gpu_data(), top[0].gpu_diff(),
+                                  bottom[0].mutable_gpu_diff(), s)
 
     def state_bytes(self, bottom, top):
         if self.layer_param.relu_param.negative_slope < 0 and bottom[0] is top[0]:
@@ -455,6 +477,33 @@ class DropoutLayer(NeuronLayer):
                 int(context.rng().randint(0, 2 ** 31))
             self._pass = xp.zeros(1, dtype=np.int64)
         return self._seed, self._pass
+
+    # on 2-byte buffers (real 16-bit storage, engine/precision.py): training's masks
+    @property
+    def reduced_body(self):
+        return self.phase == caffe_pb2.TRAIN
+
+    def forward_gpu(self, bottom, top):
+        from ..kernels import reduced
+        s = reduced.storage(bottom[0])
+        if s is None or self.phase != caffe_pb2.TRAIN:
+            return super().forward_gpu(bottom, top)
+        from ..kernels.dropout import dropout16
+        seed, counter = self._gpu_state(backend_xp())
+        dropout16(bottom[0].gpu_data(), top[0].mutable_gpu_data(), seed, counter, self.ratio,
+                  self.scale if self.scale_train else 1.0, s)
+
+    def backward_gpu(self, top, propagate_down, bottom):
+        from ..kernels import reduced
+        s = reduced.storage(top[0], diff=True)
+        if s is None or self.phase != caffe_pb2.TRAIN:
+            return super().backward_gpu(top, propagate_down, bottom)
+        if not propagate_down[0]:
+            return
+        from ..kernels.dropout import dropout16
+        seed, counter = self._gpu_state(backend_xp())
+        dropout16(top[0].gpu_diff(), bottom[0].mutable_gpu_diff(), seed, counter, self.ratio,
+                  self.scale if self.scale_train else 1.0, s, backward=True)
 
     def forward_xp(self, xp, bottom, top):
         x = bottom[0].data_for(xp)

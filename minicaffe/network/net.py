@@ -422,7 +422,11 @@ class Net:
             if tops[i] and not getattr(self.layers[i], "rounds_outputs", False):
                 xp = context.xp()
                 for blob, storage in tops[i]:
-                    round_storage(xp, blob.mutable_data_for(xp), storage)
+                    # (a buffer held in 2-byte words, or pointed at a 16-bit scratch by
+                    # a cast op, needs none: engine/precision.py)
+                    if getattr(blob.data_mem, "reduced", None) is None and \
+                            getattr(blob.data_mem, "storage", None) is None:
+                        round_storage(xp, blob.mutable_data_for(xp), storage)
 
         def after_backward(i):
             f, role = self.fusion_of(i)
@@ -432,7 +436,9 @@ class Net:
                     not getattr(self.layers[i], "rounds_outputs", False):
                 xp = context.xp()
                 for blob, storage in bottoms[i]:
-                    round_storage(xp, blob.mutable_diff_for(xp), storage)
+                    if getattr(blob.diff_mem, "reduced", None) is None and \
+                            getattr(blob.diff_mem, "storage", None) is None:
+                        round_storage(xp, blob.mutable_diff_for(xp), storage)
 
         self.add_hook("after_forward", after_forward)
         self.add_hook("after_backward", after_backward)

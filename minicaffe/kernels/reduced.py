@@ -1,0 +1,162 @@
+"""GPU bodies of layers on 2-byte buffers (real 16-bit storage, issue 20: the memory
+plan holds feature maps and their diffs in bfloat16 or float16, engine/precision.py).
+
+CuPy has no bfloat16 dtype: a BFLOAT16 buffer is an array of uint16 words (the high
+half of an fp32 word), a FLOAT16 one an array of float16.  Every kernel here loads its
+2-byte inputs into fp32 registers, computes in fp32 and stores rounded to nearest even
+(NVIDIA Caffe's and PyTorch's autocast's rule: 16-bit storage, fp32 math):
+
+- ``storage(blob, diff=False)``: FLOAT16/BFLOAT16 when the blob's device side is held in
+  2-byte words now (``SyncedMemory.storage``), else None;
+- ``relu_forward(x, y)``, ``relu_backward(x, dy, dx)``: y = max(x, 0) (NaN kept);
+  dx = dy where x > 0 (a non-finite dy kept, as the fp32 product would be);
+- ``bias_act(y, bias, relu)``: y = [max](y + bias[c], 0) in place, channel axis 1 (a
+  cuDNN convolution's output in the reduced type);
+- ``add(a, b, out, relu)``: out = a + b [then max(., 0)] (Split's backward of two
+  tops, Eltwise SUM, ResNet's Eltwise+ReLU);
+- ``channel_sum(dy, out, partial)``: out[c] += the sum of dy over every axis but 1 in
+  float64 (a bias gradient), deterministic (kernels/reduce.py's partition).
+"""
+import numpy as np
+
+from ..core import precision as P
+from ._backend import elementwise_kernel, raw_kernel
+from .reduce import _SRC as _SUM_SRC, _splits
+
+_TYPE = {P.BFLOAT16: "uint16", P.FLOAT16: "float16"}
+_LOAD = {P.BFLOAT16: "__uint_as_float(((unsigned int)({x})) << 16)",
+         P.FLOAT16: "((float)({x}))"}
+_STORE = {P.BFLOAT16: """{{ unsigned int u_ = __float_as_uint({v});
+  {out} = ((u_ & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u_ >> 16) | 0x40u)
+        : (unsigned short)((u_ + 0x7fffu + ((u_ >> 16) & 1u)) >> 16); }}""",
+          P.FLOAT16: "{out} = (float16)({v});"}
+_ZERO = {P.BFLOAT16: "(unsigned short)0", P.FLOAT16: "(float16)0.0f"}
+
+
+def storage(blob, diff=False):
+    """FLOAT16 or BFLOAT16 when ``blob``'s data (or diff) is held in 2-byte words on the
+    device now, else None."""
+    m = blob.diff_mem if diff else blob.data_mem
+    return getattr(m, "storage", None)
+
+
+def _kernel(s, what):
+    t, load, store, zero = _TYPE[s], _LOAD[s], _STORE[s], _ZERO[s]
+    tag = "bf16" if s == P.BFLOAT16 else "f16"
+    if what == "relu_f":
+        return elementwise_kernel(
+            f"{t} x", f"{t} y",
+            f"float v = {load.format(x='x')}; y = (v > 0.0f || v != v) ? x : {zero};",
+            f"mc_relu_f_{tag}")
+    if what == "relu_b":
+        return elementwise_kernel(
+            f"{t} x, {t} dy", f"{t} dx",
+            f"float d = {load.format(x='dy')};\n"
+            f"dx = ({load.format(x='x')} > 0.0f || !isfinite(d)) ? dy : {zero};",
+            f"mc_relu_b_{tag}")
+    if what == "bias_act":
+        return elementwise_kernel(
+            "raw float32 b, int64 c, int64 hw, int32 mode", f"{t} y",
+            f"float v = {load.format(x='y')};\n"
+            "if (mode & 1) v += b[(i / hw) % c];\n"
+            "if (mode & 2) v = v > 0.0f ? v : 0.0f;\n" + store.format(v="v", out="y"),
+            f"mc_bias_act_{tag}")
+    if what == "add":
+        return elementwise_kernel(
+            f"{t} a, {t} b, int32 relu", f"{t} y",
+            f"float v = {load.format(x='a')} + {load.format(x='b')};\n"
+            "if (relu && !(v > 0.0f)) v = 0.0f;\n"
+            + store.format(v="v", out="y"), f"mc_add_{tag}")
+    raise ValueError(what)
+
+
+def relu_forward(x, y, s):
+    _kernel(s, "relu_f")(x, y)
+
+
+def relu_backward(x, dy, dx, s):
+    _kernel(s, "relu_b")(x, dy, dx)
+
+
+def bias_act(y, s, bias=None, relu=False):
+    """In place on ``y`` (N, C, ...): the per-channel ``bias`` (float32) and a ReLU."""
+    if bias is None and not relu:
+        return y
+    c = y.shape[1] if y.ndim > 1 else 1
+    hw = int(np.prod(y.shape[2:])) if y.ndim > 2 else 1
+    mode = (1 if bias is not None else 0) | (2 if relu else 0)
+    _kernel(s, "bias_act")(bias if bias is not None else _dummy(), c, hw, mode, y)
+    return y
+
+
+_DUMMY = []
+
+
+def _dummy():
+    if not _DUMMY:
+        from ..core import backend
+        _DUMMY.append(backend.gpu_module().zeros(1, dtype=np.float32))
+    return _DUMMY[0]
+
+
+def add(a, b, out, s, relu=False):
+    """out = a + b (then max(., 0) with ``relu``), rounded once."""
+    _kernel(s, "add")(a, b, np.int32(bool(relu)), out)
+
+
+_H2F = r"""
+__device__ __forceinline__ float mc_load(unsigned short h) {
+#if MC_BF16
+  return __uint_as_float(((unsigned int)h) << 16);
+#else
+  unsigned int s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) { float f = (float)m * 5.9604644775390625e-08f; return s ? -f : f; }
+  if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13));
+  return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+extern "C" __global__ void mc_channel_sum_partial16(const unsigned short* dy, int N, int C,
+                                                    long long S, int rows_per_split,
+                                                    double* partial) {
+  __shared__ double part[256];
+  const int c = blockIdx.x, b = blockIdx.y;
+  const int n0 = b * rows_per_split;
+  const int n1 = min(N, n0 + rows_per_split);
+  const int tid = threadIdx.x;
+  double acc = 0;
+  if (S >= 256) {
+    for (int n = n0; n < n1; ++n) {
+      const unsigned short* row = dy + ((long long)n * C + c) * S;
+      for (long long s = tid; s < S; s += 256) acc += (double)mc_load(row[s]);
+    }
+  } else {
+    const int R = 256 / (int)S;
+    const int r = tid / (int)S, s = tid % (int)S;
+    if (r < R)
+      for (int n = n0 + r; n < n1; n += R)
+        acc += (double)mc_load(dy[((long long)n * C + c) * S + s]);
+  }
+  part[tid] = acc;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (tid < w) part[tid] += part[tid + w];
+    __syncthreads();
+  }
+  if (tid == 0) partial[(long long)c * gridDim.y + b] = part[0];
+}
+"""
+
+
+def channel_sum(dy, out, partial, s):
+    """out[c] += sum of the 2-byte ``dy`` (N, C, ...) over every axis but 1 (``out``
+    float32; ``partial`` float64 of ``partial_size(N, C)``)."""
+    N, C = dy.shape[0], dy.shape[1] if dy.ndim > 1 else 1
+    S = dy.size // max(N * C, 1)
+    splits, rows = _splits(N, C)
+    src = f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n" + _H2F
+    raw_kernel(src, "mc_channel_sum_partial16", "float")(
+        (C, splits), (256,), (dy.view(np.uint16), np.int32(N), np.int32(C), np.int64(S),
+                              np.int32(rows), partial))
+    raw_kernel(_SUM_SRC, "mc_channel_sum_final", "float")(
+        ((C + 255) // 256,), (256,), (partial, np.int32(C), np.int32(splits), out,
+                                      np.int32(1)))

@@ -1,0 +1,138 @@
+"""Real 16-bit storage in the GPU engine's plan (issue 20, engine/precision.py): which
+buffers are 2-byte words, which layers run on them and which between cast ops, and the
+conversions (numpy's float16 and the uint16 words of bfloat16 stand in for the GPU's)."""
+import numpy as np
+import pytest
+
+from minicaffe import Net
+from minicaffe.core import precision as P
+from minicaffe.core.config import RunConfig
+from minicaffe.engine.plan import ALIGN, MemoryPlan
+from minicaffe.engine.precision import precision_pass, storage_lines
+from minicaffe.engine.schedule import schedule_for
+from minicaffe.proto import caffe_pb2
+from test_memory_plan import CHAIN
+
+
+def _net(prec, text=CHAIN):
+    return Net(text, phase=caffe_pb2.TRAIN, config=RunConfig(precision=prec))
+
+
+def _bytes(plan):
+    """{(first blob name, kind): bytes} of the plan's data and diff buffers."""
+    return {(b.names[0], b.kind): b.nbytes for b in plan.buffers if b.kind in ("data", "diff")}
+
+
+def _aligned(n):
+    return -(-n // ALIGN) * ALIGN
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_plan_holds_reduced_blobs_in_two_bytes_and_the_rest_in_four(prec):
+    net = _net(prec)
+    count = {n: b.count for n, b in net.blobs.items()}
+    got = _bytes(MemoryPlan(net, reduced_storage=True))
+    for name in ("conv1", "pool1", "conv2", "pool2"):     # feature maps and their diffs
+        assert got[(name, "data")] == _aligned(2 * count[name]), name
+        assert got[(name, "diff")] == _aligned(2 * count[name]), name
+    # the data layer's tops (inputs, labels), the loss, and the loss's input gradient
+    # (SoftmaxWithLoss's backward type is FLOAT) stay fp32
+    for key in (("data", "data"), ("label", "data"), ("loss", "data"), ("ip", "diff")):
+        assert got[key] == _aligned(4 * count[key[0]]), key
+    # without 16-bit storage (an offloading plan, the CPU's emulation): fp32 buffers
+    emulated = _bytes(MemoryPlan(net))
+    assert emulated[("conv1", "data")] == _aligned(4 * count["conv1"])
+    # an fp32 net: four bytes everywhere
+    fp32 = _bytes(MemoryPlan(_net(None), reduced_storage=True))
+    assert fp32 == emulated
+
+
+def test_plan_arena_shrinks_and_cast_scratch_is_planned():
+    full = MemoryPlan(_net("bf16"))
+    half = MemoryPlan(_net("bf16"), reduced_storage=True)
+    assert half.unshared_bytes < 0.75 * full.unshared_bytes
+    scratch = [b for b in half.buffers if b.kind == "cast"]
+    assert scratch and all(b.start == b.end or b.end - b.start <= 1 for b in scratch)
+    assert any("16-bit storage: " in line for line in half.report())
+
+
+FC = CHAIN.replace('layer { name: "ip"', '''layer { name: "fc" type: "InnerProduct" bottom: "pool2" top: "fc"
+        inner_product_param { num_output: 6 weight_filler { type: "xavier" } } }
+layer { name: "ip"''').replace('bottom: "pool2" top: "ip"', 'bottom: "fc" top: "ip"')
+
+
+@pytest.mark.parametrize("prec,kind", [("bf16", "BFLOAT16"), ("fp16", "FLOAT16")])
+def test_listing_says_which_layers_run_native_and_which_in_fp32(prec, kind):
+    lines = storage_lines(_net(prec, FC))
+    assert f"  conv1 (Convolution): native {kind}" in lines
+    assert f"  relu1 (ReLU): native {kind}" in lines
+    assert f"  pool1 (Pooling): native {kind}" in lines
+    assert f"  fc (InnerProduct): native {kind}" in lines
+    # the last InnerProduct reads the loss's gradient, FLOAT by the type rules: fp32 body
+    assert "  ip (InnerProduct): fp32" in lines
+    assert "  loss (SoftmaxWithLoss): fp32" in lines
+    assert storage_lines(_net(None)) == []
+
+
+def test_schedule_casts_only_at_the_fp32_boundaries():
+    net = _net("bf16")
+    text = [str(op) for op in precision_pass(schedule_for(net), net).ops]
+    casts = [t for t in text if t.startswith("cast")]
+    # the input (stored fp32) goes to conv1 as bfloat16, in forward and in backward
+    assert casts.count("cast data (data FLOAT -> BFLOAT16 scratch)") == 2
+    # ip (fp32: it reads the loss's fp32 gradient) and the loss read bfloat16 maps
+    # through fp32 scratch; ip's output is rounded into its bfloat16 buffer
+    k = text.index("forward 7 ip")
+    assert text[k - 1] == "cast pool2 (data BFLOAT16 -> FLOAT scratch)"
+    assert text[k + 1] == "cast ip (data FLOAT scratch -> BFLOAT16)"
+    k = text.index("forward 8 loss")
+    assert text[k - 1] == "cast ip (data BFLOAT16 -> FLOAT scratch)"
+    k = text.index("backward 7 ip")
+    assert text[k - 1] == "cast pool2 (data BFLOAT16 -> FLOAT scratch)"
+    assert text[k + 1] == "cast pool2 (diff FLOAT scratch -> BFLOAT16)"
+    # nothing between the native layers; no rounding of 2-byte blobs
+    assert not any("conv1" in t or "pool1" in t or "conv2" in t for t in casts)
+    # the one rounding left: the input, an fp32 buffer holding bfloat16 values
+    assert [t for t in casts if " to BFLOAT16)" in t] == ["cast 0 data (data to BFLOAT16)"]
+    # the CPU's emulation (no 16-bit storage): rounding casts after the layers
+    emu = [str(op) for op in precision_pass(schedule_for(net), net, {}).ops]
+    assert "cast 1 conv1 (data to BFLOAT16)" in emu
+
+
+def test_a_layer_without_a_reduced_body_runs_between_casts():
+    text = CHAIN.replace('''layer { name: "ip"''', '''layer { name: "sig" type: "Sigmoid" bottom: "pool2" top: "sig" }
+layer { name: "ip"''').replace('bottom: "pool2" top: "ip"', 'bottom: "sig" top: "ip"')
+    net = _net("bf16", text)
+    assert "  sig (Sigmoid): fp32" in storage_lines(net)
+    ops = [str(op) for op in precision_pass(schedule_for(net), net).ops]
+    k = ops.index("forward 7 sig")
+    assert ops[k - 1] == "cast pool2 (data BFLOAT16 -> FLOAT scratch)"
+    assert ops[k + 1] == "cast sig (data FLOAT scratch -> BFLOAT16)"
+    k = ops.index("backward 7 sig")
+    assert "cast sig (diff BFLOAT16 -> FLOAT scratch)" in ops[k - 3:k]
+    assert ops[k + 1] == "cast pool2 (diff FLOAT scratch -> BFLOAT16)"
+
+
+def test_narrow_and_widen_are_the_rounding_of_the_emulation():
+    rs = np.random.RandomState(5)
+    a = (rs.standard_normal(1000) * 10.0 ** rs.uniform(-8, 8, 1000)).astype(np.float32)
+    a[:4] = [np.inf, -np.inf, np.nan, 3.4e38]
+    for s in (P.BFLOAT16, P.FLOAT16):
+        h = P.narrow(np, a, np.empty(a.size, P.buffer_dtype(s)), s)
+        assert h.dtype.itemsize == 2 and P.storage_of(h) == s
+        back = P.widen(np, h, np.empty(a.size, np.float32), s)
+        ref = P.round_to(np, a.copy(), s)
+        same = (back == ref) | (np.isnan(back) & np.isnan(ref))
+        assert same.all(), s
+    assert P.storage_of(np.zeros(1, np.float32)) == P.FLOAT
+
+
+def test_memory_cli_lists_native_layers(cli, tmp_path):
+    (tmp_path / "net.prototxt").write_text(FC)
+    rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "fp16")
+    assert rc == 0, err
+    assert "16-bit storage on a GPU" in out
+    assert "  conv2 (Convolution): native FLOAT16" in out
+    assert "  ip (InnerProduct): fp32" in out
+    rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt")
+    assert rc == 0 and "16-bit storage" not in out
