@@ -528,9 +528,12 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
     writes (a value naming the buffer and the step) and checks the data it reads, and
     diffs write junk where they are placed -- so a copy that reads a place already
     reused, or a read of a buffer that has not come back, fails."""
-    from minicaffe.core import backend
+    from minicaffe.core import backend, context
     fake, compute = _fake_cupy(early)
     monkeypatch.setattr(backend, "cp", fake)
+    # streams of this fake only: a kept stream of an earlier test may hold copies that
+    # never ran (a test that stopped mid-iteration), into memory freed since
+    monkeypatch.setattr(context, "_kept_streams", {})
     op.plan.apply()
     import types
     step = types.SimpleNamespace(net=net, plan=op.plan,
@@ -644,8 +647,8 @@ def test_lanes_put_the_late_small_maps_beside_the_early_large_ones():
     """On VGG's shape (large maps first, needed last) the model picks the second stream
     for the maps needed first in backward, and is shorter than one FIFO stream;
     LANES = 1 keeps every copy on one stream."""
-    net = _synthetic("models/vgg16/train_val.prototxt", 32, [3, 224, 224])
-    times = _fake_times(net, conv=2e-3, other=2e-5)
+    net = _synthetic("models/vgg16/train_val.prototxt", 64, [3, 32, 32])
+    times = _fake_times(net, conv=1e-4, other=1e-6)      # copies long against compute
     first = offload.n_prologue(net)
     op = offload.build(net, "ALL", times=times)        # lives lengthened (hide_copies)
     check_plan(op)
@@ -719,11 +722,12 @@ def test_replan_lets_the_old_arena_go_before_the_new_one_is_made(monkeypatch):
     import gc
     import types
     import weakref
-    from minicaffe.core import backend
+    from minicaffe.core import backend, context
     from minicaffe.engine.step import GpuStep
     fake, compute = _fake_cupy(early=False)
     fake.cuda.get_elapsed_time = lambda a, b: 1.0
     monkeypatch.setattr(backend, "cp", fake)
+    monkeypatch.setattr(context, "_kept_streams", {})       # (see _run_on_fake_device)
     net = _net()
     op = offload.build(net, "ALL")
     op.plan.apply()

@@ -116,6 +116,7 @@ def _step_on_fake_device(monkeypatch, net_config, free, total):
     fake, _ = _fake_cupy(early=False)
     fake.cuda.runtime.memGetInfo = lambda: (free, total)
     monkeypatch.setattr(backend, "cp", fake)
+    monkeypatch.setattr(context, "_kept_streams", {})       # this fake's streams only
     monkeypatch.setattr(context, "is_gpu", lambda: True)
     monkeypatch.setattr(backend, "used_gpu_bytes", lambda: 0)
     net = Net(CHAIN, phase=caffe_pb2.TRAIN, config=net_config)

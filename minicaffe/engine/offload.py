@@ -344,8 +344,8 @@ def saving(plan, e):
 
 
 class _OutPipe:
-    """The device->host copies of the timeline model: ``LANES`` streams (each FIFO)
-    sharing one link of ``rate`` bytes/s equally among those busy at a time (one busy
+    """The device->host copies of the timeline model: two streams (lanes 0 and 1, each
+    FIFO) sharing one link of ``rate`` bytes/s, half each while both copy (one busy
     stream has it all, as one FIFO stream had).  Copies are added in time order; the
     end of a copy is known once no copy added later can share the link before it ends
     (the callers ask only then: the compute stream waits for it, or backward has
@@ -353,36 +353,51 @@ class _OutPipe:
 
     def __init__(self, rate):
         self.rate, self.clock = rate, 0.0
-        self.queues = collections.defaultdict(collections.deque)   # lane -> [key, bytes]
+        self.queues = (collections.deque(), collections.deque())   # [key, bytes left]
         self.done = {}
 
     def add(self, key, t, nbytes, lane=0):
         t = max(t, self.clock)
         self._run(t)
-        self.queues[lane].append([key, float(nbytes)])
+        self.queues[1 if lane else 0].append([key, float(nbytes)])
 
     def _run(self, until=float("inf"), key=None):
-        while True:
-            busy = [q for q in self.queues.values() if q]
-            if not busy or (key is not None and key in self.done):
-                self.clock = max(self.clock, until) if until != float("inf") else self.clock
+        q0, q1 = self.queues
+        done, eps = self.done, 1e-6
+        while key is None or key not in done:
+            if q0 and q1:
+                share = self.rate / 2
+                dt = min(q0[0][1], q1[0][1]) / share
+                if self.clock + dt > until:
+                    moved = share * (until - self.clock)
+                    q0[0][1] -= moved
+                    q1[0][1] -= moved
+                    self.clock = until
+                    return
+                self.clock += dt
+                moved = share * dt
+                for q in (q0, q1):
+                    q[0][1] -= moved
+                    if q[0][1] <= eps:
+                        done[q.popleft()[0]] = self.clock
+            elif q0 or q1:
+                q = q0 or q1
+                dt = q[0][1] / self.rate
+                if self.clock + dt > until:
+                    q[0][1] -= self.rate * (until - self.clock)
+                    self.clock = until
+                    return
+                self.clock += dt
+                done[q.popleft()[0]] = self.clock
+            else:
+                if until != float("inf"):
+                    self.clock = max(self.clock, until)
                 return
-            share = self.rate / len(busy)
-            dt = min(q[0][1] for q in busy) / share
-            if self.clock + dt > until:
-                for q in busy:
-                    q[0][1] -= share * (until - self.clock)
-                self.clock = until
-                return
-            self.clock += dt
-            for q in busy:
-                q[0][1] -= share * dt
-                if q[0][1] <= 1e-6:
-                    self.done[q.popleft()[0]] = self.clock
 
     def end_of(self, key):
         """When the copy ``key`` ends."""
-        self._run(key=key)
+        if key not in self.done:
+            self._run(key=key)
         return self.done[key]
 
     def drain(self):
@@ -680,45 +695,43 @@ def _spread(values, n):
     return [values[(len(values) - 1) * (k + 1) // n] for k in range(n)]
 
 
-def choose_lanes(entries, times, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
+def choose_lanes(entries, times, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S,
+                 lazy=False):
     """Which device->host stream copies each entry out (``e.lane``: 0, or 1 for the
     second stream), so that the maps the backward needs first do not queue behind the
     large ones made before them (VGG-16: conv5_x's small outputs behind conv1_x's 3 GiB
     ones on one FIFO stream).  Tried on the timeline model (``simulate`` over ``times``,
     the two streams sharing the link): one stream; the second for the maps made from a
-    step on (up to 24 steps tried); the second for the maps up to a size (up to 12) --
-    the shortest kept, one stream where none is shorter; then each map moved to the
-    other stream where that is shorter (twice over at most: VGG-16's pool1 beside
-    conv1_x's outputs, whose place conv2_2 takes).  Returns how many go on the
-    second.  Pure Python."""
+    step on (up to 16 steps tried); the second for the maps up to a size (up to 8) --
+    the shortest kept, one stream where none is shorter; then each map, in the order
+    they go out, moved to the other stream where that is shorter (VGG-16's pool1 beside
+    conv1_x's outputs, whose place conv2_2 takes).  ``lazy``: the compute stream waits
+    for a copy out where the placement says (``release``; the entries are placed), not
+    right after the forward life.  Returns how many go on the second.  Pure Python."""
     for e in entries:
         e.lane = 0
     if LANES < 2 or len(entries) < 2:
         return 0
-    best, pick = simulate(times, entries, first, d2h, h2d)[0], [0] * len(entries)
+    best, pick = simulate(times, entries, first, d2h, h2d, lazy)[0], [0] * len(entries)
     ways = [[int(e.d2h_after >= k) for e in entries]
-            for k in _spread(sorted({e.d2h_after for e in entries})[1:], 24)]
+            for k in _spread(sorted({e.d2h_after for e in entries})[1:], 16)]
     ways += [[int(e.copy_bytes <= z) for e in entries]
-             for z in _spread(sorted({e.copy_bytes for e in entries})[:-1], 12)]
+             for z in _spread(sorted({e.copy_bytes for e in entries})[:-1], 8)]
     for lanes in ways:
         for e, lane in zip(entries, lanes):
             e.lane = lane
-        total = simulate(times, entries, first, d2h, h2d)[0]
+        total = simulate(times, entries, first, d2h, h2d, lazy)[0]
         if total < best - 1e-6:
             best, pick = total, lanes
     for e, lane in zip(entries, pick):
         e.lane = lane
-    for _ in range(2):             # then one map at a time, in the order they go out
-        better = False
-        for e in sorted(entries, key=lambda e: e.d2h_after):
+    for e in sorted(entries, key=lambda e: e.d2h_after):   # then one map at a time
+        e.lane = 1 - e.lane
+        total = simulate(times, entries, first, d2h, h2d, lazy)[0]
+        if total < best - 1e-6:
+            best = total
+        else:
             e.lane = 1 - e.lane
-            total = simulate(times, entries, first, d2h, h2d)[0]
-            if total < best - 1e-6:
-                best, better = total, True
-            else:
-                e.lane = 1 - e.lane
-        if not better:
-            break
     return sum(e.lane for e in entries)
 
 
@@ -862,9 +875,11 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
         return op
     times = times if times is not None else estimate_times(net)
     first = n_prologue(net)
-    # the second device->host stream: chosen over vDNN's lives, chosen again over the
-    # lengthened ones (the streams change no place in the arena)
-    op.info = dict(op.info, lanes=choose_lanes(op.entries, times, first))
+    # the second device->host stream: chosen over vDNN's lives (for hide_copies), and
+    # last over the placed plan, where the compute stream waits as placed (the streams
+    # change no place in the arena)
+    choose_lanes(op.entries, times, first)
+    op.info = dict(op.info, lanes=choose_lanes(op.entries, times, first, lazy=True))
     if not (HIDE if hide is None else hide):
         return op
     limit = max(op.peak, budget or 0)
@@ -881,10 +896,10 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
         n = hide_copies(plan, entries, times, target)
         if not n and not kept:
             return op
-        lanes = choose_lanes(entries, times, first)
         live = int(live_bytes_with(plan, entries).max()) + plan.side_bytes
         hidden = OffloadPlan(plan, entries, op.policy, budget, op.info)
         if hidden.peak <= limit:
+            lanes = choose_lanes(hidden.entries, times, first, lazy=True)
             hidden.info = dict(op.info, lengthened=n, unhidden_peak=op.peak, lanes=lanes,
                                kept=len(kept))
             return hidden
