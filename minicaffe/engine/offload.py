@@ -12,8 +12,10 @@ not a branch inside any layer:
   its own in the arena's shared region, plus a slot in a pinned host slab of our own
   (one ``cudaHostAlloc``, not CuPy's power-of-two pinned pool);
 - **the schedule** (``Schedule``): after the last forward writer of a buffer, a
-  device-to-host copy on a copy stream, started by an event from the compute stream and
-  overlapping the next layers' compute; the compute stream waits for that copy (an event)
+  device-to-host copy on one of two copy streams (``choose_lanes``: the maps the
+  backward needs first beside the large early ones, not behind them), issued in pieces
+  of ``COPY_CHUNK``, started by an event from the compute stream and overlapping the
+  next layers' compute; the compute stream waits for that copy (an event)
   only before the first step that reuses the buffer's place in the arena.  During
   backward, a host-to-device copy on a second copy stream, issued where the paper's
   ``findPrefetchLayer`` says (while the nearest layer above with offloaded input runs,
@@ -28,7 +30,8 @@ not a branch inside any layer:
   layer by layer with CUDA events, and then buffers are offloaded one at a time, those
   live at the planned peak first, only where the copies hide under compute (a timeline
   model of the compute and copy streams at ``D2H_BYTES_PER_S``/``H2D_BYTES_PER_S``) until
-  the planned peak fits ``gpu_memory_budget``;
+  the planned peak fits ``gpu_memory_budget``; then the chosen maps whose stretch off
+  the device fits the budget stay on it (``keep_on_device``);
 - **hiding the copies** (``hide_copies``): the lives then grow where the copies need
   time and the budget (or, without one, the plan's own peak) allows -- a copy back
   starting before vDNN's point, a forward place held while its copy out runs -- in the
