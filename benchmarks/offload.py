@@ -4,6 +4,7 @@ offload policy, with PyTorch's ``save_on_cpu(pin_memory=True)`` as the peer, in 
     python benchmarks/offload.py [--nets vgg16,resnet50] [--batch 256] [--iters 5]
                                  [--budgets 0.5,0.65,0.75] [--limits 12GiB] [--json OUT.json]
                                  [--policies ALL,CONV] [--vdnn ALL,CONV,DYNAMIC]
+                                 [--one-lane ALL,CONV,DYNAMIC]
                                  [--no-timeline] [--timeline-steps all|waits]
 
 Each configuration runs in a child process of its own (a clean device: its peak is its
@@ -40,10 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"vgg16": "models/vgg16/train_val.prototxt",
           "resnet50": "models/resnet50/train_val.prototxt"}
 GiB = float(1 << 30)
+# a child's schedule: lives lengthened (hide_copies), vDNN's lives, one d2h stream
+MODE_LABEL = {"1": "", "0": " vDNN lives", "1L1": " one d2h stream"}
 
 
 # -- one configuration per process ---------------------------------------------------------
-def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True):
+def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, lanes=2):
     from gpu_step import make, synthetic
     from minicaffe.core import backend, context, log
     from minicaffe.engine import offload
@@ -56,6 +59,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True):
     pool.ensure()
     budget = offload.resolve_budget(parse_gpu_mem_limit(budget))   # 12GiB, auto...
     offload.HIDE = hide            # off: the lives of vDNN's points (the schedule before)
+    offload.LANES = lanes          # 1: one device->host stream (the schedule of round 2)
     net = synthetic(MODELS[net_name], batch, [3, 224, 224])
     net.offload_param.policy = caffe_pb2.OffloadParameter.Policy.Value(policy)
     net.offload_param.gpu_memory_budget = int(budget)
@@ -88,6 +92,8 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True):
            "allocator": pool.name(), "graphs": bool(st.graphs)}
     if off is not None:
         out["lengthened"] = off.oplan.info.get("lengthened", 0)
+        out["lanes"] = off.oplan.info.get("lanes", 0)
+        out["kept"] = off.oplan.info.get("kept", 0)
         out.update(moved=off.oplan.moved_bytes, back=off.oplan.returned_bytes,
                    n=len(off.oplan.entries), host=off.oplan.host_bytes,
                    model_ms=off.oplan.info.get("total_s", 0) * 1e3,
@@ -220,7 +226,7 @@ def child(argv):
     elif kind == "minicaffe":
         net, batch, policy, budget, iters, repeats, hide = argv[1:]
         res = run_minicaffe(net, int(batch), policy, budget, int(iters), int(repeats),
-                            hide == "1")
+                            hide[0] == "1", 1 if hide.endswith("L1") else 2)
     else:
         net, batch, mode, iters, repeats = argv[1:]
         res = run_torch(net, int(batch), mode, int(iters), int(repeats))
@@ -259,6 +265,9 @@ def main():
     ap.add_argument("--vdnn", default="",
                     help="policies (ALL,CONV,DYNAMIC) also run with vDNN's lives "
                          "(hide_copies off), for comparison in the same run")
+    ap.add_argument("--one-lane", default="",
+                    help="policies (ALL,CONV,DYNAMIC) also run with one device->host "
+                         "stream (offload.LANES = 1), for comparison in the same run")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--timeline-steps", default="waits", choices=("all", "waits"))
@@ -285,8 +294,10 @@ def main():
             parse_gpu_mem_limit(text)          # a mistake stops here, not in a child
             runs.append(("DYNAMIC", text, f"DYNAMIC {text}"))
         for policy, budget, label in runs:
-            for hide in ((1, 0) if policy in a.vdnn.split(",") else (1,)):
-                rows.append((f"minicaffe {label}{'' if hide else ' vDNN lives'}",
+            modes = ["1"] + (["0"] if policy in a.vdnn.split(",") else []) + \
+                (["1L1"] if policy in a.one_lane.split(",") else [])
+            for hide in modes:
+                rows.append((f"minicaffe {label}{MODE_LABEL[hide]}",
                              spawn("minicaffe", name, a.batch, policy, budget, a.iters,
                                    a.repeats, hide)))
                 r = rows[-1][1]            # as it comes: a run cut short keeps its rows
@@ -347,6 +358,8 @@ def print_table(name, batch, rows, bw):
                      f"bound {bound:8.1f} ms ({bound / r['ms']:.2f})")
             if r.get("floor"):
                 line += f"  floor {r['floor'] / GiB:.2f} GiB"
+            if r.get("lanes") or r.get("kept"):
+                line += f"  ({r.get('lanes', 0)} out on the 2nd stream, {r.get('kept', 0)} kept)"
         print(line, flush=True)
 
 

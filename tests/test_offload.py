@@ -428,6 +428,12 @@ class _FakeDev(np.ndarray):
     def set(self, a, stream=None):
         self[...] = a
 
+    def get(self, out=None, stream=None):
+        if out is None:
+            return np.array(self)
+        out[...] = self
+        return out
+
 
 class _FakeStream:
     """A stream whose work runs only when something waits for it ("late": the latest
@@ -466,6 +472,15 @@ class _FakeStream:
     def synchronize(self):
         self.flush(len(self.ops))
 
+    def is_capturing(self):
+        return False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
 
 class _FakeEvent:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
@@ -492,8 +507,12 @@ def _fake_cupy(early):
                                hostAllocPortable=1, memcpyAsync=memcpy,
                                memGetInfo=lambda: (1 << 40, 1 << 40))
     compute = _FakeStream(compute=True)
+
+    def stream(non_blocking=True):
+        return _FakeStream(early=early)
+    stream.null = _FakeStream(compute=True)     # the legacy default stream (the arena's)
     cuda = types.SimpleNamespace(
-        Stream=lambda non_blocking=True: _FakeStream(early=early), Event=_FakeEvent,
+        Stream=stream, Event=_FakeEvent,
         runtime=rt, get_current_stream=lambda: compute,
         memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
     return types.SimpleNamespace(cuda=cuda, empty=lambda n, dtype: np.zeros(n, dtype).view(
@@ -509,9 +528,12 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
     writes (a value naming the buffer and the step) and checks the data it reads, and
     diffs write junk where they are placed -- so a copy that reads a place already
     reused, or a read of a buffer that has not come back, fails."""
-    from minicaffe.core import backend
+    from minicaffe.core import backend, context
     fake, compute = _fake_cupy(early)
     monkeypatch.setattr(backend, "cp", fake)
+    # streams of this fake only: a kept stream of an earlier test may hold copies that
+    # never ran (a test that stopped mid-iteration), into memory freed since
+    monkeypatch.setattr(context, "_kept_streams", {})
     op.plan.apply()
     import types
     step = types.SimpleNamespace(net=net, plan=op.plan,
@@ -587,3 +609,157 @@ def test_fake_device_catches_a_missing_wait(monkeypatch):
         e.release = None
     with pytest.raises(AssertionError):
         _run_on_fake_device(monkeypatch, net, op, early=False)
+
+
+# -- round 3: a second device->host stream, copies in pieces, DYNAMIC keeping maps --------
+def _entry(d2h_after, nbytes, lane=0, bwd_first=None, prefetch=None):
+    import types
+    return types.SimpleNamespace(d2h_after=d2h_after, copy_bytes=nbytes, lane=lane,
+                                 hold=d2h_after, release=None, bwd_first=bwd_first,
+                                 prefetch=prefetch)
+
+
+def test_two_device_to_host_streams_share_the_link_in_the_model():
+    """One stream is FIFO at the full rate; two busy streams share it: a small copy on
+    the second stream ends long before the large one queued ahead of it on the first
+    would have let it, and the total bytes still take the same time."""
+    rate = 1e9
+    big, small = 8e8, 1e8                   # 0.8 s and 0.1 s alone
+    fifo = offload._OutPipe(rate)
+    fifo.add("big", 0.0, big)
+    fifo.add("small", 0.0, small)
+    assert fifo.end_of("small") == pytest.approx(0.9)
+    two = offload._OutPipe(rate)
+    two.add("big", 0.0, big, lane=0)
+    two.add("small", 0.0, small, lane=1)
+    assert two.end_of("small") == pytest.approx(0.2)      # half the link while both run
+    assert two.end_of("big") == pytest.approx(0.9)         # the link never idles
+    # the timeline model: the compute stream waits for the small map's copy at step 2
+    times = [0.0, 0.0, 0.1, 0.1]
+    a, b = _entry(0, big), _entry(1, small)
+    b.release = 2
+    one_lane = offload.simulate(times, [a, b], lazy=True)[0]
+    b.lane = 1
+    assert offload.simulate(times, [a, b], lazy=True)[0] < one_lane
+
+
+def test_lanes_put_the_late_small_maps_beside_the_early_large_ones():
+    """On VGG's shape (large maps first, needed last) the model picks the second stream
+    for the maps needed first in backward, and is shorter than one FIFO stream;
+    LANES = 1 keeps every copy on one stream."""
+    net = _synthetic("models/vgg16/train_val.prototxt", 64, [3, 32, 32])
+    times = _fake_times(net, conv=1e-4, other=1e-6)      # copies long against compute
+    first = offload.n_prologue(net)
+    op = offload.build(net, "ALL", times=times)        # lives lengthened (hide_copies)
+    check_plan(op)
+    lanes = {e.name: e.lane for e in op.entries}
+    two = offload.simulate(times, op.entries, first)[0]
+    assert op.info["lanes"] == sum(lanes.values()) > 0
+    assert lanes["conv5_3"] == 1 and lanes["conv1_1"] == 0
+    assert "conv5_3: " in "\n".join(l for l in op.describe() if "(second stream)" in l)
+    for e in op.entries:
+        e.lane = 0
+    assert offload.simulate(times, op.entries, first)[0] > two
+    saved = offload.LANES
+    try:
+        offload.LANES = 1
+        assert offload.choose_lanes(op.entries, times, first) == 0
+        assert all(e.lane == 0 for e in op.entries)
+    finally:
+        offload.LANES = saved
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["late-copies", "early-copies"])
+def test_second_stream_and_pieces_on_the_fake_device(monkeypatch, googlenet, early):
+    """Every read after its copy with copies out on both device->host streams (every
+    other map on the second) and each copy cut into many pieces: a missing wait on
+    either stream shows up as a read of junk."""
+    monkeypatch.setattr(offload, "COPY_CHUNK", 4096)
+    net = googlenet
+    op = offload.build(net, "ALL", times=_fake_times(net))
+    for k, e in enumerate(op.entries):
+        e.lane = k % 2
+    assert _run_on_fake_device(monkeypatch, net, op, early) > len(op.entries)
+
+
+def test_fake_device_catches_a_missing_wait_on_the_second_stream(monkeypatch):
+    net = _net()
+    op = offload.build(net, "ALL")
+    for e in op.entries:
+        e.lane = 1
+        e.release = None
+    with pytest.raises(AssertionError):
+        _run_on_fake_device(monkeypatch, net, op, early=False)
+
+
+def test_dynamic_keeps_on_the_device_what_fits_the_budget(resnet):
+    """Under a budget, DYNAMIC's maps whose stretch off the device fits stay there: fewer
+    copies, the plan within the budget, the schedule safe."""
+    net = resnet
+    every = offload.build(net, "ALL")
+    none = offload.build(net, "NONE")
+    budget = (none.peak + every.peak) // 2
+    times = _fake_times(net, conv=1e-3, other=1e-5)
+    op = offload.build(net, "DYNAMIC", budget, times=times)
+    check_plan(op)
+    assert op.peak <= budget
+    plain = offload.build(net, "DYNAMIC", budget, times=times, hide=False)
+    assert op.info.get("kept", 0) >= 0
+    assert op.moved_bytes <= plain.moved_bytes
+    # keep_on_device itself: with room for everything, every map stays
+    from minicaffe.engine.plan import MemoryPlan
+    plan = MemoryPlan(net, train=True)
+    entries = offload.candidates(plan, "ALL")
+    kept = offload.keep_on_device(plan, entries, times, none.peak + (1 << 30))
+    assert set(kept) == {e.name for e in entries}
+    assert offload.keep_on_device(plan, entries, times, every.peak // 2) == []
+
+
+def test_replan_lets_the_old_arena_go_before_the_new_one_is_made(monkeypatch):
+    """Offload's re-plan after its timed iteration (``Offloader.profile`` ->
+    ``GpuStep.replan``): when the new arena is allocated, nothing holds the old one any
+    more (no SyncedMemory, layer, entry or plan), so the device never holds both."""
+    import gc
+    import types
+    import weakref
+    from minicaffe.core import backend, context
+    from minicaffe.engine.step import GpuStep
+    fake, compute = _fake_cupy(early=False)
+    fake.cuda.get_elapsed_time = lambda a, b: 1.0
+    monkeypatch.setattr(backend, "cp", fake)
+    monkeypatch.setattr(context, "_kept_streams", {})       # (see _run_on_fake_device)
+    net = _net()
+    op = offload.build(net, "ALL")
+    op.plan.apply()
+    old = weakref.ref(op.plan.arena)
+    alive_at_alloc = []
+    real = backend.alloc_arena
+
+    def alloc(n):
+        gc.collect()
+        alive_at_alloc.append(old() is not None)
+        return real(n)
+    monkeypatch.setattr(backend, "alloc_arena", alloc)
+    step = types.SimpleNamespace(net=net, plan=op.plan, input_places={}, first_body=0,
+                                 solver=types.SimpleNamespace(history_flat=[]))
+    step.replan = lambda plan: GpuStep.replan(step, plan)
+    off = offload.Offloader(step, op, "ALL", 0)
+    off.attach()
+    L = len(net.layers)
+    first = offload.n_prologue(net)
+
+    def body():
+        off.begin()
+        for i in range(first, L):
+            net.run_hooks("before_forward", i)
+            net.run_hooks("after_forward", i)
+        for i in range(L - 1, -1, -1):
+            net.run_hooks("before_backward", i)
+            net.run_hooks("after_backward", i)
+        off.end()
+    body()
+    del op
+    off.profile(body)
+    off.detach()
+    assert alive_at_alloc == [False]
+    assert step.plan.arena is not None

@@ -115,6 +115,33 @@ def test_offload_changes_no_number(gpu, policy, graphs):
         np.testing.assert_array_equal(ref.net.blobs[name].data, s.net.blobs[name].data, name)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+def test_second_stream_and_pieces_change_no_number(gpu, monkeypatch, graphs):
+    """Copies out on both device->host streams (every other map on the second) and cut
+    into 64 KiB pieces: the same weights and blobs as without offload, eager and
+    replayed; the step's timeline shows copies on both streams."""
+    def alternate(entries, times, first=0, *a):
+        for k, e in enumerate(sorted(entries, key=lambda e: e.d2h_after)):
+            e.lane = k % 2
+        return sum(e.lane for e in entries)
+    monkeypatch.setattr(offload, "choose_lanes", alternate)
+    monkeypatch.setattr(offload, "COPY_CHUNK", 64 << 10)
+    ref = _solver("NONE", graphs=graphs)
+    ref.step(8)
+    s = _solver("ALL", graphs=graphs)
+    s.step(8)
+    st = s.gpu_step
+    assert {e.lane for e in st.offload.oplan.entries} == {0, 1}
+    if graphs:
+        assert st.graphs, "nothing was captured"
+    for a, b in zip(_weights(ref), _weights(s)):
+        np.testing.assert_array_equal(a, b)
+    for name in ("conv1", "pool1", "a", "sum", "cat", "conv2", "ip1"):
+        np.testing.assert_array_equal(ref.net.blobs[name].data, s.net.blobs[name].data, name)
+    tl = offload.trace_iteration(st).as_dict()
+    assert {c["lane"] for c in tl["copies"] if c["kind"] == "out"} == {0, 1}
+
+
 def test_iter_size_and_a_forward_after_training(gpu):
     ref = _solver("NONE", iter_size=2)
     ref.step(4)

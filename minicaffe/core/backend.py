@@ -105,11 +105,29 @@ def alloc_gpu(size, dtype):
 
 def alloc_arena(nbytes):
     """An uninitialised device buffer of ``nbytes`` bytes (uint8) on the current device,
-    or None when the device has no room for it (the memory plan's arena)."""
+    or None when the device has no room for it (the memory plan's arena).  Like
+    ``alloc_kept``, on the legacy default stream: every arena of a net is allocated and
+    freed on that one stream, so a re-plan's new arena may take the memory of the old
+    one, freed just before, in stream order (from a pool of the stream-ordered
+    allocator, memory freed on one stream is not handed to another stream's allocation
+    before that free is known to have run)."""
     try:
-        return cp.empty(int(nbytes), dtype=np.uint8)
+        return alloc_kept(int(nbytes))
     except cp.cuda.memory.OutOfMemoryError:
         return None
+
+
+def let_freed_go():
+    """After a large device buffer was let go (a re-plan's old arena): wait for the
+    device, so that the stream-ordered pool may hand the freed memory to an allocation
+    on any stream, and make CuPy's caching pool (``MINICAFFE_GPU_ALLOCATOR=default``)
+    give its cached free blocks back to the driver, so the freed buffer is not held
+    beside the next one.  A no-op without a GPU."""
+    if cp is None or not gpu_available():
+        return
+    cp.cuda.Device().synchronize()
+    if _allocator["name"] != "async":
+        _default_pool().free_all_blocks()
 
 
 def alloc_kept(nbytes):

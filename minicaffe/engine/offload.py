@@ -12,8 +12,10 @@ not a branch inside any layer:
   its own in the arena's shared region, plus a slot in a pinned host slab of our own
   (one ``cudaHostAlloc``, not CuPy's power-of-two pinned pool);
 - **the schedule** (``Schedule``): after the last forward writer of a buffer, a
-  device-to-host copy on a copy stream, started by an event from the compute stream and
-  overlapping the next layers' compute; the compute stream waits for that copy (an event)
+  device-to-host copy on one of two copy streams (``choose_lanes``: the maps the
+  backward needs first beside the large early ones, not behind them), issued in pieces
+  of ``COPY_CHUNK``, started by an event from the compute stream and overlapping the
+  next layers' compute; the compute stream waits for that copy (an event)
   only before the first step that reuses the buffer's place in the arena.  During
   backward, a host-to-device copy on a second copy stream, issued where the paper's
   ``findPrefetchLayer`` says (while the nearest layer above with offloaded input runs,
@@ -28,7 +30,8 @@ not a branch inside any layer:
   layer by layer with CUDA events, and then buffers are offloaded one at a time, those
   live at the planned peak first, only where the copies hide under compute (a timeline
   model of the compute and copy streams at ``D2H_BYTES_PER_S``/``H2D_BYTES_PER_S``) until
-  the planned peak fits ``gpu_memory_budget``;
+  the planned peak fits ``gpu_memory_budget``; then the chosen maps whose stretch off
+  the device fits the budget stay on it (``keep_on_device``);
 - **hiding the copies** (``hide_copies``): the lives then grow where the copies need
   time and the budget (or, without one, the plan's own peak) allows -- a copy back
   starting before vDNN's point, a forward place held while its copy out runs -- in the
@@ -229,7 +232,7 @@ class Entry:
     """One offloaded buffer: its lives and copies in steps of the iteration."""
     __slots__ = ("buf", "name", "nbytes", "copy_bytes", "first", "d2h_after", "fwd_end",
                  "bwd_first", "bwd_last", "prefetch", "release", "slot", "fwd", "bwd",
-                 "conv_input", "on_demand", "hold")
+                 "conv_input", "on_demand", "hold", "lane")
 
     def __init__(self, buf):
         self.buf = buf
@@ -249,6 +252,7 @@ class Entry:
         self.slot = None
         self.fwd = self.bwd = None
         self.conv_input = False
+        self.lane = 0                                  # which device->host stream copies it
 
     def lives(self):
         out = [("forward", self.first, self.hold)]
@@ -258,7 +262,8 @@ class Entry:
 
     def __repr__(self):
         return (f"Entry({self.name}: fwd {self.first}..{self.fwd_end}/{self.hold}, d2h after "
-                f"{self.d2h_after}, bwd {self.prefetch}/{self.bwd_first}..{self.bwd_last})")
+                f"{self.d2h_after} (lane {self.lane}), bwd {self.prefetch}/{self.bwd_first}.."
+                f"{self.bwd_last})")
 
 
 def n_prologue(net):
@@ -341,14 +346,78 @@ def saving(plan, e):
     return s
 
 
+class _OutPipe:
+    """The device->host copies of the timeline model: two streams (lanes 0 and 1, each
+    FIFO) sharing one link of ``rate`` bytes/s, half each while both copy (one busy
+    stream has it all, as one FIFO stream had).  Copies are added in time order; the
+    end of a copy is known once no copy added later can share the link before it ends
+    (the callers ask only then: the compute stream waits for it, or backward has
+    begun and adds no more)."""
+
+    def __init__(self, rate):
+        self.rate, self.clock = rate, 0.0
+        self.queues = (collections.deque(), collections.deque())   # [key, bytes left]
+        self.done = {}
+
+    def add(self, key, t, nbytes, lane=0):
+        t = max(t, self.clock)
+        self._run(t)
+        self.queues[1 if lane else 0].append([key, float(nbytes)])
+
+    def _run(self, until=float("inf"), key=None):
+        q0, q1 = self.queues
+        done, eps = self.done, 1e-6
+        while key is None or key not in done:
+            if q0 and q1:
+                share = self.rate / 2
+                dt = min(q0[0][1], q1[0][1]) / share
+                if self.clock + dt > until:
+                    moved = share * (until - self.clock)
+                    q0[0][1] -= moved
+                    q1[0][1] -= moved
+                    self.clock = until
+                    return
+                self.clock += dt
+                moved = share * dt
+                for q in (q0, q1):
+                    q[0][1] -= moved
+                    if q[0][1] <= eps:
+                        done[q.popleft()[0]] = self.clock
+            elif q0 or q1:
+                q = q0 or q1
+                dt = q[0][1] / self.rate
+                if self.clock + dt > until:
+                    q[0][1] -= self.rate * (until - self.clock)
+                    self.clock = until
+                    return
+                self.clock += dt
+                done[q.popleft()[0]] = self.clock
+            else:
+                if until != float("inf"):
+                    self.clock = max(self.clock, until)
+                return
+
+    def end_of(self, key):
+        """When the copy ``key`` ends."""
+        if key not in self.done:
+            self._run(key=key)
+        return self.done[key]
+
+    def drain(self):
+        self._run()
+        return self.clock
+
+
 def simulate(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S, lazy=False):
     """Modelled seconds of one forward-backward: steps ``first..`` in order on the
-    compute stream (``times[s]`` seconds each), the copies on a device->host and a
-    host->device stream, with the schedule's event waits.  The compute stream waits for
-    a buffer's device->host copy before ``release`` (``lazy``: as placed) or else right
-    after its forward place is let go (``hold``: its last forward reader, unless
-    ``hide_copies`` kept it longer), and for its host->device copy before its first
-    backward reader.  Returns (total, stall), stall being the time compute waited."""
+    compute stream (``times[s]`` seconds each), the copies out on the device->host
+    streams (an entry's ``lane``: ``_OutPipe``, the link shared by the busy ones) and
+    the copies back on a host->device stream, with the schedule's event waits.  The
+    compute stream waits for a buffer's device->host copy before ``release`` (``lazy``:
+    as placed) or else right after its forward place is let go (``hold``: its last
+    forward reader, unless ``hide_copies`` kept it longer), and for its host->device
+    copy before its first backward reader.  Returns (total, stall), stall being the time
+    compute waited."""
     after, release, fetch, need = (collections.defaultdict(list) for _ in range(4))
     for e in entries:
         after[e.d2h_after].append(e)
@@ -358,22 +427,23 @@ def simulate(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S, 
         if e.bwd_first is not None:
             fetch[e.prefetch].append(e)
             need[e.bwd_first].append(e)
-    t = stall = d2h_free = h2d_free = 0.0
-    out_done, in_done = {}, {}
+    t = stall = h2d_free = 0.0
+    pipe = _OutPipe(d2h)
+    in_done = {}
     for s in range(first, len(times)):
         start = t
         for e in release.get(s, ()):
-            start = max(start, out_done[id(e)])
+            start = max(start, pipe.end_of(id(e)))
         for e in fetch.get(s, ()):
-            h2d_free = in_done[id(e)] = (max(h2d_free, start, out_done[id(e)]) +
+            h2d_free = in_done[id(e)] = (max(h2d_free, start, pipe.end_of(id(e))) +
                                          e.copy_bytes / h2d)
         for e in need.get(s, ()):
             start = max(start, in_done[id(e)])
         stall += start - t
         t = start + times[s]
         for e in after.get(s, ()):
-            d2h_free = out_done[id(e)] = max(d2h_free, t) + e.copy_bytes / d2h
-    total = max(t, d2h_free, h2d_free)
+            pipe.add(id(e), t, e.copy_bytes, getattr(e, "lane", 0))
+    total = max(t, pipe.drain(), h2d_free)
     return total, stall + (total - t)
 
 
@@ -386,6 +456,7 @@ def fifo_bound(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S
     L = len(times) // 2
     free = [types.SimpleNamespace(d2h_after=e.d2h_after, hold=10 ** 9, release=None,
                                   bwd_first=e.bwd_first, copy_bytes=e.copy_bytes,
+                                  lane=getattr(e, "lane", 0),
                                   prefetch=L if e.bwd_first is not None else None)
             for e in sorted(entries, key=lambda e: (e.bwd_first is None, e.bwd_first or 0))]
     return simulate(times, free, first, d2h, h2d)[0]
@@ -501,9 +572,11 @@ def _copy_model(times, entries, first, d2h, h2d):
         start[k] = t
         t += times[k] if k >= first else 0.0
     start[len(times)] = t
-    out_t, free = {}, 0.0
+    out_t, pipe = {}, _OutPipe(d2h)
     for e in sorted(entries, key=lambda e: e.d2h_after):
-        free = out_t[id(e)] = max(free, start[e.d2h_after + 1]) + e.copy_bytes / d2h
+        pipe.add(id(e), start[e.d2h_after + 1], e.copy_bytes, e.lane)
+    for e in entries:
+        out_t[id(e)] = pipe.end_of(id(e))
     latest, deadline = {}, float("inf")
     for e in sorted((e for e in entries if e.bwd_first is not None),
                     key=lambda e: -e.bwd_first):
@@ -609,6 +682,91 @@ def hide_copies(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES
     return sum(1 for e, (p, h, _) in zip(entries, base) if e.prefetch != p or e.hold != h)
 
 
+# device->host streams the schedule may use (1: one FIFO stream, the schedule before
+# round 3; benchmarks/offload.py sets it to compare in the same run)
+LANES = 2
+# a copy out is issued in pieces of at most this many bytes, so that on a copy engine
+# shared by the two device->host streams a late small map waits for one piece of a
+# large one, not all of it (``Offloader._after``)
+COPY_CHUNK = 128 << 20
+
+
+def _spread(values, n):
+    """At most ``n`` of the sorted ``values``, evenly spaced, the last included."""
+    if len(values) <= n:
+        return list(values)
+    return [values[(len(values) - 1) * (k + 1) // n] for k in range(n)]
+
+
+def choose_lanes(entries, times, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S,
+                 lazy=False):
+    """Which device->host stream copies each entry out (``e.lane``: 0, or 1 for the
+    second stream), so that the maps the backward needs first do not queue behind the
+    large ones made before them (VGG-16: conv5_x's small outputs behind conv1_x's 3 GiB
+    ones on one FIFO stream).  Tried on the timeline model (``simulate`` over ``times``,
+    the two streams sharing the link): one stream; the second for the maps made from a
+    step on (up to 16 steps tried); the second for the maps up to a size (up to 8) --
+    the shortest kept, one stream where none is shorter; then each map, in the order
+    they go out, moved to the other stream where that is shorter (VGG-16's pool1 beside
+    conv1_x's outputs, whose place conv2_2 takes).  ``lazy``: the compute stream waits
+    for a copy out where the placement says (``release``; the entries are placed), not
+    right after the forward life.  Returns how many go on the second.  Pure Python."""
+    for e in entries:
+        e.lane = 0
+    if LANES < 2 or len(entries) < 2:
+        return 0
+    best, pick = simulate(times, entries, first, d2h, h2d, lazy)[0], [0] * len(entries)
+    ways = [[int(e.d2h_after >= k) for e in entries]
+            for k in _spread(sorted({e.d2h_after for e in entries})[1:], 16)]
+    ways += [[int(e.copy_bytes <= z) for e in entries]
+             for z in _spread(sorted({e.copy_bytes for e in entries})[:-1], 8)]
+    for lanes in ways:
+        for e, lane in zip(entries, lanes):
+            e.lane = lane
+        total = simulate(times, entries, first, d2h, h2d, lazy)[0]
+        if total < best - 1e-6:
+            best, pick = total, lanes
+    for e, lane in zip(entries, pick):
+        e.lane = lane
+    for e in sorted(entries, key=lambda e: e.d2h_after):   # then one map at a time
+        e.lane = 1 - e.lane
+        total = simulate(times, entries, first, d2h, h2d, lazy)[0]
+        if total < best - 1e-6:
+            best = total
+        else:
+            e.lane = 1 - e.lane
+    return sum(e.lane for e in entries)
+
+
+def keep_on_device(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
+    """DYNAMIC's second look, after its maps were chosen to fit (or ALL's taken with some
+    fetched on demand): a chosen map whose whole stretch off the device fits beside the
+    rest within ``target`` (the budget: live bytes plus ``plan.side_bytes``) stays on
+    the device, with no copy either way -- the maps the backward needs first before the
+    others (VGG-16 under 12 GiB: conv5_x's and conv4_x's outputs, made last in forward,
+    needed first in backward, which otherwise leave behind the large early ones and
+    hold the backward up), each only where the timeline model (``simulate`` over
+    ``times``) is not longer without its copies.  Returns the names kept.  Pure
+    Python."""
+    first = n_prologue(plan.net)
+    room = target - plan.side_bytes
+    live = live_bytes_with(plan, entries)
+    left = list(entries)
+    best = simulate(times, left, first, d2h, h2d)[0]
+    kept = []
+    for e in sorted(entries, key=lambda e: (e.bwd_first is None, e.bwd_first or 0)):
+        back = saving(plan, e)
+        if (live + back).max() > room:
+            continue
+        rest = [x for x in left if x is not e]
+        total = simulate(times, rest, first, d2h, h2d)[0]
+        if total <= best + 1e-9:
+            kept.append(e.name)
+            live += back
+            left, best = rest, total
+    return kept
+
+
 def live_bytes_with(plan, entries):
     """``live_bytes`` of ``plan`` (not split) with each of ``entries`` alive only during
     its lives."""
@@ -635,7 +793,7 @@ class OffloadPlan:
             if b is not e.buf:
                 e2 = Entry(b)
                 e2.prefetch, e2.on_demand, e2.conv_input = e.prefetch, e.on_demand, e.conv_input
-                e2.hold = e.hold
+                e2.hold, e2.lane = e.hold, e.lane
                 e = e2
             parts = plan.split(b, e.lives())
             e.fwd = parts[0]
@@ -703,7 +861,7 @@ class OffloadPlan:
                 back = (f", back while '{net.layer_names[pi]}' runs backward, for "
                         f"'{net.layer_names[ni]}'{' (on demand)' if e.on_demand else ''}")
             out.append(f"  {e.name}: {e.copy_bytes / MiB:.1f} MiB out after "
-                       f"'{net.layer_names[li]}'{back}")
+                       f"'{net.layer_names[li]}'{' (second stream)' if e.lane else ''}{back}")
         return out
 
 
@@ -716,10 +874,18 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
     plan without it where there is no budget.  Pure Python: runs without a GPU."""
     from .plan import MemoryPlan
     op = _build(net, policy, budget, history_sets, times)
-    if not op.entries or not (HIDE if hide is None else hide):
+    if not op.entries:
+        return op
+    times = times if times is not None else estimate_times(net)
+    first = n_prologue(net)
+    # the second device->host stream: chosen over vDNN's lives (for hide_copies), and
+    # last over the placed plan, where the compute stream waits as placed (the streams
+    # change no place in the arena)
+    choose_lanes(op.entries, times, first)
+    op.info = dict(op.info, lanes=choose_lanes(op.entries, times, first, lazy=True))
+    if not (HIDE if hide is None else hide):
         return op
     limit = max(op.peak, budget or 0)
-    times = times if times is not None else estimate_times(net)
     names = [e.name for e in op.entries]
     target = limit
     for _ in range(4):       # the placement may leave gaps the live bytes do not show
@@ -727,14 +893,18 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
         by_name = {e.name: e for e in candidates(plan, "ALL" if policy != "CONV" else "CONV")}
         entries = [by_name[n] for n in names]
         for e, was in zip(entries, op.entries):     # fetched on demand to fit, say
-            e.prefetch, e.on_demand = was.prefetch, was.on_demand
+            e.prefetch, e.on_demand, e.lane = was.prefetch, was.on_demand, was.lane
+        kept = keep_on_device(plan, entries, times, target) if op.policy == "DYNAMIC" else []
+        entries = [e for e in entries if e.name not in kept]
         n = hide_copies(plan, entries, times, target)
-        if not n:
+        if not n and not kept:
             return op
         live = int(live_bytes_with(plan, entries).max()) + plan.side_bytes
         hidden = OffloadPlan(plan, entries, op.policy, budget, op.info)
         if hidden.peak <= limit:
-            hidden.info = dict(op.info, lengthened=n, unhidden_peak=op.peak)
+            lanes = choose_lanes(hidden.entries, times, first, lazy=True)
+            hidden.info = dict(op.info, lengthened=n, unhidden_peak=op.peak, lanes=lanes,
+                               kept=len(kept))
             return hidden
         target = min(target, live) - (hidden.peak - limit)
     return op
@@ -1068,6 +1238,10 @@ class Offloader:
         self.bodies = 0
         self.d2h = context.kept_stream("offload_d2h")
         self.h2d = context.kept_stream("offload_h2d")
+        # the second device->host stream (``choose_lanes``): the maps the backward needs
+        # first go out beside the large early ones, not behind them
+        self.d2h2 = context.kept_stream("offload_d2h_late")
+        self.lanes = (self.d2h, self.d2h2)
         self._use(oplan)
         net = self.net
         if not hasattr(net, "_offload_timeline"):
@@ -1097,7 +1271,7 @@ class Offloader:
             self.out_done[id(e)] = ev()
             self.in_done[id(e)] = ev()
         self.fork = {s: ev() for s in self.table}
-        self.joins = (ev(), ev())
+        self.joins = (ev(), ev(), ev())
 
     def attach(self):
         """After ``plan.apply()``: every offloaded buffer starts parked in its slot."""
@@ -1117,7 +1291,7 @@ class Offloader:
 
     def begin(self):
         self.active = True
-        self.used = [False, False]
+        self.used = [False, False, False]       # d2h, h2d, the second d2h
         self.compute = backend.current_stream()
         if self.profiling:
             n = 2 * len(self.net.layers)
@@ -1128,7 +1302,7 @@ class Offloader:
         """Join the copy streams into the compute stream (a capture must end joined);
         park the offloaded buffers."""
         c = self.compute
-        for k, s in enumerate((self.d2h, self.h2d)):
+        for k, s in enumerate((self.d2h, self.h2d, self.d2h2)):
             if self.used[k]:
                 self.joins[k].record(s)
                 c.wait_event(self.joins[k])
@@ -1185,16 +1359,27 @@ class Offloader:
         out = acts.get("out") if acts else None
         if out:
             self.fork[s].record(c)
-            self.d2h.wait_event(self.fork[s])
-            self.used[0] = True
             tl = self.net._offload_timeline
-            for e in out:
-                mark = tl.copy_begins(self.d2h) if tl is not None else None
-                _memcpy(self.host[id(e)].ctypes.data, e.fwd.view.data.ptr, e.copy_bytes,
-                        _D2H, self.d2h)
-                if mark is not None:
-                    tl.copy_ends(mark, self.d2h, "out", e, s)
-                self.out_done[id(e)].record(self.d2h)
+            for lane, stream in enumerate(self.lanes):
+                mine = [e for e in out if e.lane == lane]
+                if not mine:
+                    continue
+                stream.wait_event(self.fork[s])
+                self.used[2 if lane else 0] = True
+                for e in mine:
+                    mark = tl.copy_begins(stream) if tl is not None else None
+                    dst, src = self.host[id(e)].ctypes.data, e.fwd.view.data.ptr
+                    for a in range(0, e.copy_bytes, COPY_CHUNK):    # pieces: see COPY_CHUNK
+                        _memcpy(dst + a, src + a, min(COPY_CHUNK, e.copy_bytes - a), _D2H,
+                                stream)
+                    if mark is not None:
+                        tl.copy_ends(mark, stream, "out", e, s)
+                    self.out_done[id(e)].record(stream)
+
+    def synchronize(self):
+        """Wait for every copy stream."""
+        for stream in (self.d2h, self.d2h2, self.h2d):
+            stream.synchronize()
 
     # -- DYNAMIC ----------------------------------------------------------------------
     def profile(self, run_body):
@@ -1219,8 +1404,7 @@ class Offloader:
         op = _build_fitting(self.net, self.policy, self.budget, hist, times=times)
         for line in op.describe():
             log.info("%s", line)
-        self.d2h.synchronize()
-        self.h2d.synchronize()
+        self.synchronize()
         old, old_slab = self.oplan.entries, self.slab
         for e in old:                # nor any device side into the old arena: an offloaded
             e.buf.mem.unbind_device(keep=False)   # map fetched back would keep it allocated
@@ -1312,8 +1496,7 @@ class Timeline:
         for k, e, s, a, b in self.copy_times:
             end_of[(k, id(e))] = b
         out, prev_end = [], None
-        busy = {"out": [(a, b) for k, _, _, a, b in self.copy_times if k == "out"],
-                "in": [(a, b) for k, _, _, a, b in self.copy_times if k == "in"]}
+        busy = {k: self._busy(k) for k in ("out", "in")}
         for s in sorted(self.steps):
             a, b = self.steps[s]
             i, direction = step_layer(self.net, s)
@@ -1332,6 +1515,17 @@ class Timeline:
                 row[k] = sum(max(0.0, min(b, z) - max(a, y)) for y, z in busy[k])
             out.append(row)
             prev_end = b
+        return out
+
+    def _busy(self, kind):
+        """The intervals (ms) during which at least one copy of ``kind`` ran (the two
+        device->host streams' copies overlap: counted once)."""
+        out = []
+        for a, b in sorted((a, b) for k, _, _, a, b in self.copy_times if k == kind):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
         return out
 
     def summary(self, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
@@ -1360,8 +1554,8 @@ class Timeline:
         return {"span": span - first, "compute": compute, "wait": wait, "model": model,
                 "unlimited": unlimited,
                 "gaps": max(0.0, span - first - compute - wait),
-                "out_ms": sum(b - a for k, _, _, a, b in self.copy_times if k == "out"),
-                "in_ms": sum(b - a for k, _, _, a, b in self.copy_times if k == "in"),
+                "out_ms": sum(b - a for a, b in self._busy("out")),
+                "in_ms": sum(b - a for a, b in self._busy("in")),
                 "out_bytes": out_b, "in_bytes": in_b,
                 "bound": max(compute, out_b / d2h * 1e3, in_b / h2d * 1e3)}
 
@@ -1369,6 +1563,7 @@ class Timeline:
         """The rows, the copies and the summary, for JSON."""
         return {"rows": self.rows(), "summary": self.summary(),
                 "copies": [{"kind": k, "name": e.name, "bytes": e.copy_bytes,
+                            "lane": e.lane if k == "out" else 0,
                             "after" if k == "out" else "during":
                             "%s %s" % (self.net.layer_names[step_layer(self.net, s)[0]],
                                        step_layer(self.net, s)[1]),
@@ -1394,8 +1589,7 @@ def trace_iteration(step):
         step.graphs_on = saved
     step.stream.synchronize()
     if step.offload is not None:
-        step.offload.d2h.synchronize()
-        step.offload.h2d.synchronize()
+        step.offload.synchronize()
     tl.read(t0)
     return tl
 
@@ -1413,12 +1607,14 @@ def timeline_lines(rows, summary, copies=(), label=""):
                    f"{r['ms']:8.2f} {r['wait']:7.2f} {r['out']:7.2f} {r['in']:7.2f}  "
                    f"{', '.join(r['waited_for'])}")
     if copies:
-        out.append("  copies: name, direction, MiB, issued, start..end ms, GB/s")
+        out.append("  copies: name, direction (out2: the second device->host stream), MiB, "
+                   "issued, start..end ms, GB/s")
         for c in copies:
             dt = c["end"] - c["start"]
             rate = c["bytes"] / (dt * 1e-3) / 1e9 if dt > 0 else float("nan")
             where = c.get("after") or c.get("during")
-            out.append(f"    {c['name'][:24]:24s} {c['kind']:3s} {c['bytes'] / MiB:9.1f} "
+            kind = c["kind"] + ("2" if c.get("lane") else "")
+            out.append(f"    {c['name'][:24]:24s} {kind:4s} {c['bytes'] / MiB:9.1f} "
                        f"{'after' if c['kind'] == 'out' else 'during'} {where:28s} "
                        f"{c['start']:8.2f}..{c['end']:8.2f} {rate:6.1f}")
     sm = summary

@@ -203,6 +203,7 @@ class GpuStep:
                 if entry[0].data_mem.planned:
                     entry[1] = None
         self.plan.release()
+        backend.let_freed_go()   # the old arena is gone before the new one is made
         self.plan = plan
         plan.apply()
         for i in range(self.first_body):
