@@ -120,7 +120,7 @@ def test_second_stream_and_pieces_change_no_number(gpu, monkeypatch, graphs):
     """Copies out on both device->host streams (every other map on the second) and cut
     into 64 KiB pieces: the same weights and blobs as without offload, eager and
     replayed; the step's timeline shows copies on both streams."""
-    def alternate(entries, times, first=0, *a):
+    def alternate(entries, times, first=0, *a, **kw):
         for k, e in enumerate(sorted(entries, key=lambda e: e.d2h_after)):
             e.lane = k % 2
         return sum(e.lane for e in entries)
