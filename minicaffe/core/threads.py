@@ -134,10 +134,54 @@ def kernel_pool():
     return _pool["executor"]
 
 
+_local = threading.local()   # .busy: this thread is running a part of ``run_parts``
+
+
 def in_kernel_pool():
-    """Whether the calling thread is one of the kernel pool's (work it submits to the
-    pool could wait on itself: run it in place instead)."""
-    return threading.current_thread().name.startswith(_POOL_PREFIX)
+    """Whether the calling thread is running a part of the kernel pool's work (one of the
+    pool's threads, or the caller of ``run_parts`` inside its own share): work it
+    submitted to the pool could wait on itself, so it runs in place instead."""
+    return (getattr(_local, "busy", False)
+            or threading.current_thread().name.startswith(_POOL_PREFIX))
+
+
+def run_parts(count, fn):
+    """``[fn(slot, i) for i in range(count)]`` with the parts shared out in the kernel
+    pool: the calling thread and up to ``kernel_threads() - 1`` of the pool's threads
+    each take the next part not yet taken until none is left (a thread that the machine
+    slows down takes fewer parts, instead of holding the others up at the end), and
+    ``slot`` (0 .. threads-1) names the thread's own workspace.  The results come back
+    in part order, so what the caller sums over them is summed in the serial order:
+    which thread ran a part never changes the bits.  Without a pool, or inside one of
+    its parts, the parts run in order in the calling thread (slot 0)."""
+    pool = kernel_pool()
+    t = min(kernel_threads(), count)
+    if pool is None or t < 2 or in_kernel_pool():
+        return [fn(0, i) for i in range(count)]
+    results = [None] * count
+    parts = iter(range(count))   # next() on it is atomic under the GIL: each part once
+
+    def worker(slot):
+        _local.busy = True
+        try:
+            for i in parts:
+                results[i] = fn(slot, i)
+        finally:
+            _local.busy = False
+    futures = [pool.submit(worker, slot) for slot in range(1, t)]
+    error = None
+    try:
+        worker(0)
+    except BaseException as e:   # noqa: B902  (the others are waited for first)
+        error = e
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:   # noqa: B902
+            error = error or e
+    if error is not None:
+        raise error
+    return results
 
 
 # Element-wise work split over the pool in flat ranges of at least this many elements
@@ -159,8 +203,7 @@ def split_flat(count, fn, min_part=None):
     if t < 2:
         return False
     cuts = [count * i // t for i in range(t + 1)]
-    for f in [pool.submit(fn, a, b) for a, b in zip(cuts[:-1], cuts[1:])]:
-        f.result()
+    run_parts(t, lambda slot, i: fn(cuts[i], cuts[i + 1]))
     return True
 
 

@@ -76,8 +76,7 @@ def gemm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=
         else:
             jobs = [(aa, bb[:, c0:c1], out[:, c0:c1]) for c0, c1 in parts]
         with _threads.single_blas():
-            for f in [pool.submit(_gemm_numpy, a_, b_, o_, alpha, beta) for a_, b_, o_ in jobs]:
-                f.result()
+            _threads.run_parts(len(jobs), lambda slot, i: _gemm_numpy(*jobs[i], alpha, beta))
         return out
     from ..gpu import cublas
     return cublas.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out,
