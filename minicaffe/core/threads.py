@@ -23,9 +23,10 @@ the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU
 over the batch too.  The ``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
 The count is set at run time through threadpoolctl (a core dependency: a small pure-Python
-package), which works whether or not numpy was imported first.  Without threadpoolctl the
-default still holds when minicaffe is imported before numpy (the environment variable is set
-then), and ``set_num_threads`` says in one line that it needs threadpoolctl.
+package, 3.5 or later: older ones do not see numpy 2's OpenBLAS), which works whether or not
+numpy was imported first.  Without threadpoolctl (or with an older one) the default still
+holds when minicaffe is imported before numpy (the environment variable is set then), and
+``set_num_threads`` says in one line that it needs threadpoolctl >= 3.5.
 """
 import os
 import sys
@@ -47,12 +48,42 @@ def asked_by_environment():
     return None
 
 
+# threadpoolctl finds numpy 2's OpenBLAS (scipy-openblas, its symbols renamed) from 3.5 on;
+# an older one sees no BLAS and sets nothing, silently, so that each kernel-pool thread
+# would run a BLAS with all its threads (the 16-core step: no faster than one core).
+# minicaffe takes an older one for none at all.
+THREADPOOLCTL_MIN = (3, 5)
+
+
+def _version(text):
+    parts = []
+    for p in str(text).split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 def _threadpoolctl():
     try:
         import threadpoolctl
     except ImportError:
         return None
+    if _version(getattr(threadpoolctl, "__version__", "0")) < THREADPOOLCTL_MIN:
+        return None
     return threadpoolctl
+
+
+def _needs_threadpoolctl(what):
+    """The one-line error of ``what`` without a usable threadpoolctl (none, or too old)."""
+    from .errors import MinicaffeError
+    try:
+        import threadpoolctl
+        have = f" (this one is {threadpoolctl.__version__}, which cannot see numpy 2's OpenBLAS)"
+    except ImportError:
+        have = ""
+    need = ".".join(map(str, THREADPOOLCTL_MIN))
+    return MinicaffeError(f"{what} needs threadpoolctl >= {need}{have}: pip install -U "
+                          f"threadpoolctl; or set OPENBLAS_NUM_THREADS before starting Python")
 
 
 def apply_default():
@@ -87,13 +118,10 @@ def set_num_threads(n):
     one thread) and numpy's BLAS stays on one thread: its own idle threads spin and take
     the cores from the pool (docs/performance.md, "The kernel pool").
     ``get_num_threads`` then reports ``n``."""
-    from .errors import MinicaffeError
     n = check_threads(n, "set_num_threads")
     tpc = _threadpoolctl()
     if tpc is None:
-        raise MinicaffeError("setting the CPU threads needs threadpoolctl (pip install "
-                             "threadpoolctl); or set OPENBLAS_NUM_THREADS before starting "
-                             "Python")
+        raise _needs_threadpoolctl("setting the CPU threads")
     import numpy  # noqa: F401  (its BLAS must be loaded to be found)
     _limits.append(tpc.threadpool_limits(limits=blas_threads(n), user_api="blas"))
     set_kernel_threads(n)
@@ -282,9 +310,7 @@ class limit:
         if self.n is None:
             return self
         if tpc is None:
-            from .errors import MinicaffeError
-            raise MinicaffeError("--threads needs threadpoolctl (pip install threadpoolctl); "
-                                 "or set OPENBLAS_NUM_THREADS instead")
+            raise _needs_threadpoolctl("--threads")
         import numpy  # noqa: F401
         self._ctl = tpc.threadpool_limits(limits=blas_threads(self.n), user_api="blas")
         self._kernel = _pool["threads"]
