@@ -355,12 +355,12 @@ def _direct(out, shape, dtype):
 
 # Each part of a pooling call split over the kernel pool has at least this much work
 # (input elements x window positions per output stride area); below twice it the call
-# stays on one thread.  LeNet's 2x2 MAX pool of 64 x 20 x 24 x 24 (work 737,280) ran
-# slower split in two (0.87 -> 1.03 ms forward), CIFAR-10 quick's 3x3 AVE pool of
-# 100 x 64 x 8 x 8 (921,600) faster (0.80 -> 0.58 ms; 2-core CPU machine, two threads,
-# the kernels timed alone); bigger calls take one part per thread (CIFAR-10 quick's pool1:
-# 16 parts on 16 threads).
-PARALLEL_MIN_WORK = 400_000
+# stays on one thread.  MAX forward timed alone on two threads (2-core CPU machine,
+# minimum of 60 alternating rounds): LeNet's pool2, 64 x 50 x 8 x 8 (work 204,800),
+# 0.45 ms serial, 0.56 split in two; its pool1, 64 x 20 x 24 x 24 (737,280), 0.94 -> 0.78;
+# CIFAR-10 quick's pool1, 100 x 32 x 32 x 32 3x3/2 (7.4 million), 8.0 -> 5.3 ms.  Calls
+# that large take one part per thread (16 parts on 16 threads).
+PARALLEL_MIN_WORK = 1 << 18
 
 
 def _batch_parts(N, work):
