@@ -210,3 +210,27 @@ def test_lenet_training_steps_with_three_threads_match_one_thread():
     assert len(weights[0]) == 8
     for a, b in zip(*weights):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("within", [False, True])
+def test_lrn_in_the_kernel_pool_is_bit_identical_to_one_thread(within, monkeypatch):
+    """LRN forward and backward on batch ranges in the pool's threads (odd batch, odd
+    image sizes): the one-thread values, bit for bit."""
+    from minicaffe.kernels import lrn, pooling
+    monkeypatch.setattr(pooling, "PARALLEL_MIN_WORK", 0)   # small inputs split, too
+    rs = np.random.RandomState(11)
+    x = rs.randn(7, 6, 9, 7).astype(np.float32)
+    dy = rs.randn(*x.shape).astype(np.float32)
+    fwd, bwd = ((lrn.lrn_within_channel_forward, lrn.lrn_within_channel_backward) if within
+                else (lrn.lrn_across_channels_forward, lrn.lrn_across_channels_backward))
+    results = []
+    try:
+        for n in (1, 3):
+            threads.set_kernel_threads(n)
+            y, scale = fwd(x, 5, 1e-2, 0.75)
+            results.append((y, scale, bwd(dy, x, y, scale, 5, 1e-2, 0.75)))
+    finally:
+        threads.set_kernel_threads(1)
+    for serial, pooled in zip(*results):
+        assert serial.shape == x.shape and serial.dtype == pooled.dtype
+        assert np.array_equal(serial, pooled)
