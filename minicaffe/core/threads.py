@@ -50,8 +50,7 @@ def asked_by_environment():
 
 # threadpoolctl finds numpy 2's OpenBLAS (scipy-openblas, its symbols renamed) from 3.5 on;
 # an older one sees no BLAS and sets nothing, silently, so that each kernel-pool thread
-# would run a BLAS with all its threads (the 16-core step: no faster than one core).
-# minicaffe takes an older one for none at all.
+# would run a BLAS with all its threads.  minicaffe takes an older one for none at all.
 THREADPOOLCTL_MIN = (3, 5)
 
 
