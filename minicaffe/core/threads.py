@@ -212,9 +212,11 @@ def run_parts(count, fn):
 
 
 # Element-wise work split over the pool in flat ranges of at least this many elements
-# (about 20-40 us of numpy work, against the pool's ~20 us per task): CIFAR-10 quick's
-# ReLUs (409,600 and 819,200 elements) split in two on two threads, in 6-12 on sixteen.
-ELEMENTWISE_MIN_PART = 1 << 16
+# (about 100 us of numpy work).  2^16 (20-40 us a part) made CIFAR-10 quick's ReLUs slower
+# on the GPU machine's 16 threads than on one (relu1 forward 0.51 -> 0.80 ms in 12 parts:
+# each further part cost tens of us there); now they split in at most 3 parts, and on two
+# threads relu1 and relu2 (819,200 elements) still in two.
+ELEMENTWISE_MIN_PART = 1 << 18
 
 
 def split_flat(count, fn, min_part=None):

@@ -126,6 +126,7 @@ def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, t
     pool's threads: the one-thread bits, for 2, 3 and 16 threads."""
     from concurrent.futures import ThreadPoolExecutor
     from minicaffe.kernels import blas
+    monkeypatch.setattr(blas, "PARALLEL_MIN_PART", 1 << 20)   # CIFAR-10's ip1 splits too
     submitted = []
     submit = ThreadPoolExecutor.submit
     monkeypatch.setattr(ThreadPoolExecutor, "submit",
