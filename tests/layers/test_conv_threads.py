@@ -235,3 +235,36 @@ def test_lrn_in_the_kernel_pool_is_bit_identical_to_one_thread(within, monkeypat
     for serial, pooled in zip(*results):
         assert serial.shape == x.shape and serial.dtype == pooled.dtype
         assert np.array_equal(serial, pooled)
+
+
+def test_run_parts_shares_the_parts_out_and_returns_them_in_order():
+    """Each thread takes the next part not yet taken (a slow part does not hold the
+    others back), every part runs once, results come back in part order, and an error in
+    one part is raised after the others have ended."""
+    import threading
+    import time
+    ran = []
+
+    def part(slot, i):
+        ran.append((threading.get_ident(), slot, i))
+        time.sleep(0.1 if i == 0 else 0.002)      # part 0 is slow: the others go on
+        return i * i
+    try:
+        threads.set_kernel_threads(3)
+        assert threads.run_parts(12, part) == [i * i for i in range(12)]
+        assert sorted(i for _, _, i in ran) == list(range(12))
+        slow = [t for t, _, i in ran if i == 0][0]
+        assert sum(t == slow for t, _, _ in ran) == 1          # the others took the rest
+        assert len({t for t, _, _ in ran}) >= 2 and {s for _, s, _ in ran} <= {0, 1, 2}
+        finished = []
+
+        def failing(slot, i):
+            if i == 1:
+                raise ValueError("part 1")
+            time.sleep(0.01)
+            finished.append(i)
+        with pytest.raises(ValueError, match="part 1"):
+            threads.run_parts(6, failing)
+        assert sorted(finished) == [0, 2, 3, 4, 5]
+    finally:
+        threads.set_kernel_threads(1)
