@@ -3,7 +3,7 @@
 Usage::
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/cpu_step.py MODEL.prototxt [--repeat 10]
-        [--clock process|wall] [--general-pooling]
+        [--clock process|wall] [--general-pooling] [--threads N]
 
 Builds the TRAIN net, runs one warm-up forward/backward, then ``--repeat``
 steps, timing every layer's forward and backward like ``minicaffe time`` but
@@ -12,6 +12,8 @@ the minimum is the steadier figure).  ``--clock process`` (default) measures
 the process's CPU time, which other jobs on the machine disturb less than wall
 time.  ``--general-pooling`` switches the pooling kernels' numpy fast paths
 off (``minicaffe.kernels.pooling.FAST_PATH = False``) for a comparison.
+``--threads N`` runs the step as ``minicaffe ... --threads N`` does (``set_num_threads``:
+with N > 1 the kernel pool); then take ``--clock wall`` (process time adds the threads up).
 Make a net with constant data from an example with::
 
     PYTHONPATH=. python tools/dummy_data_net.py examples/cifar10/cifar10_quick_train_test.prototxt \\
@@ -33,8 +35,11 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--clock", choices=("process", "wall"), default="process")
     ap.add_argument("--general-pooling", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     import minicaffe
+    if a.threads is not None:
+        minicaffe.set_num_threads(a.threads)
     from minicaffe.network.net import Net, TRAIN
     if a.general_pooling:
         from minicaffe.kernels import pooling
@@ -61,7 +66,9 @@ def main(argv=None):
                                        net.bottom_vecs[i])
             bw[i].append(clock() - t0)
         tot.append(clock() - s0)
-    print(f"{a.model}: {a.repeat} steps, {a.clock} time, ms (min / median)")
+    threads = "" if a.threads is None else f", {a.threads} thread(s)"
+    print(f"{a.model}: {a.repeat} steps, {a.clock} time{threads}, ms (min / median); "
+          f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'layer':>10} {'forward':>16} {'backward':>16}")
     for i in range(n):
         f, b = fw[i], bw[i]

@@ -57,8 +57,8 @@ def minicaffe_step(path, batch, shape):
     return lambda: solver.step(1)
 
 
-def torch_step(name, batch, shape):
-    import torch
+def torch_net(name):
+    """The net ``name`` written in PyTorch (as minicaffe's prototxt)."""
     from torch import nn
     if name == "LeNet":
         model = nn.Sequential(nn.Conv2d(1, 20, 5), nn.MaxPool2d(2, 2), nn.Conv2d(20, 50, 5),
@@ -70,6 +70,13 @@ def torch_step(name, batch, shape):
                               nn.AvgPool2d(3, 2, ceil_mode=True), nn.Conv2d(32, 64, 5, padding=2),
                               nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True), nn.Flatten(),
                               nn.Linear(64 * 4 * 4, 64), nn.Linear(64, 10))
+    return model
+
+
+def torch_step(name, batch, shape):
+    import torch
+    from torch import nn
+    model = torch_net(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9, weight_decay=0.0005)
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(0)

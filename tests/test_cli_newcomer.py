@@ -90,6 +90,22 @@ def test_without_threadpoolctl_the_default_holds_and_the_flag_says_why(tmp_path)
     assert rc == 1 and "--threads needs threadpoolctl" in _error_line(err)
 
 
+def test_a_threadpoolctl_too_old_to_see_numpys_blas_counts_as_none(tmp_path):
+    """threadpoolctl < 3.5 finds no BLAS in numpy 2's wheels and would set nothing: the
+    kernel pool's threads would each run all of the BLAS's.  It is taken for none."""
+    _setup(tmp_path)
+    code = ("import sys, types; old = types.ModuleType('threadpoolctl')\n"
+            "old.__version__ = '3.1.0'; sys.modules['threadpoolctl'] = old\n"
+            "import minicaffe, os; print(os.environ.get('OPENBLAS_NUM_THREADS'))\n"
+            "from minicaffe.cli import main\n"
+            f"sys.exit(main(['time', '--model', {str(tmp_path / 'net.prototxt')!r}, "
+            "'--threads', '2']))")
+    rc, out, err = _run(code, env_drop=THREAD_VARS)
+    assert out.strip() == "1"                          # the fallback's one BLAS thread
+    line = _error_line(err)
+    assert rc == 1 and "--threads needs threadpoolctl >= 3.5 (this one is 3.1.0" in line
+
+
 @pytest.mark.parametrize("value,words", [("0", "at least 1"), ("-2", "at least 1"),
                                          ("many", "illegal value 'many'"),
                                          ("100000", "more than 4x")])

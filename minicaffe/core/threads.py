@@ -23,9 +23,10 @@ the pool; docs/performance.md, "The kernel pool").  PyTorch parallelises its CPU
 over the batch too.  The ``*_NUM_THREADS`` variables alone set the BLAS only (no pool).
 
 The count is set at run time through threadpoolctl (a core dependency: a small pure-Python
-package), which works whether or not numpy was imported first.  Without threadpoolctl the
-default still holds when minicaffe is imported before numpy (the environment variable is set
-then), and ``set_num_threads`` says in one line that it needs threadpoolctl.
+package, 3.5 or later: older ones do not see numpy 2's OpenBLAS), which works whether or not
+numpy was imported first.  Without threadpoolctl (or with an older one) the default still
+holds when minicaffe is imported before numpy (the environment variable is set then), and
+``set_num_threads`` says in one line that it needs threadpoolctl >= 3.5.
 """
 import os
 import sys
@@ -47,12 +48,41 @@ def asked_by_environment():
     return None
 
 
+# threadpoolctl finds numpy 2's OpenBLAS (scipy-openblas, its symbols renamed) from 3.5 on;
+# an older one sees no BLAS and sets nothing, silently, so that each kernel-pool thread
+# would run a BLAS with all its threads.  minicaffe takes an older one for none at all.
+THREADPOOLCTL_MIN = (3, 5)
+
+
+def _version(text):
+    parts = []
+    for p in str(text).split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 def _threadpoolctl():
     try:
         import threadpoolctl
     except ImportError:
         return None
+    if _version(getattr(threadpoolctl, "__version__", "0")) < THREADPOOLCTL_MIN:
+        return None
     return threadpoolctl
+
+
+def _needs_threadpoolctl(what):
+    """The one-line error of ``what`` without a usable threadpoolctl (none, or too old)."""
+    from .errors import MinicaffeError
+    try:
+        import threadpoolctl
+        have = f" (this one is {threadpoolctl.__version__}, which cannot see numpy 2's OpenBLAS)"
+    except ImportError:
+        have = ""
+    need = ".".join(map(str, THREADPOOLCTL_MIN))
+    return MinicaffeError(f"{what} needs threadpoolctl >= {need}{have}: pip install -U "
+                          f"threadpoolctl; or set OPENBLAS_NUM_THREADS before starting Python")
 
 
 def apply_default():
@@ -87,13 +117,10 @@ def set_num_threads(n):
     one thread) and numpy's BLAS stays on one thread: its own idle threads spin and take
     the cores from the pool (docs/performance.md, "The kernel pool").
     ``get_num_threads`` then reports ``n``."""
-    from .errors import MinicaffeError
     n = check_threads(n, "set_num_threads")
     tpc = _threadpoolctl()
     if tpc is None:
-        raise MinicaffeError("setting the CPU threads needs threadpoolctl (pip install "
-                             "threadpoolctl); or set OPENBLAS_NUM_THREADS before starting "
-                             "Python")
+        raise _needs_threadpoolctl("setting the CPU threads")
     import numpy  # noqa: F401  (its BLAS must be loaded to be found)
     _limits.append(tpc.threadpool_limits(limits=blas_threads(n), user_api="blas"))
     set_kernel_threads(n)
@@ -134,16 +161,62 @@ def kernel_pool():
     return _pool["executor"]
 
 
+_local = threading.local()   # .busy: this thread is running a part of ``run_parts``
+
+
 def in_kernel_pool():
-    """Whether the calling thread is one of the kernel pool's (work it submits to the
-    pool could wait on itself: run it in place instead)."""
-    return threading.current_thread().name.startswith(_POOL_PREFIX)
+    """Whether the calling thread is running a part of the kernel pool's work (one of the
+    pool's threads, or the caller of ``run_parts`` inside its own share): work it
+    submitted to the pool could wait on itself, so it runs in place instead."""
+    return (getattr(_local, "busy", False)
+            or threading.current_thread().name.startswith(_POOL_PREFIX))
+
+
+def run_parts(count, fn):
+    """``[fn(slot, i) for i in range(count)]`` with the parts shared out in the kernel
+    pool: the calling thread and up to ``kernel_threads() - 1`` of the pool's threads
+    each take the next part not yet taken until none is left (a thread that the machine
+    slows down takes fewer parts, instead of holding the others up at the end), and
+    ``slot`` (0 .. threads-1) names the thread's own workspace.  The results come back
+    in part order, so what the caller sums over them is summed in the serial order:
+    which thread ran a part never changes the bits.  Without a pool, or inside one of
+    its parts, the parts run in order in the calling thread (slot 0)."""
+    pool = kernel_pool()
+    t = min(kernel_threads(), count)
+    if pool is None or t < 2 or in_kernel_pool():
+        return [fn(0, i) for i in range(count)]
+    results = [None] * count
+    parts = iter(range(count))   # next() on it is atomic under the GIL: each part once
+
+    def worker(slot):
+        _local.busy = True
+        try:
+            for i in parts:
+                results[i] = fn(slot, i)
+        finally:
+            _local.busy = False
+    futures = [pool.submit(worker, slot) for slot in range(1, t)]
+    error = None
+    try:
+        worker(0)
+    except BaseException as e:   # noqa: B902  (the others are waited for first)
+        error = e
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:   # noqa: B902
+            error = error or e
+    if error is not None:
+        raise error
+    return results
 
 
 # Element-wise work split over the pool in flat ranges of at least this many elements
-# (about 20-40 us of numpy work, against the pool's ~20 us per task): CIFAR-10 quick's
-# ReLUs (409,600 and 819,200 elements) split in two on two threads, in 6-12 on sixteen.
-ELEMENTWISE_MIN_PART = 1 << 16
+# (about 100 us of numpy work).  2^16 (20-40 us a part) made CIFAR-10 quick's ReLUs slower
+# on the GPU machine's 16 threads than on one (relu1 forward 0.51 -> 0.80 ms in 12 parts:
+# each further part cost tens of us there); now they split in at most 3 parts, and on two
+# threads relu1 and relu2 (819,200 elements) still in two.
+ELEMENTWISE_MIN_PART = 1 << 18
 
 
 def split_flat(count, fn, min_part=None):
@@ -159,8 +232,7 @@ def split_flat(count, fn, min_part=None):
     if t < 2:
         return False
     cuts = [count * i // t for i in range(t + 1)]
-    for f in [pool.submit(fn, a, b) for a, b in zip(cuts[:-1], cuts[1:])]:
-        f.result()
+    run_parts(t, lambda slot, i: fn(cuts[i], cuts[i + 1]))
     return True
 
 
@@ -239,9 +311,7 @@ class limit:
         if self.n is None:
             return self
         if tpc is None:
-            from .errors import MinicaffeError
-            raise MinicaffeError("--threads needs threadpoolctl (pip install threadpoolctl); "
-                                 "or set OPENBLAS_NUM_THREADS instead")
+            raise _needs_threadpoolctl("--threads")
         import numpy  # noqa: F401
         self._ctl = tpc.threadpool_limits(limits=blas_threads(self.n), user_api="blas")
         self._kernel = _pool["threads"]

@@ -19,10 +19,12 @@ import numpy as np
 from ..core import threads as _threads
 
 # Split GEMMs in the kernel pool: parts of whole 16-row (or -column) blocks (OpenBLAS's
-# sgemm register blocks divide 16), each of at least 2^20 multiply-adds (well above the
-# small-matrix kernels' 64^3 and the pool's ~20 us per task).
+# sgemm register blocks divide 16), each of at least 2^22 multiply-adds (well above the
+# small-matrix kernels' 64^3, and about 50-100 us of BLAS work: with 2^20 LeNet's ip1
+# backward took 15 parts on the GPU machine's 16 threads and ran slower than on one,
+# 1.62 -> 2.05 ms; on two threads LeNet's three ip1 products still split in two).
 PARALLEL_ROW_ALIGN = 16
-PARALLEL_MIN_PART = 1 << 20
+PARALLEL_MIN_PART = 1 << 22
 
 
 def _blend(r, out, alpha, beta):
@@ -76,8 +78,7 @@ def gemm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=
         else:
             jobs = [(aa, bb[:, c0:c1], out[:, c0:c1]) for c0, c1 in parts]
         with _threads.single_blas():
-            for f in [pool.submit(_gemm_numpy, a_, b_, o_, alpha, beta) for a_, b_, o_ in jobs]:
-                f.result()
+            _threads.run_parts(len(jobs), lambda slot, i: _gemm_numpy(*jobs[i], alpha, beta))
         return out
     from ..gpu import cublas
     return cublas.matmul(xp.ascontiguousarray(a), xp.ascontiguousarray(b), out,

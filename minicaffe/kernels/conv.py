@@ -170,20 +170,14 @@ class ConvEngine:
         own workspace, and the results come back in chunk order (so what is summed
         over chunks is summed in the serial order: bit-identical results)."""
         starts = list(range(0, N, step))
-        pool = _threads.kernel_pool() if len(starts) > 1 else None
-        if pool is None:
-            ws = self._workspace(dtype, step)
-            return [body(ws, n0, min(N, n0 + step) - n0) for n0 in starts]
-        workers = min(pool._max_workers, len(starts))   # no idle tasks: the same bits
-        slots = [starts[i::workers] for i in range(workers)]
 
-        def run(slot):
-            ws = self._workspace(dtype, step, slot)
-            return [(n0, body(ws, n0, min(N, n0 + step) - n0)) for n0 in slots[slot]]
+        def part(slot, i):
+            n0 = starts[i]
+            return body(self._workspace(dtype, step, slot), n0, min(N, n0 + step) - n0)
+        if _threads.kernel_pool() is None or len(starts) < 2 or _threads.in_kernel_pool():
+            return [part(0, i) for i in range(len(starts))]
         with _threads.single_blas():   # the pool's threads, each with one BLAS thread
-            done = dict(r for f in [pool.submit(run, i) for i in range(workers)]
-                        for r in f.result())
-        return [done[n0] for n0 in starts]
+            return _threads.run_parts(len(starts), part)
 
     def _buffer(self, ws, name, shape, dtype, zero=False):
         """A workspace array made on first use (zero-filled if asked)."""

@@ -30,7 +30,9 @@ stride 1 and pad = (size-1)/2 the divisor is always size^2).  Note that ``k``
 is not used by Caffe in this mode (the shift is 1).
 
 Forward functions return ``(y, scale)``; backward functions take
-``(dy, x, y, scale, ...)`` and return ``dx``.
+``(dy, x, y, scale, ...)`` and return ``dx``.  With a CPU kernel pool (core/threads.py,
+``--threads N``) the numpy bodies run on batch ranges in its threads (each image's
+result is its own: the serial bits).
 """
 from __future__ import annotations
 
@@ -59,6 +61,22 @@ def _scalar(v, dtype):
     return np.asarray(v, dtype=np.float64).astype(dtype)[()]
 
 
+def _by_image(body, arrays, work):
+    """``body(*arrays)`` (numpy; it returns a tuple of arrays, one image per row), run
+    with a CPU kernel pool (core/threads.py, ``--threads N``) on contiguous batch ranges
+    in the pool's threads (pooling.py's ``_batch_parts`` chooses them from ``work``) and
+    joined: every output image depends on its own input image alone, so the results
+    are the serial body's."""
+    from ..core import threads
+    from .pooling import _batch_parts
+    pool, parts = _batch_parts(arrays[0].shape[0], work)
+    if pool is None:
+        return body(*arrays)
+    done = threads.run_parts(len(parts), lambda slot, i: body(
+        *(a[parts[i][0]:parts[i][1]] for a in arrays)))
+    return tuple(np.concatenate(outs) for outs in zip(*done))
+
+
 def _window_sum_channels(a, size):
     """sum_{o=0}^{size-1} a[:, c - pre_pad + o] (zero outside), numpy."""
     N, C, H, W = a.shape
@@ -83,10 +101,12 @@ def lrn_across_channels_forward(x, size=5, alpha=1.0, beta=0.75, k=1.0):
     kk = _scalar(k, dt)
     if is_cupy_array(x):
         return _across_fwd_cupy(x, size, alpha_over_size, negative_beta, kk)
-    accum = _window_sum_channels(x * x, size)
-    scale = kk + accum * alpha_over_size
-    y = x * np.power(scale, negative_beta)
-    return y, scale
+
+    def body(x):
+        accum = _window_sum_channels(x * x, size)
+        scale = kk + accum * alpha_over_size
+        return x * np.power(scale, negative_beta), scale
+    return _by_image(body, (x,), x.size * (size + 8))
 
 
 def lrn_across_channels_backward(dy, x, y, scale, size=5, alpha=1.0, beta=0.75):
@@ -97,8 +117,11 @@ def lrn_across_channels_backward(dy, x, y, scale, size=5, alpha=1.0, beta=0.75):
     cache_ratio = _scalar(2.0 * alpha * beta / size, dt)
     if is_cupy_array(x):
         return _across_bwd_cupy(dy, x, y, scale, size, negative_beta, cache_ratio)
-    accum_ratio = _window_sum_channels(dy * y / scale, size)
-    return dy * np.power(scale, negative_beta) - cache_ratio * x * accum_ratio
+
+    def body(dy, x, y, scale):
+        accum_ratio = _window_sum_channels(dy * y / scale, size)
+        return (dy * np.power(scale, negative_beta) - cache_ratio * x * accum_ratio,)
+    return _by_image(body, (dy, x, y, scale), x.size * (size + 8))[0]
 
 
 lrn_forward = lrn_across_channels_forward
@@ -122,10 +145,12 @@ def lrn_within_channel_forward(x, size=5, alpha=1.0, beta=0.75):
             "scale = (T)1 + alpha * p; y = x * pow(scale, negbeta);",
             "mc_lrn_within_fwd")(x, pooled, a, negative_beta)
         return y, scale
-    pooled = ave_pool_forward(x * x, size, 1, pre)
-    scale = dt.type(1) + a * pooled
-    y = x * np.power(scale, negative_beta)
-    return y, scale
+
+    def body(x):
+        pooled = ave_pool_forward(x * x, size, 1, pre)
+        scale = dt.type(1) + a * pooled
+        return x * np.power(scale, negative_beta), scale
+    return _by_image(body, (x,), x.size * (size * size + 8))
 
 
 def lrn_within_channel_backward(dy, x, y, scale, size=5, alpha=1.0, beta=0.75):
@@ -143,8 +168,11 @@ def lrn_within_channel_backward(dy, x, y, scale, size=5, alpha=1.0, beta=0.75):
             "T dy, T x, T scale, T back, T negbeta, T cache", "T dx",
             "dx = dy * pow(scale, negbeta) - cache * x * back",
             "mc_lrn_within_bwd")(dy, x, scale, back, negative_beta, cache_ratio)
-    back = ave_pool_backward(dy * y / scale, x.shape, size, 1, pre)
-    return dy * np.power(scale, negative_beta) - cache_ratio * x * back
+
+    def body(dy, x, y, scale):
+        back = ave_pool_backward(dy * y / scale, x.shape, size, 1, pre)
+        return (dy * np.power(scale, negative_beta) - cache_ratio * x * back,)
+    return _by_image(body, (dy, x, y, scale), x.size * (size * size + 8))[0]
 
 
 # --------------------------------------------------------------------------

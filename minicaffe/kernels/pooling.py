@@ -353,22 +353,28 @@ def _direct(out, shape, dtype):
                            and tuple(out.shape) == tuple(shape) and out.dtype == dtype)
 
 
-# Below this much work (input elements x window positions per output stride area) a
-# pooling call stays on one thread: LeNet's 2x2 pools ran slower split in two, CIFAR-10
-# quick's 3x3 pools of 100 x 32 x 32 x 32 and 100 x 32 x 16 x 16 faster (8.6 -> 6.8 ms MAX
-# forward, 4.6 -> 2.7 ms AVE forward; 2-core CPU machine, two threads).
-PARALLEL_MIN_WORK = 1 << 20
+# Each part of a pooling call split over the kernel pool has at least this much work
+# (input elements x window positions per output stride area); below twice it the call
+# stays on one thread.  MAX forward timed alone on two threads (2-core CPU machine,
+# minimum of 60 alternating rounds): LeNet's pool2, 64 x 50 x 8 x 8 (work 204,800),
+# 0.45 ms serial, 0.56 split in two; its pool1, 64 x 20 x 24 x 24 (737,280), 0.94 -> 0.78;
+# CIFAR-10 quick's pool1, 100 x 32 x 32 x 32 3x3/2 (7.4 million), 8.0 -> 5.3 ms.  Calls
+# that large take one part per thread (16 parts on 16 threads).
+PARALLEL_MIN_WORK = 1 << 18
 
 
 def _batch_parts(N, work):
-    """With a CPU kernel pool (core/threads.py, ``--threads N``) and at least
-    PARALLEL_MIN_WORK of ``work``: the pool and the contiguous batch ranges its threads
-    take, else (None, None).  Every numpy pooling output depends on its own image only,
-    so the parts give the serial path's bits."""
+    """With a CPU kernel pool (core/threads.py, ``--threads N``), outside its parts, and
+    at least twice PARALLEL_MIN_WORK of ``work``: the pool and the contiguous batch
+    ranges of the parts (one per thread, at most one per PARALLEL_MIN_WORK and two
+    images), else (None, None).  Every numpy pooling output depends on its own image
+    only, so the parts give the serial path's bits."""
     from ..core import threads
     pool = threads.kernel_pool()
-    t = threads.kernel_threads()
-    if pool is None or N < 2 * t or work < PARALLEL_MIN_WORK:
+    if pool is None or threads.in_kernel_pool():
+        return None, None
+    t = min(threads.kernel_threads(), N // 2, work // max(PARALLEL_MIN_WORK, 1))
+    if t < 2:
         return None, None
     cuts = [N * i // t for i in range(t + 1)]
     return pool, list(zip(cuts[:-1], cuts[1:]))
@@ -390,7 +396,8 @@ def _whole(out, shape, dtype):
 
 def _in_parts(pool, parts, fn):
     """``fn(a, b)`` for each batch range, in the pool; the results in range order."""
-    return [f.result() for f in [pool.submit(fn, a, b) for a, b in parts]]
+    from ..core import threads
+    return threads.run_parts(len(parts), lambda slot, i: fn(*parts[i]))
 
 
 def max_pool_forward(x, kernel, stride=1, pad=0, out=None, mask_out=None):

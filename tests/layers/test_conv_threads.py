@@ -126,6 +126,7 @@ def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, t
     pool's threads: the one-thread bits, for 2, 3 and 16 threads."""
     from concurrent.futures import ThreadPoolExecutor
     from minicaffe.kernels import blas
+    monkeypatch.setattr(blas, "PARALLEL_MIN_PART", 1 << 20)   # CIFAR-10's ip1 splits too
     submitted = []
     submit = ThreadPoolExecutor.submit
     monkeypatch.setattr(ThreadPoolExecutor, "submit",
@@ -141,7 +142,7 @@ def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, t
             out = start.copy()
             blas.gemm(np, a, b, out, trans_a=ta, trans_b=tb, beta=beta)
             results.append(out)
-            assert len(submitted) >= (0 if n == 1 else 2)   # split in the pool
+            assert len(submitted) >= (0 if n == 1 else 1)   # split: the caller runs a part too
             submitted.clear()
     finally:
         threads.set_kernel_threads(1)
@@ -180,7 +181,7 @@ def test_relu_in_the_kernel_pool_is_bit_identical_to_one_thread(monkeypatch):
             blob.diff[...] = dy0
             layer.backward([blob], [True], [blob])
             results.append((y, blob.diff.copy()))
-            assert len(submitted) == (0 if n == 1 else 6)     # 3 parts forward, 3 backward
+            assert len(submitted) == (0 if n == 1 else 4)     # 3 parts each way, the caller's one
             submitted.clear()
     finally:
         threads.set_kernel_threads(1)
@@ -210,3 +211,60 @@ def test_lenet_training_steps_with_three_threads_match_one_thread():
     assert len(weights[0]) == 8
     for a, b in zip(*weights):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("within", [False, True])
+def test_lrn_in_the_kernel_pool_is_bit_identical_to_one_thread(within, monkeypatch):
+    """LRN forward and backward on batch ranges in the pool's threads (odd batch, odd
+    image sizes): the one-thread values, bit for bit."""
+    from minicaffe.kernels import lrn, pooling
+    monkeypatch.setattr(pooling, "PARALLEL_MIN_WORK", 0)   # small inputs split, too
+    rs = np.random.RandomState(11)
+    x = rs.randn(7, 6, 9, 7).astype(np.float32)
+    dy = rs.randn(*x.shape).astype(np.float32)
+    fwd, bwd = ((lrn.lrn_within_channel_forward, lrn.lrn_within_channel_backward) if within
+                else (lrn.lrn_across_channels_forward, lrn.lrn_across_channels_backward))
+    results = []
+    try:
+        for n in (1, 3):
+            threads.set_kernel_threads(n)
+            y, scale = fwd(x, 5, 1e-2, 0.75)
+            results.append((y, scale, bwd(dy, x, y, scale, 5, 1e-2, 0.75)))
+    finally:
+        threads.set_kernel_threads(1)
+    for serial, pooled in zip(*results):
+        assert serial.shape == x.shape and serial.dtype == pooled.dtype
+        assert np.array_equal(serial, pooled)
+
+
+def test_run_parts_shares_the_parts_out_and_returns_them_in_order():
+    """Each thread takes the next part not yet taken (a slow part does not hold the
+    others back), every part runs once, results come back in part order, and an error in
+    one part is raised after the others have ended."""
+    import threading
+    import time
+    ran = []
+
+    def part(slot, i):
+        ran.append((threading.get_ident(), slot, i))
+        time.sleep(0.1 if i == 0 else 0.002)      # part 0 is slow: the others go on
+        return i * i
+    try:
+        threads.set_kernel_threads(3)
+        assert threads.run_parts(12, part) == [i * i for i in range(12)]
+        assert sorted(i for _, _, i in ran) == list(range(12))
+        slow = [t for t, _, i in ran if i == 0][0]
+        assert sum(t == slow for t, _, _ in ran) == 1          # the others took the rest
+        assert len({t for t, _, _ in ran}) >= 2 and {s for _, s, _ in ran} <= {0, 1, 2}
+        finished = []
+
+        def failing(slot, i):
+            if i == 1:
+                raise ValueError("part 1")
+            time.sleep(0.01)
+            finished.append(i)
+        with pytest.raises(ValueError, match="part 1"):
+            threads.run_parts(6, failing)
+        assert sorted(finished) == [0, 2, 3, 4, 5]
+    finally:
+        threads.set_kernel_threads(1)
