@@ -215,9 +215,6 @@ def test_resnet_pieces_on_16_bit_storage_match_the_emulation(prec):
     lines = storage_lines(real)
     for name in ("c1 (Convolution)", "bn1 (BatchNorm)", "s1 (Scale)", "sum (Eltwise)",
                  "pool (Pooling)", "fc (InnerProduct)"):
-        if prec == "fp16" and name[:2] in ("bn", "s1"):    # FP32_BODY_IN: cast ops
-            assert f"  {name}: fp32" in lines, name
-            continue
         assert f"  {name}: native {KIND[prec]}" in lines, name
     l1 = float(emu.forward()["loss"])
     l2 = float(real.forward()["loss"])

@@ -87,14 +87,6 @@ NATIVE = {
 }
 
 
-# layers that keep their fp32 body (cast ops around them) in one reduced type although
-# they have a 16-bit one: on the H100, cuDNN's batch norm on float16 buffers gave a Scale
-# gradient 45x farther from fp32 than the emulation (tests/test_storage16_gpu.py's ResNet
-# pieces: |real - fp32| 0.00361 against 8.2e-05; bfloat16 on the same body: 0.00709
-# against 0.00715), the cause not found yet
-FP32_BODY_IN = {"FLOAT16": {"BatchNorm", "Scale"}}
-
-
 def native_storage(net, i):
     """The reduced type layer i of ``net`` runs in on 2-byte buffers (FLOAT16,
     BFLOAT16), or None: its types store data and diffs in one reduced type and its
@@ -130,8 +122,6 @@ def native_storage(net, i):
             prev, lp = net.net_param.layer[i - 1], net.net_param.layer[i]
             ok = prev.type == "BatchNorm" and list(lp.bottom) == list(prev.top) and \
                 native_storage(net, i - 1) == s and len(lp.bottom) == 1
-    if lt.type in FP32_BODY_IN.get(s, ()):
-        ok = False
     return s if ok else None
 
 
