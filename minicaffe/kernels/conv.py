@@ -10,9 +10,9 @@ backward_cpu_gemm / weight_cpu_gemm with ``im2col.cpp``.
   of dy with the flipped kernel; layers with few input channels use Caffe's channel-major
   columns; a 1x1 kernel with stride 1 and no padding skips im2col.
 * numpy with a kernel pool (core/threads.py: ``--threads N``, N > 1): the chunks of the
-  batch run in the pool's threads, each with its own workspace; the weight-gradient
-  partials come back per chunk and are summed in chunk order, as the serial loop sums
-  them, so the results are bit-identical to one thread.
+  batch run in the pool's threads, each with its own workspace; each chunk writes its
+  weight-gradient partial into its own row of one kept array, summed in chunk order as
+  the serial loop sums them, so the results are bit-identical to one thread.
 * CuPy, or N-D: the whole-chunk ``im2col``/``col2im`` of kernels/im2col.py (CUDA kernels
   on the GPU, strided slicing for N-D) and batched GEMMs (blas.py).
 
