@@ -50,8 +50,9 @@ def products(N, C, O, H, k, pad, down):
     f32 = lambda *s: rs.rand(*s).astype(np.float32)   # noqa: E731
     out = []
     if C < conv.NHWC_MIN_CHANNELS:     # channel-major: per-image products, stacked
-        w, col = f32(O, K), f32(K, step, P)
-        y, dy, patches = f32(step, O, P), f32(step, O, P), f32(step, P, K)
+        ld = step * P + (16 if (step * P * 4) % 4096 == 0 else 0)   # padded rows
+        w, col = f32(O, K), f32(K, ld)[:, :step * P].reshape(K, step, P)
+        y, dy, dyr = f32(step, O, P), f32(step, O, P), f32(step * P, O)
 
         def fwd():
             for n in chunks:
@@ -59,13 +60,13 @@ def products(N, C, O, H, k, pad, down):
 
         def dw():
             for n in chunks:
-                if k * C >= conv.CN_DW_PATCH_RUN:   # channel-last patches
-                    np.matmul(dy[:n], patches[:n])
+                if k * C >= conv.CN_DW_ROWS_RUN:    # one product against dy as rows
+                    np.matmul(col[:, :n].reshape(K, n * P), dyr[:n * P])
                 else:                               # the columns' transpose
                     np.matmul(dy[:n], col[:, :n].transpose(1, 2, 0))
         out += [("forward", N * P * K * O, fwd), ("weight gradient", N * P * K * O, dw)]
     else:                              # channel-last patches, one product per chunk
-        col, wt, y = f32(step * P, K), f32(O, K).T, f32(step * P, O)
+        col, wt, y = f32(step * P, K), f32(K, O), f32(step * P, O)
         dyr, dw_out = f32(step * P, O), f32(O, K)
 
         def fwd():

@@ -10,9 +10,9 @@ backward_cpu_gemm / weight_cpu_gemm with ``im2col.cpp``.
   of dy with the flipped kernel; layers with few input channels use Caffe's channel-major
   columns; a 1x1 kernel with stride 1 and no padding skips im2col.
 * numpy with a kernel pool (core/threads.py: ``--threads N``, N > 1): the chunks of the
-  batch run in the pool's threads, each with its own workspace; the weight-gradient
-  partials come back per chunk and are summed in chunk order, as the serial loop sums
-  them, so the results are bit-identical to one thread.
+  batch run in the pool's threads, each with its own workspace; each chunk writes its
+  weight-gradient partial into its own row of one kept array, summed in chunk order as
+  the serial loop sums them, so the results are bit-identical to one thread.
 * CuPy, or N-D: the whole-chunk ``im2col``/``col2im`` of kernels/im2col.py (CUDA kernels
   on the GPU, strided slicing for N-D) and batched GEMMs (blas.py).
 
@@ -43,9 +43,10 @@ FULL_CONV_RATIO = 3
 # Below this many input channels per group the numpy engine builds Caffe's
 # channel-major columns instead of channel-last patches.
 NHWC_MIN_CHANNELS = 8
-# ... but their weight gradient reads channel-last patches when a patch row holds at
-# least this many contiguous values (kernel width x channels per group).
-CN_DW_PATCH_RUN = 8
+# ... and their weight gradient takes one product per chunk against dy as rows when a
+# kernel row holds at least this many values (kernel width x channels per group;
+# below, per-image products against dy in place: LeNet's conv1).
+CN_DW_ROWS_RUN = 8
 
 
 class ConvEngine:
@@ -72,6 +73,7 @@ class ConvEngine:
         self.is_1x1 = (all(k == 1 for k in self.kernel) and all(s == 1 for s in self.stride)
                        and all(p == 0 for p in self.pad))
         self._ws = {}  # numpy workspaces: worker slot -> {key: (dtype, chunk), buffers}
+        self._dw_buf = None  # numpy: the weight-gradient partials, one row per chunk
         self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
 
     # -- chunking ----------------------------------------------------------------
@@ -185,6 +187,16 @@ class ConvEngine:
             ws[name] = (np.zeros if zero else np.empty)(shape, dtype)
         return ws[name]
 
+    def _dw_parts(self, chunks, shape, dtype):
+        """(chunks, *shape) array that the chunks write their weight-gradient partials
+        into, kept between calls: fresh arrays per chunk (50 of 100 KiB a step for
+        CIFAR-10 quick's conv2) cost their page faults on every step, 2.7 ms there."""
+        shape = (chunks,) + tuple(shape)
+        buf = self._dw_buf
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self._dw_buf = np.empty(shape, dtype)
+        return buf
+
     def _nhwc_padded(self, ws, name, a, pad, n):
         """``a`` (n, C, H, W) written channel-last into the interior of a
         zero-bordered workspace array (step, H+2ph, W+2pw, C)."""
@@ -219,7 +231,9 @@ class ConvEngine:
     def _fwd_nhwc(self, x, w, y, budget, bias=None):
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         Og = O // G
-        wr = self._w_rows(w)
+        # (G, kh*kw*Cg, Og), contiguous: OpenBLAS ran col @ wt[g] 3% faster than
+        # against the transposed view of the rows (CIFAR-10 quick's conv2)
+        wt = np.ascontiguousarray(self._w_rows(w).transpose(0, 2, 1))
         step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
 
         def chunk(ws, n0, n):
@@ -228,11 +242,13 @@ class ConvEngine:
             kc = col.shape[1] // G
             out = self._buffer(ws, "out", (step * P, Og), x.dtype)[:n * P]
             for g in range(G):
-                np.matmul(col[:, g * kc:(g + 1) * kc], wr[g].T, out=out)
-                if bias is not None:
-                    out += bias[g * Og:(g + 1) * Og]
-                y[n0:n0 + n, g * Og:(g + 1) * Og] = out.reshape(
-                    n, *self.out_spatial, Og).transpose(0, 3, 1, 2)
+                np.matmul(col[:, g * kc:(g + 1) * kc], wt[g], out=out)
+                o4 = out.reshape(n, *self.out_spatial, Og).transpose(0, 3, 1, 2)
+                if bias is None:
+                    y[n0:n0 + n, g * Og:(g + 1) * Og] = o4
+                else:   # the bias added in the copy to NCHW: one pass instead of two
+                    np.add(o4, bias[g * Og:(g + 1) * Og, None, None],
+                           out=y[n0:n0 + n, g * Og:(g + 1) * Og])
         self._chunks(N, step, x.dtype, chunk)
 
     def _full_conv_ok(self):
@@ -258,8 +274,11 @@ class ConvEngine:
             else:   # wk[g][i*kw + j] = w[g*Og:(g+1)*Og, :, i, j]  (Og, Cg)
                 wk = np.ascontiguousarray(
                     w.reshape(G, Og, Cg, kh * kw).transpose(0, 3, 1, 2))
+        if dw is not None:   # chunk i's partial (G, Og, kh*kw*Cg) in dwp[i]
+            dwp = self._dw_parts(-(-N // step), (G, Og, kh * kw * Cg),
+                                 np.result_type(dy.dtype, x.dtype))
+
         def chunk(ws, n0, n):
-            parts = None
             bias = None if db is None else self._bias_part(dy[n0:n0 + n])
             if dw is not None or (dx is not None and not full):
                 dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
@@ -268,22 +287,22 @@ class ConvEngine:
                 xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
                 col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
                 kc = col.shape[1] // G
-                parts = [dyr[:, g * Og:(g + 1) * Og].T @ col[:, g * kc:(g + 1) * kc]
-                         for g in range(G)]
+                for g in range(G):
+                    np.matmul(dyr[:, g * Og:(g + 1) * Og].T, col[:, g * kc:(g + 1) * kc],
+                              out=dwp[n0 // step, g])
             if dx is not None:
                 if full:
                     self._dx_full_conv(ws, wf, dy[n0:n0 + n], dx[n0:n0 + n], n)
                 else:
                     self._dx_col2im(ws, wk, dyr, dx[n0:n0 + n], n)
-            return parts, bias
+            return bias
         results = self._chunks(N, step, dy.dtype, chunk)
         if db is not None:
-            self._sum_in_order(db, [r[1] for r in results])
+            self._sum_in_order(db, results)
         if dw is not None:
             dwr = np.zeros((G, Og, kh * kw * Cg), dw.dtype)
-            for chunk_parts, _ in results:      # in chunk order, as the serial loop
-                for g in range(G):
-                    dwr[g] += chunk_parts[g]
+            for part in dwp:      # in chunk order, as the serial loop
+                dwr += part
             dw += dwr.reshape(O, kh, kw, Cg).transpose(0, 3, 1, 2)
 
     def _dx_full_conv(self, ws, wf, dy, dx, n):
@@ -339,12 +358,20 @@ class ConvEngine:
 
     def _cn_im2col(self, ws, x, n):
         """col (C*kh*kw, n*OH*OW) of the n images ``x``: kernels/im2col.py's numpy
-        im2col, into this layer's workspace."""
+        im2col, into this layer's workspace.  Rows whose length in bytes is a multiple
+        of 4 KiB get a cache line of padding after them (a strided view): otherwise
+        the GEMMs' loads of successive rows fall on the same cache sets (CIFAR-10
+        quick's conv1 chunks of 3 images, rows of 12 KiB: its forward products took
+        8.7 ms a step against 6.6 ms with padded rows)."""
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
         xpad = self._cn_padded(ws, x, n)
-        size = self.C * self.ksize * self.P
-        col = self._buffer(ws, "col", ws["key"][1] * size, x.dtype)[:n * size]
-        return im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
+        step, rows, cols = ws["key"][1], self.C * self.ksize, n * self.P
+        ld = step * self.P
+        if (ld * x.dtype.itemsize) % 4096 == 0:
+            ld += 64 // x.dtype.itemsize
+        col = self._buffer(ws, "cn_col", (rows, ld), x.dtype)[:, :cols]
+        col = im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
+        return col
 
     def _cn_col2im(self, ws, col, dx, n):
         """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW)): kernels/im2col.py's."""
@@ -388,27 +415,44 @@ class ConvEngine:
         Og = O // G
         w3 = w.reshape(G, Og, -1)
         step = self.chunk(N, dy.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
-        last = self.kernel[1] * (self.C // G) >= CN_DW_PATCH_RUN
+        # chunk i's weight-gradient partial in dwp[i]: (G, Og, C/G*kh*kw), or with
+        # ``rows`` transposed, (G, C/G*kh*kw, Og)
+        rows = self.kernel[1] * (self.C // G) >= CN_DW_ROWS_RUN
+        if dw is not None:
+            shape = (G, w3.shape[2], Og) if rows else w3.shape
+            dwp = self._dw_parts(-(-N // step), shape, np.result_type(dy.dtype, x.dtype))
+        isz = dy.dtype.itemsize
 
         def chunk(ws, n0, n):
-            parts = None
             bias = None if db is None else self._bias_part(dy[n0:n0 + n])
-            if dw is not None:
-                # one product per image and group, dy (Og, P) in place against the image's
-                # columns, summed over the chunk's images here, over chunks below.  With
-                # runs of at least 8 values (kw*Cg) the channel-last patches (P, kh*kw*Cg),
-                # contiguous: OpenBLAS ran that 1.4x faster than the channel-major
-                # columns' transpose (CIFAR-10 conv1, 3 channels; LeNet's conv1, one
-                # channel, keeps the channel-major columns)
+            if dw is not None and not rows:
+                # one product per image and group, dy (Og, P) in place against the
+                # image's columns, summed over the chunk's images (LeNet's conv1: one
+                # channel, rows of 5 values)
                 d4 = dy[n0:n0 + n].reshape(n, G, Og, P)
-                if last:
-                    xh = self._nhwc_padded(ws, "xh", x[n0:n0 + n], self.pad, n)
-                    col = self._patches(ws, "col", xh, G, self.out_spatial, self.stride)
-                    c4 = col.reshape(n, P, G, -1).transpose(2, 0, 1, 3)
-                else:
-                    col = self._cn_im2col(ws, x[n0:n0 + n], n)
-                    c4 = col.reshape(G, -1, n, P).transpose(0, 2, 3, 1)
-                parts = [np.add.reduce(np.matmul(d4[:, g], c4[g]), axis=0) for g in range(G)]
+                c4 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n, P)
+                c4 = c4.transpose(0, 2, 3, 1)
+                for g in range(G):
+                    np.add.reduce(np.matmul(d4[:, g], c4[g]), axis=0, out=dwp[n0 // step, g])
+            elif dw is not None:
+                # per group one product over the chunk: the columns (Kg, n*P) against dy
+                # as rows (n*P, Og), giving the weight gradient transposed.  OpenBLAS ran
+                # it 1.3x faster than per-image products against channel-last patches
+                # (CIFAR-10 quick's conv1: 3 channels, 75 x 32 out of 3072-long sums).
+                # dy reaches rows through a padded copy when its planes are a multiple of
+                # 4 KiB (conv1's 32x32): the transposing copy's reads otherwise fall on
+                # the same cache sets (6.3 ms a step against 1.5 ms with the copy)
+                src = dy[n0:n0 + n].reshape(n, O, P)
+                if (P * isz) % 4096 == 0:
+                    pad = self._buffer(ws, "dy_pad", (step, O, P + 64 // isz), dy.dtype)
+                    pad = pad[:n, :, :P]
+                    pad[...] = src
+                    src = pad
+                dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
+                dyr.reshape(n, P, O)[...] = src.transpose(0, 2, 1)
+                c3 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n * P)
+                for g in range(G):
+                    np.matmul(c3[g], dyr[:, g * Og:(g + 1) * Og], out=dwp[n0 // step, g])
             if dx is not None:
                 dy2 = self._buffer(ws, "cn_out", O * step * P, dy.dtype)[:O * n * P]
                 dy2.reshape(O, n, *self.out_spatial)[...] = dy[n0:n0 + n].transpose(1, 0, 2, 3)
@@ -418,20 +462,15 @@ class ConvEngine:
                 dcol = dcol.reshape(G, -1, n * P)
                 np.matmul(w3.transpose(0, 2, 1), dy3, out=dcol)
                 self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
-            return parts, bias
+            return bias
         results = self._chunks(N, step, dy.dtype, chunk)
         if db is not None:
-            self._sum_in_order(db, [r[1] for r in results])
+            self._sum_in_order(db, results)
         if dw is not None:
-            dwr = np.zeros((G, Og, w3.shape[2]), dw.dtype)
-            for chunk_parts, _ in results:       # in chunk order, as the serial loop
-                for g in range(G):
-                    dwr[g] += chunk_parts[g]
-            if last:
-                (kh, kw), Cg = self.kernel, self.C // G
-                dw += dwr.reshape(self.O, kh, kw, Cg).transpose(0, 3, 1, 2)
-            else:
-                dw += dwr.reshape(dw.shape)
+            dwr = np.zeros(dwp.shape[1:], dw.dtype)
+            for part in dwp:       # in chunk order, as the serial loop
+                dwr += part
+            dw += (dwr.transpose(0, 2, 1) if rows else dwr).reshape(dw.shape)
 
     # -- generic (CuPy, N-D) ------------------------------------------------------------
     def _im2col(self, x):
