@@ -137,12 +137,23 @@ def figures(kind, mode, report):
             "eager_peak_mib": report["eager"]["peak_bytes"] / mib}
 
 
-def _ms(cell):
-    return "fail" if cell is None else f"{cell['ms']:.2f}"
+def _fmt(cell, key, spec):
+    return "fail" if cell is None else format(cell[key], spec)
 
 
-def _mib(cell):
-    return "fail" if cell is None else f"{cell['peak_mib']:,.1f}"
+def _rows(rows, key, spec):
+    """One markdown row per net: minicaffe's four cells, then PyTorch's fp32 and defaults
+    graphs and its bf16 eager / graph, each ``cell[key]`` (``eager_`` + key for eager)."""
+    out = []
+    for name, batch, cells in rows:
+        mc = [_fmt(cells.get(("mc", m)), key, spec) for m in MC]
+        bf = cells.get(("torch", "bf16"))
+        bf_cell = "fail" if bf is None else \
+            f"{format(bf['eager_' + key], spec)} / {format(bf[key], spec)}"
+        out.append(f"| {name} b{batch} | " + " | ".join(mc) + " | " +
+                   f"{_fmt(cells.get(('torch', 'fp32')), key, spec)} | "
+                   f"{_fmt(cells.get(('torch', 'defaults')), key, spec)} | {bf_cell} |")
+    return out
 
 
 def table(rows):
@@ -151,27 +162,12 @@ def table(rows):
     head = ("| net, batch | minicaffe fp32 | minicaffe TF32 | minicaffe bf16 | minicaffe fp16 "
             "| PyTorch fp32 graph | PyTorch defaults (TF32 convs) graph "
             "| PyTorch bf16 autocast + channels_last, eager / graph |")
-    out = ["ms per training iteration (median of the repeats):", "", head,
-           "|" + "---|" * 8]
-    for name, batch, cells in rows:
-        mc = [_ms(cells.get(("mc", m))) for m in MC]
-        bf = cells.get(("torch", "bf16"))
-        bf_cell = "fail" if bf is None else f"{bf['eager_ms']:.2f} / {bf['ms']:.2f}"
-        out.append(f"| {name} b{batch} | " + " | ".join(mc) + " | " +
-                   f"{_ms(cells.get(('torch', 'fp32')))} | "
-                   f"{_ms(cells.get(('torch', 'defaults')))} | {bf_cell} |")
-    out += ["", "peak device memory (MiB):", "",
-            "| net, batch | minicaffe fp32 | minicaffe TF32 | minicaffe bf16 | minicaffe fp16 "
-            "| PyTorch fp32 graph | PyTorch defaults graph | PyTorch bf16 eager / graph |",
-            "|" + "---|" * 8]
-    for name, batch, cells in rows:
-        mc = [_mib(cells.get(("mc", m))) for m in MC]
-        bf = cells.get(("torch", "bf16"))
-        bf_cell = "fail" if bf is None else f"{bf['eager_peak_mib']:,.1f} / {bf['peak_mib']:,.1f}"
-        out.append(f"| {name} b{batch} | " + " | ".join(mc) + " | " +
-                   f"{_mib(cells.get(('torch', 'fp32')))} | "
-                   f"{_mib(cells.get(('torch', 'defaults')))} | {bf_cell} |")
-    return out
+    return (["ms per training iteration (median of the repeats):", "", head,
+             "|" + "---|" * 8] + _rows(rows, "ms", ".2f") +
+            ["", "peak device memory (MiB):", "",
+             "| net, batch | minicaffe fp32 | minicaffe TF32 | minicaffe bf16 | minicaffe fp16 "
+             "| PyTorch fp32 graph | PyTorch defaults graph | PyTorch bf16 eager / graph |",
+             "|" + "---|" * 8] + _rows(rows, "peak_mib", ",.1f"))
 
 
 def check_environment(gpu):
