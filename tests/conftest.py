@@ -109,19 +109,17 @@ def _logging_put_back():
 @pytest.fixture
 def cli(capsys, tmp_path, monkeypatch):
     """Run ``minicaffe.cli.main(argv)`` in this process, in tmp_path; returns (rc, stdout,
-    stderr).  The logging the CLI set up (handlers, level, log files) is put back after."""
+    stderr).  The logging the CLI set up (handlers, level, log files) is put back after
+    (``_logging_put_back``, as for every test)."""
     from minicaffe.cli import main
-    from minicaffe.core import log
     monkeypatch.chdir(tmp_path)
-    saved = log.save_config()
 
     def run(*argv):
         rc = main([str(a) for a in argv])
         out, err = capsys.readouterr()
         return rc, out, err
 
-    yield run
-    log.restore_config(saved)
+    return run
 
 
 @pytest.fixture

@@ -49,6 +49,12 @@ NHWC_MIN_CHANNELS = 8
 CN_DW_ROWS_RUN = 8
 
 
+def _off_4k(count, itemsize):
+    """A row length for ``count`` values: one cache line longer when the row would be a
+    multiple of 4 KiB (successive rows' loads then fall on the same cache sets)."""
+    return count + 64 // itemsize if (count * itemsize) % 4096 == 0 else count
+
+
 class ConvEngine:
     """im2col + GEMM convolution of one geometry, forward and backward.
 
@@ -366,12 +372,9 @@ class ConvEngine:
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
         xpad = self._cn_padded(ws, x, n)
         step, rows, cols = ws["key"][1], self.C * self.ksize, n * self.P
-        ld = step * self.P
-        if (ld * x.dtype.itemsize) % 4096 == 0:
-            ld += 64 // x.dtype.itemsize
+        ld = _off_4k(step * self.P, x.dtype.itemsize)
         col = self._buffer(ws, "cn_col", (rows, ld), x.dtype)[:, :cols]
-        col = im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
-        return col
+        return im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
 
     def _cn_col2im(self, ws, col, dx, n):
         """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW)): kernels/im2col.py's."""
@@ -443,8 +446,8 @@ class ConvEngine:
                 # 4 KiB (conv1's 32x32): the transposing copy's reads otherwise fall on
                 # the same cache sets (6.3 ms a step against 1.5 ms with the copy)
                 src = dy[n0:n0 + n].reshape(n, O, P)
-                if (P * isz) % 4096 == 0:
-                    pad = self._buffer(ws, "dy_pad", (step, O, P + 64 // isz), dy.dtype)
+                if _off_4k(P, isz) != P:
+                    pad = self._buffer(ws, "dy_pad", (step, O, _off_4k(P, isz)), dy.dtype)
                     pad = pad[:n, :, :P]
                     pad[...] = src
                     src = pad

@@ -67,13 +67,11 @@ def _by_image(body, arrays, work):
     in the pool's threads (pooling.py's ``_batch_parts`` chooses them from ``work``) and
     joined: every output image depends on its own input image alone, so the results
     are the serial body's."""
-    from ..core import threads
-    from .pooling import _batch_parts
+    from .pooling import _batch_parts, _in_parts
     pool, parts = _batch_parts(arrays[0].shape[0], work)
     if pool is None:
         return body(*arrays)
-    done = threads.run_parts(len(parts), lambda slot, i: body(
-        *(a[parts[i][0]:parts[i][1]] for a in arrays)))
+    done = _in_parts(pool, parts, lambda a, b: body(*(x[a:b] for x in arrays)))
     return tuple(np.concatenate(outs) for outs in zip(*done))
 
 
