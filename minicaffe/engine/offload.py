@@ -878,10 +878,9 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
         return op
     times = times if times is not None else estimate_times(net)
     first = n_prologue(net)
-    # the second device->host stream: chosen over vDNN's lives (for hide_copies), and
-    # last over the placed plan, where the compute stream waits as placed (the streams
-    # change no place in the arena)
-    choose_lanes(op.entries, times, first)
+    # the second device->host stream, chosen over the placed plan, where the compute
+    # stream waits as placed (the streams change no place in the arena); hide_copies
+    # starts from these lanes, and they are chosen again over its plan
     op.info = dict(op.info, lanes=choose_lanes(op.entries, times, first, lazy=True))
     if not (HIDE if hide is None else hide):
         return op

@@ -312,7 +312,7 @@ class ConvEngine:
             dw += dwr.reshape(O, kh, kw, Cg).transpose(0, 3, 1, 2)
 
     def _dx_full_conv(self, ws, wf, dy, dx, n):
-        G, O, C = self.G, self.O, self.C
+        G, C = self.G, self.C
         Cg = C // G
         H, W = self.in_spatial
         q = [d * (k - 1) - p for k, d, p in zip(self.kernel, self.dilation, self.pad)]
