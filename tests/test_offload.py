@@ -4,7 +4,6 @@ DYNAMIC's choice over fake layer times, the budget errors, the schema, the comma
 Everything here runs on the CPU: the plan and the schedule are pure Python.  The CUDA
 side (copies, events, graph capture, bit-identical weights) is in test_offload_gpu.py.
 """
-import importlib.util
 import os
 
 import numpy as np
@@ -16,6 +15,7 @@ from minicaffe.core.config import RunConfig
 from minicaffe.core.errors import ConfigError
 from minicaffe.engine.plan import MemoryPlan
 from minicaffe.proto import caffe_pb2
+from conftest import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,10 +47,7 @@ def _net(text=CHAIN):
 
 
 def _synthetic(model, batch, shape):
-    spec = importlib.util.spec_from_file_location(
-        "_gpu_step", os.path.join(ROOT, "benchmarks", "gpu_step.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/gpu_step.py")
     return Net(mod.synthetic(os.path.join(ROOT, model), batch, shape), phase=caffe_pb2.TRAIN)
 
 

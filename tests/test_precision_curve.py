@@ -1,20 +1,14 @@
 """benchmarks/precision_curve.py (issue 20's loss-curve target) on a tiny input: the
 ResNet-style net trains in fp32, bf16 and fp16 from the same seed on the same batches, so
 the three first losses are finite and nearly equal, and the reduced ones are not fp32's."""
-import importlib.util
-import os
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_script
 
 
 def _curve_module():
-    spec = importlib.util.spec_from_file_location(
-        "_precision_curve", os.path.join(ROOT, "benchmarks", "precision_curve.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/precision_curve.py")
 
 
 def test_three_precisions_start_on_the_same_loss_and_stay_finite():

@@ -2,19 +2,13 @@
 configuration runs, where each run's figures land in the two tables, a failed run as a
 'fail' cell with exit 1, and a wrong flag or a machine without a GPU as one error line
 with exit 2 and nothing run."""
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_script
 
 
 def _table_module():
-    spec = importlib.util.spec_from_file_location(
-        "_precision_table", os.path.join(ROOT, "benchmarks", "precision_table.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/precision_table.py")
 
 
 def test_each_configuration_runs_its_own_command():
