@@ -1,7 +1,6 @@
 """benchmarks/precision_curve.py (issue 20's loss-curve target) on a tiny input: the
 ResNet-style net trains in fp32, bf16 and fp16 from the same seed on the same batches, so
 the three first losses are finite and nearly equal, and the reduced ones are not fp32's."""
-
 import numpy as np
 
 from conftest import load_script
