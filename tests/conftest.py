@@ -13,17 +13,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_script(relpath, name=None):
-    """A script of the repository (benchmarks/, tools/, examples/) imported as a module by
-    its path, without running its ``__main__`` part."""
-    import importlib.util
-    path = REPO / relpath
-    spec = importlib.util.spec_from_file_location(name or "_" + path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 # BVLC-trained LeNet and CIFAR-10 quick files, shipped with the tests (tests/data/caffe/README.md)
 FIXTURES = REPO / "tests" / "data" / "caffe"
 # MNIST: where examples/mnist/train_lenet.py fetches it (its cache), by the same fetch path

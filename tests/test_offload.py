@@ -15,7 +15,7 @@ from minicaffe.core.config import RunConfig
 from minicaffe.core.errors import ConfigError
 from minicaffe.engine.plan import MemoryPlan
 from minicaffe.proto import caffe_pb2
-from conftest import load_script
+from repo_scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,7 +3,7 @@ ResNet-style net trains in fp32, bf16 and fp16 from the same seed on the same ba
 the three first losses are finite and nearly equal, and the reduced ones are not fp32's."""
 import numpy as np
 
-from conftest import load_script
+from repo_scripts import load_script
 
 
 def _curve_module():

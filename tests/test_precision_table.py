@@ -4,7 +4,7 @@ configuration runs, where each run's figures land in the two tables, a failed ru
 with exit 2 and nothing run."""
 import json
 
-from conftest import load_script
+from repo_scripts import load_script
 
 
 def _table_module():
