@@ -24,6 +24,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--precision", default="fp32,bf16")
     ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--top", type=int, default=0,
+                    help="also print the N slowest layers (forward + backward, with shapes)")
     a = ap.parse_args(argv)
     from minicaffe.core import backend, context
     from minicaffe.core.config import RunConfig
@@ -48,15 +50,26 @@ def main(argv=None):
         s.step(a.iterations)
         backend.synchronize()
         by_type = collections.Counter()
+        by_layer = collections.Counter()
         for i, layer in enumerate(net.layers):
             for d in ("forward", "backward"):
                 for st, en in zip(marks.get(("before_" + d, i), ()),
                                   marks.get(("after_" + d, i), ())):
-                    by_type[layer.type] += backend.elapsed_ms(st, en) / a.iterations
+                    t = backend.elapsed_ms(st, en) / a.iterations
+                    by_type[layer.type] += t
+                    by_layer[(i, d)] += t
         total = sum(by_type.values())
         print(f"{os.path.basename(os.path.dirname(a.model))} b{a.batch} {prec}: "
               f"{total:.2f} ms per iteration in the layers (eager); by type: " +
               ", ".join(f"{k} {v:.2f}" for k, v in by_type.most_common()))
+        for (i, d), t in by_layer.most_common(a.top):
+            b = net.bottom_vecs[i][0].shape if net.bottom_vecs[i] else ()
+            p = net.net_param.layer[i]
+            conv = p.convolution_param
+            geo = (f" k{list(conv.kernel_size)} s{list(conv.stride)}"
+                   if p.type == "Convolution" else "")
+            print(f"  {t:7.3f} ms  {net.layer_names[i]} ({net.layers[i].type}{geo}) {d} "
+                  f"bottom {tuple(b)}")
         s.close()
         del s, net
         backend.synchronize()

@@ -185,3 +185,37 @@ def matmul_ex(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         _CUDA_R[a.dtype], a.shape[1], ctypes.addressof(fb), out.data.ptr, _CUDA_R[out.dtype], N,
         _COMPUTE_32F, _GEMM_DEFAULT), "cublasGemmEx")
     return out
+
+
+def matmul_ex_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """``matmul_ex`` over the leading axis of 3-D arrays (``cublasGemmStridedBatchedEx``);
+    a 2-D ``a`` or ``b`` is shared by every batch entry (stride 0)."""
+    nb = out.shape[0]
+    sa = 0 if a.ndim == 2 else a.shape[1] * a.shape[2]
+    sb = 0 if b.ndim == 2 else b.shape[1] * b.shape[2]
+    a2 = a if a.ndim == 2 else a[0]
+    b2 = b if b.ndim == 2 else b[0]
+    M, N, K = _dims(a2, b2, trans_a, trans_b)
+    if out.shape[1:] != (M, N):
+        raise ValueError(f"matmul_ex_batched: out has shape {out.shape}, the product is "
+                         f"({M}, {N})")
+    for x in (a, b, out):
+        if not x.flags.c_contiguous:
+            raise ValueError("matmul_ex_batched wants C-contiguous arrays")
+    if nb == 0 or M == 0 or N == 0:
+        return out
+    l = lib()
+    if not getattr(l.cublasGemmStridedBatchedEx, "argtypes", None):
+        l.cublasGemmStridedBatchedEx.argtypes = [
+            _c_void_p, _c_int, _c_int, _c_int, _c_int, _c_int, _c_void_p, _c_void_p, _c_int,
+            _c_int, _c_longlong, _c_void_p, _c_int, _c_int, _c_longlong, _c_void_p, _c_void_p,
+            _c_int, _c_int, _c_longlong, _c_int, _c_int, _c_int]
+    fa = ctypes.c_float(alpha)
+    fb = ctypes.c_float(beta)
+    _check(l.cublasGemmStridedBatchedEx(
+        handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, N, M, K,
+        ctypes.addressof(fa), b.data.ptr, _CUDA_R[b.dtype], b2.shape[1], sb, a.data.ptr,
+        _CUDA_R[a.dtype], a2.shape[1], sa, ctypes.addressof(fb), out.data.ptr,
+        _CUDA_R[out.dtype], N, M * N, nb, _COMPUTE_32F, _GEMM_DEFAULT),
+        "cublasGemmStridedBatchedEx")
+    return out
