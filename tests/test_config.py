@@ -19,6 +19,8 @@ BAD = {
     "MINICAFFE_DETERMINISTIC": "sometimes",
     "MINICAFFE_CUDNN": "perhaps",
     "MINICAFFE_CUDNN_WORKSPACE_LIMIT": "lots",
+    "MINICAFFE_CHANNELS_LAST": "sideways",
+    "MINICAFFE_CONV_GEMM": "sometimes",
     "MINICAFFE_CUDNN_LIBRARY": "/no/such/libcudnn.so.9",
     "MINICAFFE_GPU_ALLOCATOR": "magic",
     "MINICAFFE_DECODE_THREADS": "-3",

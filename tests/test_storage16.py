@@ -14,8 +14,11 @@ from minicaffe.proto import caffe_pb2
 from test_memory_plan import CHAIN
 
 
-def _net(prec, text=CHAIN):
-    return Net(text, phase=caffe_pb2.TRAIN, config=RunConfig(precision=prec))
+def _net(prec, text=CHAIN, nhwc=False):
+    """The net in ``prec``; NCHW buffers unless ``nhwc`` (channels-last: the tests of the
+    layout plan at the end)."""
+    return Net(text, phase=caffe_pb2.TRAIN,
+               config=RunConfig(precision=prec, channels_last=nhwc))
 
 
 def _bytes(plan):
@@ -132,7 +135,125 @@ def test_memory_cli_lists_native_layers(cli, tmp_path):
     rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "fp16")
     assert rc == 0, err
     assert "16-bit storage on a GPU" in out
-    assert "  conv2 (Convolution): native FLOAT16" in out
+    assert "  conv2 (Convolution): native FLOAT16 channels-last" in out
+    assert "  fc (InnerProduct): native FLOAT16" in out.splitlines()
     assert "  ip (InnerProduct): fp32" in out
     rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt")
     assert rc == 0 and "16-bit storage" not in out
+
+
+# -- channels-last (NHWC) inside the engine ------------------------------------------------
+def test_layout_plan_holds_4d_two_byte_maps_channels_last():
+    from minicaffe.engine.precision import layout_plan, storage_plan
+    net = _net("bf16", FC, nhwc=True)
+    storage = storage_plan(net)
+    lay = layout_plan(net, storage)
+    for name in ("conv1", "pool1", "conv2", "pool2"):
+        for kind in ("data", "diff"):
+            m = id(getattr(net.blobs[name], kind + "_mem"))
+            assert lay[m] == tuple(net.blobs[name].shape), (name, kind)
+    # fp32 buffers (the input) and 2-D maps are not in it
+    assert id(net.blobs["data"].data_mem) not in lay
+    assert id(net.blobs["fc"].data_mem) in storage and id(net.blobs["fc"].data_mem) not in lay
+    # off: no channels-last buffer; the switch is the run's (RunConfig.channels_last)
+    off = _net("bf16", FC)
+    assert layout_plan(off, storage_plan(off)) == {}
+
+
+FLAT = FC.replace('layer { name: "fc"', '''layer { name: "flat" type: "Flatten" bottom: "pool2" top: "flat" }
+layer { name: "gp" type: "Pooling" bottom: "conv2" top: "gp"
+        pooling_param { pool: AVE global_pooling: true } }
+layer { name: "gpfc" type: "InnerProduct" bottom: "gp" top: "gpfc"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "fc"''').replace('bottom: "pool2" top: "fc"', 'bottom: "flat" top: "fc"')
+
+
+def test_a_map_of_one_pixel_or_shared_with_a_flatten_stays_nchw():
+    from minicaffe.engine.precision import layout_plan, storage_plan
+    net = _net("bf16", FLAT, nhwc=True)
+    lay = layout_plan(net, storage_plan(net))
+    assert id(net.blobs["pool2"].data_mem) not in lay     # shared with flat (2-D)
+    assert id(net.blobs["gp"].data_mem) not in lay        # 1 x 1: the same bytes either way
+    assert id(net.blobs["conv2"].data_mem) in lay
+    # pool2's pooling writes a map that cannot be channels-last: that op runs NCHW and
+    # reads conv2 through a transposing cast
+    text = [str(op) for op in precision_pass(schedule_for(net), net).ops]
+    k = text.index("forward 7 pool2")
+    assert text[k - 1] == "cast conv2_relu2_0_split_0 (data BFLOAT16 NHWC -> BFLOAT16 scratch)"
+    # the global pooling beside it (a 1 x 1 output) reads the channels-last map as it is
+    k = text.index("forward 9 gp")
+    assert not text[k - 1].startswith("cast")
+
+
+def test_casts_transpose_at_the_layout_boundaries():
+    net = _net("bf16", FC, nhwc=True)
+    text = [str(op) for op in precision_pass(schedule_for(net), net).ops]
+    casts = [t for t in text if t.startswith("cast")]
+    # the fp32 NCHW input goes to conv1 as channels-last bfloat16 (forward and backward)
+    assert casts.count("cast data (data FLOAT -> BFLOAT16 NHWC scratch)") == 2
+    # fc (InnerProduct, native bf16 but NCHW) reads pool2 through a transposing cast of
+    # the same type, and writes pool2's gradient back through one
+    k = text.index("forward 7 fc")
+    assert text[k - 1] == "cast pool2 (data BFLOAT16 NHWC -> BFLOAT16 scratch)"
+    k = text.index("backward 7 fc")
+    assert "cast pool2 (data BFLOAT16 NHWC -> BFLOAT16 scratch)" in text[k - 2:k]
+    assert text[k + 1] == "cast pool2 (diff BFLOAT16 scratch -> BFLOAT16 NHWC)"
+    # nothing between the channels-last layers
+    assert not any(n in t for t in casts for n in ("conv1 ", "pool1 ", "conv2 "))
+    lines = storage_lines(net)
+    assert "  conv1 (Convolution): native BFLOAT16 channels-last" in lines
+    assert "  fc (InnerProduct): native BFLOAT16" in lines
+
+
+def test_an_fp32_layer_reads_a_channels_last_map_through_an_nchw_scratch():
+    text = CHAIN.replace('layer { name: "ip"', '''layer { name: "sig" type: "Sigmoid" bottom: "pool2" top: "sig" }
+layer { name: "ip"''').replace('bottom: "pool2" top: "ip"', 'bottom: "sig" top: "ip"')
+    net = _net("bf16", text, nhwc=True)
+    ops = [str(op) for op in precision_pass(schedule_for(net), net).ops]
+    k = ops.index("forward 7 sig")
+    assert ops[k - 1] == "cast pool2 (data BFLOAT16 NHWC -> FLOAT scratch)"
+    assert ops[k + 1] == "cast sig (data FLOAT scratch -> BFLOAT16 NHWC)"
+
+
+@pytest.mark.parametrize("src_type,dst_type", [(P.FLOAT, P.BFLOAT16), (P.BFLOAT16, P.FLOAT),
+                                               (P.FLOAT16, P.FLOAT16), (P.FLOAT, P.FLOAT16)])
+def test_cast_conversion_transposes_as_numpy_does(src_type, dst_type):
+    from minicaffe.engine.precision import _convert
+    shape = (2, 3, 4, 5)
+    rs = np.random.RandomState(7)
+    a = rs.standard_normal(shape).astype(np.float32)
+    src = a if src_type == P.FLOAT else \
+        P.narrow(np, a, np.empty(shape, P.buffer_dtype(src_type)), src_type)
+    vals = a if src_type == P.FLOAT else \
+        P.widen(np, src, np.empty(shape, np.float32), src_type)
+    ref = np.ascontiguousarray(vals.transpose(0, 2, 3, 1)).reshape(-1)
+    if dst_type != P.FLOAT:
+        ref = P.round_to(np, ref.copy(), dst_type)
+    # NCHW -> NHWC: numpy's transpose of the values, converted
+    dst = np.empty(a.size, P.buffer_dtype(dst_type))
+    _convert(src.reshape(-1), dst, src_type, dst_type, None, shape)
+    got = dst if dst_type == P.FLOAT else \
+        P.widen(np, dst, np.empty(dst.size, np.float32), dst_type)
+    assert np.array_equal(got, ref)
+    # and back: exact where the way there rounded nothing
+    back = np.empty(a.size, P.buffer_dtype(src_type))
+    _convert(dst, back, dst_type, src_type, shape, None)
+    if src_type != P.FLOAT or dst_type == P.FLOAT:
+        assert np.array_equal(back, src.reshape(-1))
+
+
+def test_host_side_transposes_of_a_channels_last_buffer():
+    from minicaffe.core.synced_memory import from_nhwc, to_nhwc
+    shape = (2, 3, 4, 5)
+    a = np.arange(np.prod(shape), dtype=np.float32)
+    t = to_nhwc(a, shape)
+    assert np.array_equal(t, a.reshape(shape).transpose(0, 2, 3, 1).reshape(-1))
+    assert np.array_equal(from_nhwc(t, shape), a)
+
+
+def test_channels_last_switch_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "0")
+    assert RunConfig(precision="bf16").nhwc is False
+    assert RunConfig(precision="bf16", channels_last=True).nhwc is True
+    monkeypatch.delenv("MINICAFFE_CHANNELS_LAST")
+    assert RunConfig(precision="bf16").nhwc is True

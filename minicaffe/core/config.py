@@ -94,6 +94,12 @@ VARIABLES = {
                         "0 forbids the cuDNN engine (every layer takes Caffe's)"),
     "MINICAFFE_CUDNN_WORKSPACE_LIMIT": (_bytes, "a number of bytes >= 0 (e.g. 0, 1e9)", None,
                                         "most workspace cuDNN's Find may try"),
+    "MINICAFFE_CHANNELS_LAST": (_bool, "1/0, true/false, yes/no, on/off", True,
+                                "bf16/fp16 on the GPU: 2-byte feature maps held channels-last"
+                                " (NHWC) inside the engine"),
+    "MINICAFFE_CONV_GEMM": (_bool, "1/0, true/false, yes/no, on/off", None,
+                            "1x1 convolutions in channels-last as cuBLAS GEMMs: always (1), "
+                            "never (0); unset: where timed faster than cuDNN"),
     "MINICAFFE_CUDNN_LIBRARY": (_file, "the path of an existing libcudnn.so file", None,
                                 "the cuDNN library to load first"),
     "MINICAFFE_GPU_ALLOCATOR": (_allocator, "async or default", "async",
@@ -274,6 +280,7 @@ class RunConfig:
     data_workers: int = None
     gpu_decode: bool = False
     precision: str = None
+    channels_last: bool = None
 
     def __post_init__(self):
         if self.precision is not None:
@@ -306,10 +313,18 @@ class RunConfig:
         fields.setdefault("rank", context.solver_rank())
         fields.setdefault("workspace_limit", env("MINICAFFE_CUDNN_WORKSPACE_LIMIT"))
         fields.setdefault("data_workers", env("MINICAFFE_DECODE_THREADS"))
+        fields.setdefault("channels_last", env("MINICAFFE_CHANNELS_LAST"))
         return cls(**fields)
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @property
+    def nhwc(self):
+        """True when bf16/fp16 feature maps are held channels-last on the GPU
+        (``channels_last``; unset: MINICAFFE_CHANNELS_LAST, on by default)."""
+        return bool(env("MINICAFFE_CHANNELS_LAST") if self.channels_last is None
+                    else self.channels_last)
 
     @property
     def offloads(self):

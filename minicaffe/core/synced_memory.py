@@ -25,7 +25,9 @@ host side stays ``dtype`` (float32, what pycaffe reads), and the copies between 
 sides convert (round to nearest even host->device, exact device->host).  ``storage``
 names the type of the device array now (None: ``dtype``'s), ``reduced`` the planned one
 (kept while the engine's cast ops point the device side at an fp32 scratch for a layer
-without a reduced-type body: ``swap_device``).
+without a reduced-type body: ``swap_device``).  ``layout`` (N, C, H, W) says that the
+device side is held channels-last (N, H, W, C in memory, the engine's NHWC buffers): the
+host side stays Caffe's NCHW, the copies between the sides transpose.
 """
 import numpy as np
 
@@ -39,7 +41,7 @@ SYNCED = "SYNCED"
 
 class SyncedMemory:
     __slots__ = ("size", "dtype", "_cpu", "_gpu", "_own_cpu", "_own_gpu", "head",
-                 "_pinned", "device", "planned", "storage", "reduced")
+                 "_pinned", "device", "planned", "storage", "reduced", "layout")
 
     def __init__(self, size=0, dtype=np.float32):
         self.size = int(size)
@@ -54,6 +56,7 @@ class SyncedMemory:
         self.planned = False   # the device side is a place in a memory plan's arena
         self.storage = None    # the device array's type when not ``dtype`` (2-byte words)
         self.reduced = None    # the planned reduced storage (kept while swapped)
+        self.layout = None     # (N, C, H, W): the device side is held channels-last
 
     @property
     def nbytes(self):
@@ -136,12 +139,17 @@ class SyncedMemory:
         from .precision import buffer_dtype, widen
         tmp = np.empty(self.size, dtype=buffer_dtype(self.storage))
         backend.copy_to_host(tmp, self._gpu[:self.size])
+        if self.layout is not None:
+            tmp = from_nhwc(tmp, self.layout)
         widen(np, tmp, self._cpu[:self.size], self.storage)
 
     def _narrowed_host(self):
         from .precision import buffer_dtype, narrow
         tmp = np.empty(self.size, dtype=buffer_dtype(self.storage))
-        return narrow(np, self._cpu[:self.size], tmp, self.storage)
+        src = self._cpu[:self.size]
+        if self.layout is not None:
+            src = to_nhwc(src, self.layout)
+        return narrow(np, src, tmp, self.storage)
 
     # -- access ------------------------------------------------------------
     def cpu_data(self):
@@ -175,7 +183,7 @@ class SyncedMemory:
         self._gpu = array
         self._own_gpu = False
         self.planned = False
-        self.storage = self.reduced = None
+        self.storage = self.reduced = self.layout = None
         self.head = HEAD_AT_GPU
 
     def _check_shared(self, array, xp):
@@ -205,24 +213,44 @@ class SyncedMemory:
             self.head = HEAD_AT_CPU
         self._gpu = None
         self._own_gpu = False
-        self.storage = self.reduced = None
+        self.storage = self.reduced = self.layout = None
 
     # -- the engine's transitions (memory plan, offload, graphs) --------------------------
-    def bind_device(self, view, keep_contents=True, storage=None):
+    def bind_device(self, view, keep_contents=True, storage=None, layout=None):
         """Make ``view`` (a device array of at least ``size`` elements: a place in a memory
         plan's arena, not owned) the device side; ``keep_contents``: the newest contents
         (host or device) are copied there first.  Ends HEAD_AT_GPU and ``planned``.
         ``storage`` (FLOAT16, BFLOAT16): ``view`` holds that type's 2-byte words (see the
-        module docstring); the contents are rounded into it."""
+        module docstring); the contents are rounded into it.  ``layout`` (N, C, H, W), with
+        a ``storage``: ``view`` holds them channels-last."""
         from .precision import FLOAT, narrow, widen
         storage = None if storage == FLOAT else storage
+        layout = tuple(layout) if layout is not None and storage is not None else None
         if keep_contents:
             if self.head == HEAD_AT_CPU:
                 if storage is None:
                     backend.copy_to_gpu(view, self._cpu[:self.size])
                 else:
                     tmp = np.empty(self.size, dtype=view.dtype)
-                    backend.copy_to_gpu(view, narrow(np, self._cpu[:self.size], tmp, storage))
+                    src = self._cpu[:self.size]
+                    if layout is not None:
+                        src = to_nhwc(src, layout)
+                    backend.copy_to_gpu(view, narrow(np, src, tmp, storage))
+            elif self.head in (HEAD_AT_GPU, SYNCED) and self._gpu is not None and \
+                    (layout is not None or self.layout is not None) and \
+                    (layout != self.layout or storage != self.storage):
+                xp = backend.gpu_module()       # through fp32 NCHW: a change of layout
+                old = self._gpu[:self.size]
+                if self.layout is not None:
+                    old = from_nhwc(old, self.layout)
+                if self.storage is not None:
+                    old = widen(xp, old, xp.empty(self.size, np.float32), self.storage)
+                if layout is not None:
+                    old = to_nhwc(old, layout)
+                if storage is None:
+                    view[:self.size] = old
+                else:
+                    narrow(xp, old, view[:self.size], storage)
             elif self.head in (HEAD_AT_GPU, SYNCED) and self._gpu is not None:
                 old = self._gpu[:self.size]
                 if storage == self.storage:
@@ -243,18 +271,21 @@ class SyncedMemory:
             self._gpu, self._own_gpu = view, False
             self.head = HEAD_AT_GPU
             self.storage = self.reduced = storage
+            self.layout = layout
         self.planned = True
 
-    def swap_device(self, array):
+    def swap_device(self, array, layout=None):
         """Point the device side at ``array`` (float32, or 2-byte words of the planned
-        type) for the span of one layer's step, and return the array it had: the engine's
-        cast ops (engine/precision.StorageCasts) around a layer that has no body for the
-        planned type.  The head and ``planned`` are left as they are."""
+        type; channels-last when ``layout`` (N, C, H, W) is given) for the span of one
+        layer's step, and return the array it had: the engine's cast ops
+        (engine/precision.StorageCasts) around a layer that has no body for the planned
+        type or layout.  The head and ``planned`` are left as they are."""
         from .precision import FLOAT, storage_of
         old = self._gpu
         self._gpu = array
         s = storage_of(array)
         self.storage = None if s == FLOAT else s
+        self.layout = tuple(layout) if layout is not None else None
         return old
 
     def unbind_device(self, keep):
@@ -272,7 +303,7 @@ class SyncedMemory:
             if self.head == HEAD_AT_GPU:
                 self.head = UNINITIALIZED
         self.planned = False
-        self.storage = self.reduced = None
+        self.storage = self.reduced = self.layout = None
 
     def park(self, host):
         """Make host array ``host`` (not owned: an offload slot holding the newest
@@ -357,3 +388,18 @@ class SyncedMemorySlice:
 
     def __repr__(self):
         return f"SyncedMemorySlice({self.offset}:{self.offset + self.size} of {self.parent!r})"
+
+
+def to_nhwc(a, shape):
+    """The flat NCHW array ``a`` of ``shape`` (N, C, H, W) as a flat channels-last one
+    (numpy or CuPy; a new contiguous array)."""
+    n, c, h, w = shape
+    xp = np if isinstance(a, np.ndarray) else backend.gpu_module()
+    return xp.ascontiguousarray(a.reshape(n, c, h, w).transpose(0, 2, 3, 1)).reshape(-1)
+
+
+def from_nhwc(a, shape):
+    """The flat channels-last array ``a`` of ``shape`` (N, C, H, W) as a flat NCHW one."""
+    n, c, h, w = shape
+    xp = np if isinstance(a, np.ndarray) else backend.gpu_module()
+    return xp.ascontiguousarray(a.reshape(n, h, w, c).transpose(0, 3, 1, 2)).reshape(-1)

@@ -100,7 +100,7 @@ class WorkspaceMemory:
 
 class Buffer:
     __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned",
-                 "writes", "reads", "bwd_reads", "part", "view", "storage")
+                 "writes", "reads", "bwd_reads", "part", "view", "storage", "layout")
 
     def __init__(self, mem, kind, name):
         self.mem = mem
@@ -118,6 +118,7 @@ class Buffer:
         self.part = None
         self.view = None
         self.storage = None   # FLOAT16/BFLOAT16: held in 2-byte words (reduced_storage)
+        self.layout = None    # (N, C, H, W): held channels-last (layout_plan)
 
     def touch(self, step):
         self.start = step if self.start is None else min(self.start, step)
@@ -148,7 +149,7 @@ class MemoryPlan:
 
     def __init__(self, net, train=True, history_sets=1, share_data=False, schedule=None,
                  reduced_storage=False):
-        from .precision import storage_casts, storage_plan
+        from .precision import layout_plan, storage_casts, storage_plan
         self.net = net
         self.train = train
         L = len(net.layers)
@@ -230,12 +231,14 @@ class MemoryPlan:
                 self.workspaces.append(b)
         # real 16-bit storage: 2-byte buffers, and the cast ops' scratch at their op
         self.storage = storage_plan(net) if reduced_storage else {}
+        self.layouts = layout_plan(net, self.storage)
         for b in bufs.values():
             s = self.storage.get(id(b.mem)) if b.kind in ("data", "diff") else None
             if s is not None:
                 b.storage = s
+                b.layout = self.layouts.get(id(b.mem))
                 b.nbytes = _aligned(b.mem.size * P.ITEMSIZE[s])
-        self.cast_groups = [g for g in storage_casts(net, schedule, self.storage)
+        self.cast_groups = [g for g in storage_casts(net, schedule, self.storage, self.layouts)
                             if train or g.kind == "forward"]
         self.casts = []
         for g in self.cast_groups:
@@ -346,7 +349,7 @@ class MemoryPlan:
                 b.view = view      # the offload schedule points the memory here and back
                 continue
             if b.storage:
-                m.bind_device(view, storage=b.storage)
+                m.bind_device(view, storage=b.storage, layout=b.layout)
             else:
                 m.bind_device(view)
         for blob in self.net._blobs:
@@ -399,8 +402,10 @@ class MemoryPlan:
         out.append("")
         if self.storage:
             n16 = sum(1 for b in self.buffers if b.storage)
+            nl = sum(1 for b in self.buffers if b.layout is not None)
             out.append(f"16-bit storage: {n16} of {sum(b.kind in ('data', 'diff') for b in self.buffers)}"
-                       f" activation buffers in 2-byte words; {len(self.casts)} cast ops' scratch "
+                       f" activation buffers in 2-byte words ({nl} channels-last); "
+                       f"{len(self.casts)} cast ops' scratch "
                        f"({sum(b.nbytes for b in self.casts) / mib:.1f} MiB unshared)")
         out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
                    f"{self.arena_bytes / mib:.1f} MiB in the planned arena "

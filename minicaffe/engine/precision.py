@@ -16,6 +16,17 @@ scale).
   of the wanted type for the span of the op (cast in where the op reads it, cast back,
   rounding, where it writes it).  ``StorageCasts`` runs them from the Net's hooks; the
   plan places their scratch buffers in its arena, live at their op only.
+- Channels-last (NHWC): ``layout_plan(net, storage)`` says which of those 2-byte buffers
+  the plan holds N, H, W, C in memory: every one whose blobs are all 4-D of one shape with
+  more than one pixel, when the run's ``channels_last`` is on (``RunConfig``; unset:
+  MINICAFFE_CHANNELS_LAST, on by default).  The layers that take such buffers
+  (``NHWC_TYPES``: cuDNN's convolution, pooling and batch norm through channels-last
+  descriptors, the element-wise ones) read the layout from the buffer; an op whose
+  layers are all such and native wants its 4-D buffers channels-last, every other op
+  NCHW, and ``storage_casts`` places the casts that transpose (and convert the type)
+  where the wanted and the stored layout differ -- the data layer's fp32 NCHW input
+  into the first convolution's 16-bit NHWC scratch, VGG's pool5 back to NCHW for fc6.
+  A pycaffe read of an NHWC buffer transposes on the host (``SyncedMemory.layout``).
 - ``precision_pass(schedule, net)``: those cast ops, and where a blob stays an fp32
   buffer holding a reduced type's values (the emulation: the CPU, a net run outside the
   GPU step), a ``cast`` op after each forward op for every top its layer stores in a
@@ -47,7 +58,7 @@ import dataclasses
 
 import numpy as np
 
-from ..core import context
+from ..core import config, context
 from ..core import precision as P
 from .schedule import Op, Schedule, accesses, op_steps
 
@@ -85,6 +96,48 @@ NATIVE = {
     "Flatten": lambda lp: True,
     "Reshape": lambda lp: True,
 }
+
+
+# layers whose native body takes channels-last buffers (the layout read from the buffer)
+NHWC_TYPES = frozenset({"Convolution", "Pooling", "BatchNorm", "Scale", "ReLU", "Eltwise",
+                        "Split", "Dropout"})
+
+
+def channels_last(net):
+    """True when ``net``'s run holds its 2-byte 4-D feature maps channels-last."""
+    cfg = getattr(net, "config", None)
+    return cfg.nhwc if cfg is not None else bool(config.env("MINICAFFE_CHANNELS_LAST"))
+
+
+def _mem_shapes(net):
+    shapes = {}
+    for b in net._blobs:
+        for m in (b.data_mem, b.diff_mem):
+            shapes.setdefault(id(m), set()).add(tuple(b.shape))
+    return shapes
+
+
+def _nhwc_shape(shapes):
+    """The (N, C, H, W) of a buffer whose blobs ``shapes`` can be held channels-last (all
+    4-D, one shape, more than one pixel), else None."""
+    if shapes is None or len(shapes) != 1:
+        return None
+    s = next(iter(shapes))
+    return s if len(s) == 4 and s[2] * s[3] > 1 else None
+
+
+def layout_plan(net, storage):
+    """{id(SyncedMemory): (N, C, H, W)} of the 2-byte buffers of ``storage``
+    (storage_plan) held channels-last (see the module docstring); {} when off."""
+    if not storage or not channels_last(net):
+        return {}
+    shapes = _mem_shapes(net)
+    out = {}
+    for k in storage:
+        s = _nhwc_shape(shapes.get(k))
+        if s is not None:
+            out[k] = s
+    return out
 
 
 def native_storage(net, i):
@@ -169,6 +222,13 @@ class Cast:
     end: int
     view: object = None
     saved: object = None
+    stored_layout: object = None    # (N, C, H, W) when held channels-last
+    want_layout: object = None      # (N, C, H, W) when the op wants it channels-last
+
+    def describe(self, which):
+        t, l = (self.stored, self.stored_layout) if which == "stored" else \
+            (self.want, self.want_layout)
+        return t + (" NHWC" if l is not None else "")
 
     @property
     def size(self):
@@ -197,11 +257,15 @@ class CastGroup:
     casts: list
 
 
-def storage_casts(net, schedule, storage):
+def storage_casts(net, schedule, storage, layouts=None):
     """[CastGroup] of ``schedule``'s forward and backward ops under ``storage`` (what
-    ``storage_plan`` gives; see the module docstring)."""
+    ``storage_plan`` gives) and ``layouts`` (``layout_plan``'s; None: computed); see the
+    module docstring."""
     if not storage:
         return []
+    if layouts is None:
+        layouts = layout_plan(net, storage)
+    shapes = _mem_shapes(net) if layouts else {}
     groups = []
     for op in schedule.ops:
         if op.kind not in ("forward", "backward") or "hooks only" in op.detail:
@@ -217,30 +281,61 @@ def storage_casts(net, schedule, storage):
         native = natives.pop() if len(natives) == 1 else None
         want = native or P.FLOAT
         steps = op_steps(net, op)
-        found = {}
+        uses = []
         for acc in accesses(net, op):
             i = acc.layer
-            for uses, how in ((acc.reads, "read"), (acc.writes, "write")):
-                for u in uses:
+            for us, how in ((acc.reads, "read"), (acc.writes, "write")):
+                for u in us:
                     blob = (net.top_vecs if u.side == "top" else net.bottom_vecs)[i][u.j]
                     mem = blob.data_mem if u.kind == "data" else blob.diff_mem
-                    stored = storage.get(id(mem), P.FLOAT)
-                    if stored == want or mem.size == 0:
-                        continue
-                    c = found.get(id(mem))
-                    if c is None:
-                        c = found[id(mem)] = Cast(mem, net.blob_names[u.blob], u.kind, stored,
-                                                  want, False, False, min(steps), max(steps))
-                    setattr(c, how, True)
+                    uses.append((mem, u, how))
+        # channels-last: a native op of NHWC_TYPES layers whose every 4-D map can be
+        # held so (one shape per buffer) wants its maps NHWC; every other op NCHW
+        nhwc = bool(layouts) and native is not None and \
+            all(net.layers[i].type in NHWC_TYPES and
+                (not context.is_gpu() or getattr(net.layers[i], "nhwc_body", True))
+                for i in op.layers)
+        if nhwc:
+            for mem, u, how in uses:
+                sh = shapes.get(id(mem), ())
+                if any(len(x) == 4 and x[2] * x[3] > 1 for x in sh) and \
+                        _nhwc_shape(sh) is None:
+                    nhwc = False
+        found = {}
+        for mem, u, how in uses:
+            stored = storage.get(id(mem), P.FLOAT)
+            s_lay = layouts.get(id(mem))
+            w_lay = _nhwc_shape(shapes.get(id(mem))) if nhwc else None
+            if (stored == want and s_lay == w_lay) or mem.size == 0:
+                continue
+            c = found.get(id(mem))
+            if c is None:
+                c = found[id(mem)] = Cast(mem, net.blob_names[u.blob], u.kind, stored,
+                                          want, False, False, min(steps), max(steps),
+                                          stored_layout=s_lay, want_layout=w_lay)
+            setattr(c, how, True)
         layers = op.layers if op.kind == "forward" else tuple(reversed(op.layers))
         groups.append(CastGroup(op.kind, layers[0], layers[-1], native, list(found.values())))
     return groups
 
 
-def _convert(src, dst, src_type, dst_type):
-    """``dst`` = ``src`` in ``dst_type`` (one of them FLOAT), on the device of both."""
+def _convert(src, dst, src_type, dst_type, src_layout=None, dst_layout=None):
+    """``dst`` = ``src`` in ``dst_type`` (one of them FLOAT, or both the same), on the
+    device of both; ``src_layout``/``dst_layout`` (N, C, H, W): that side is held
+    channels-last (the other NCHW): transposed on the way."""
     from ..core import backend
     xp = np if isinstance(src, np.ndarray) else backend.gpu_module()
+    if src_layout != dst_layout:
+        n, c, h, w = src_layout or dst_layout
+        if src_layout is not None:      # NHWC -> NCHW
+            src, dst = src.reshape(n, h, w, c).transpose(0, 3, 1, 2), dst.reshape(n, c, h, w)
+        else:                           # NCHW -> NHWC
+            src, dst = src.reshape(n, c, h, w).transpose(0, 2, 3, 1), dst.reshape(n, h, w, c)
+        if src_type == dst_type:
+            dst[...] = src
+            return
+        if xp is np:
+            src = np.ascontiguousarray(src)
     if xp is np:
         if dst_type == P.FLOAT:
             P.widen(np, src, dst, src_type)
@@ -282,12 +377,14 @@ class StorageCasts:
             return
         for c in g.casts:
             m = c.mem
-            if c.view is None or (m.reduced or P.FLOAT) != c.stored:
+            if c.view is None or (m.reduced or P.FLOAT) != c.stored or \
+                    m.layout != c.stored_layout:
                 continue          # not bound as planned (no plan applied)
             old = m.gpu_data()    # the newest contents on the device
-            c.saved = m.swap_device(c.view)
+            c.saved = m.swap_device(c.view, c.want_layout)
             if c.read:
-                _convert(old[:m.size], c.view, c.stored, c.want)
+                _convert(old[:m.size], c.view[:m.size], c.stored, c.want, c.stored_layout,
+                         c.want_layout)
 
     def _out(self, key):
         g = self.close.get(key) if self.active else None
@@ -296,9 +393,10 @@ class StorageCasts:
         for c in g.casts:
             if c.saved is None:
                 continue
-            cur = c.mem.swap_device(c.saved)
+            cur = c.mem.swap_device(c.saved, c.stored_layout)
             if c.write:
-                _convert(cur, c.saved[:c.mem.size], c.want, c.stored)
+                _convert(cur[:c.mem.size], c.saved[:c.mem.size], c.want, c.stored,
+                         c.want_layout, c.stored_layout)
             c.saved = None
 
 
@@ -324,11 +422,13 @@ def precision_pass(schedule, net, storage=None):
                                   op.layers[-1]) if op.layers else -1))
         for c in (g.casts if g else ()):
             if c.read:
-                out.append(Op("cast", -1, c.name, f"{c.kind} {c.stored} -> {c.want} scratch"))
+                out.append(Op("cast", -1, c.name, f"{c.kind} {c.describe('stored')} -> "
+                                                  f"{c.describe('want')} scratch"))
         out.append(op)
         for c in (g.casts if g else ()):
             if c.write:
-                out.append(Op("cast", -1, c.name, f"{c.kind} {c.want} scratch -> {c.stored}"))
+                out.append(Op("cast", -1, c.name, f"{c.kind} {c.describe('want')} scratch -> "
+                                                  f"{c.describe('stored')}"))
         if op.kind in ("prologue", "forward"):
             for i in op.layers:
                 for name, s in rounding[0][i]:
@@ -410,9 +510,11 @@ def storage_lines(net, storage=None):
     where = "on this GPU" if context.is_gpu() else "on a GPU (the CPU emulates it in fp32)"
     out = [f"16-bit storage {where}: layer bodies on 2-byte buffers (native) or in fp32 "
            "(with cast ops around them):"]
+    nhwc = bool(layout_plan(net, storage)) if storage else channels_last(net)
     for i, name in enumerate(net.layer_names):
         s = native_storage(net, i)
-        out.append(f"  {name} ({t.layers[i].type}): " + (f"native {s}" if s else "fp32"))
+        lay = " channels-last" if s and nhwc and t.layers[i].type in NHWC_TYPES else ""
+        out.append(f"  {name} ({t.layers[i].type}): " + (f"native {s}{lay}" if s else "fp32"))
     return out
 
 

@@ -25,7 +25,7 @@ DATA = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 HALF, BFLOAT16 = 2, 9
 REDUCED = {"float16": HALF, "bfloat16": BFLOAT16}
 TENSOR_OP_MATH = 1
-NCHW = 0
+NCHW, NHWC = 0, 1
 CROSS_CORRELATION = 1
 DEFAULT_MATH, FMA_MATH = 0, 3
 DETERMINISTIC = 1
@@ -265,17 +265,24 @@ class _Desc:
 
 class TensorDesc(_Desc):
     """A packed N-D tensor (N, C, *spatial); fewer than 4 dims are padded with ones, as
-    cuDNN wants at least 4."""
+    cuDNN wants at least 4.  ``nhwc``: a 4-D tensor held channels-last (N, H, W, C in
+    memory; the shape stays N, C, H, W)."""
     _create, _destroy = "cudnnCreateTensorDescriptor", "cudnnDestroyTensorDescriptor"
 
-    def __init__(self, shape, dtype):
+    def __init__(self, shape, dtype, nhwc=False):
         super().__init__()
         shape = tuple(int(d) for d in shape) + (1,) * max(0, 4 - len(shape))
         strides, s = [], 1
         for d in reversed(shape):
             strides.append(s)
             s *= d
+        if nhwc:
+            if len(shape) != 4:
+                raise ValueError(f"channels-last wants 4 dims, not {shape}")
+            n, c, h, w = shape
+            strides = [c, w * c, 1, h * w * c]     # reversed: W, H, C, N
         self.shape = shape
+        self.nhwc = bool(nhwc)
         self.dtype = dtype if isinstance(dtype, str) else np.dtype(dtype)
         call("cudnnSetTensorNdDescriptor", self.ptr, data_type(dtype), len(shape),
              _ints(shape), _ints(reversed(strides)))
@@ -284,11 +291,12 @@ class TensorDesc(_Desc):
 class FilterDesc(_Desc):
     _create, _destroy = "cudnnCreateFilterDescriptor", "cudnnDestroyFilterDescriptor"
 
-    def __init__(self, shape, dtype):
+    def __init__(self, shape, dtype, nhwc=False):
+        """``nhwc``: the filter held K, R, S, C in memory (the shape stays K, C, R, S)."""
         super().__init__()
         self.shape = tuple(int(d) for d in shape)
-        call("cudnnSetFilterNdDescriptor", self.ptr, data_type(dtype), NCHW, len(self.shape),
-             _ints(self.shape))
+        call("cudnnSetFilterNdDescriptor", self.ptr, data_type(dtype), NHWC if nhwc else NCHW,
+             len(self.shape), _ints(self.shape))
 
 
 class ConvDesc(_Desc):

@@ -10,8 +10,9 @@ half of an fp32 word), a FLOAT16 one an array of float16.  Every kernel here loa
   2-byte words now (``SyncedMemory.storage``), else None;
 - ``relu_forward(x, y)``, ``relu_backward(x, dy, dx)``: y = max(x, 0) (NaN kept);
   dx = dy where x > 0 (a non-finite dy kept, as the fp32 product would be);
-- ``bias_act(y, bias, relu)``: y = [max](y + bias[c], 0) in place, channel axis 1 (a
-  cuDNN convolution's output in the reduced type);
+- ``bias_act(y, bias, relu, nhwc)``: y = [max](y + bias[c], 0) in place, channel axis 1
+  or, held channels-last, the last (a cuDNN convolution's output in the reduced type);
+- ``layout(blob, diff=False)``: (N, C, H, W) when the device side is held channels-last;
 - ``add(a, b, out, relu)``: out = a + b [then max(., 0)] (Split's backward of two
   tops, Eltwise SUM, ResNet's Eltwise+ReLU);
 - ``channel_sum(dy, out, partial)``: out[c] += the sum of dy over every axis but 1 in
@@ -31,6 +32,13 @@ _STORE = {P.BFLOAT16: """{{ unsigned int u_ = __float_as_uint({v});
         : (unsigned short)((u_ + 0x7fffu + ((u_ >> 16) & 1u)) >> 16); }}""",
           P.FLOAT16: "{out} = (float16)({v});"}
 _ZERO = {P.BFLOAT16: "(unsigned short)0", P.FLOAT16: "(float16)0.0f"}
+
+
+def layout(blob, diff=False):
+    """(N, C, H, W) when ``blob``'s data (or diff) is held channels-last on the device
+    now (``SyncedMemory.layout``), else None."""
+    m = blob.diff_mem if diff else blob.data_mem
+    return getattr(m, "layout", None)
 
 
 def storage(blob, diff=False):
@@ -78,12 +86,13 @@ def relu_backward(x, dy, dx, s):
     _kernel(s, "relu_b")(x, dy, dx)
 
 
-def bias_act(y, s, bias=None, relu=False):
-    """In place on ``y`` (N, C, ...): the per-channel ``bias`` (float32) and a ReLU."""
+def bias_act(y, s, bias=None, relu=False, nhwc=False):
+    """In place on ``y`` (N, C, ...): the per-channel ``bias`` (float32) and a ReLU;
+    ``nhwc``: ``y`` is held channels-last (the channel is the fastest axis)."""
     if bias is None and not relu:
         return y
     c = y.shape[1] if y.ndim > 1 else 1
-    hw = int(np.prod(y.shape[2:])) if y.ndim > 2 else 1
+    hw = 1 if nhwc else (int(np.prod(y.shape[2:])) if y.ndim > 2 else 1)
     mode = (1 if bias is not None else 0) | (2 if relu else 0)
     _kernel(s, "bias_act")(bias if bias is not None else _dummy(), c, hw, mode, y)
     return y

@@ -98,6 +98,40 @@ def _ptr(a):
     return a.data.ptr
 
 
+# the "algorithm" of a 1x1 convolution run as a cuBLAS GEMM (channels-last), beside cuDNN's
+GEMM = -1
+
+
+def cublas_gemm(a, b, out, trans_a=False, trans_b=False, beta=0.0):
+    from ..gpu import cublas
+    return cublas.matmul_ex(a, b, out, trans_a=trans_a, trans_b=trans_b, beta=beta)
+
+
+def _timed(fn, reps=5):
+    """Median ms of ``fn`` on the current stream (CUDA events), after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        a, b = backend.new_event(), backend.new_event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(backend.elapsed_ms(a, b))
+    return float(np.median(ts))
+
+
+class _Layout:
+    """A convolution's channels-last descriptors (x, y N, H, W, C; the filter K, R, S, C)
+    and, once found, its candidates and picked algorithms."""
+
+    def __init__(self, xshape, yshape, wshape, dt):
+        self.x_desc = cudnn.TensorDesc(xshape, dt, nhwc=True)
+        self.y_desc = cudnn.TensorDesc(yshape, dt, nhwc=True)
+        self.w_desc = cudnn.FilterDesc(wshape, dt, nhwc=True)
+        self.candidates = None
+
+
 class _ChosenOnce:
     """The engine choice of a cuDNN layer that only its blobs can tell (see the module
     docstring): a data type cuDNN does not take (``cudnn.DATA``) refuses it for every
@@ -212,7 +246,39 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         ws = cp.empty(need, dtype=np.uint8) if need else None
         dw = cp.empty_like(w)
         tc = self.config.tf32 or self._storage is not None    # tensor-op math allowed
-        self.candidates = {
+        self._nchw_candidates = self._find(key, d, x, w, y, dw, ws, lim, tc)
+        self.candidates = self._nchw_candidates
+        self._nhwc = None
+        ws = None                 # given back before the channels-last Find takes its own
+        if self._storage is not None and self.config.nhwc and self.num_spatial == 2:
+            try:
+                self._nhwc = self._find_nhwc(key, xshape, yshape, dt, x, w, y, dw, lim, tc)
+            except cudnn.CudnnError as e:     # none for this shape: NCHW buffers
+                log.info("layer '%s': no channels-last cuDNN convolution (%s)",
+                         self.layer_param.name, e)
+            if self._nhwc is not None:
+                self.candidates = self._nhwc.candidates   # what the engine's plan runs
+        del x, w, y, dw, ws
+        self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
+        self._desc_key = key
+
+    def _find_nhwc(self, key, xshape, yshape, dt, x, w, y, dw, lim, tc):
+        n = _Layout(xshape, yshape, self.blobs[0].shape, dt)
+        d = n.x_desc, n.w_desc, self.conv_desc, n.y_desc
+        need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
+                   cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
+                                          lim),
+                   cudnn.search_workspace("bwd_filter", (d[0].ptr, d[3].ptr, d[2].ptr,
+                                                         d[1].ptr), lim))
+        ws = backend.gpu_module().empty(need, dtype=np.uint8) if need else None
+        n.candidates = self._find(key + ("NHWC",), d, x, w, y, dw, ws, lim, tc)
+        if self._gemm_shape():
+            self._add_gemm(n.candidates, xshape, yshape, x, w, y)
+        return n
+
+    @staticmethod
+    def _find(key, d, x, w, y, dw, ws, lim, tc):
+        return {
             "fwd": cudnn.find_algorithms(
                 "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
                 ws, lim, tc),
@@ -222,36 +288,72 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             "bwd_filter": cudnn.find_algorithms(
                 "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
                                     _ptr(dw)), ws, lim, tc)}
-        del x, w, y, dw, ws
-        self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
-        self._desc_key = key
+
+    # -- 1x1 convolutions as GEMMs (channels-last): Y[NHW, K] = X[NHW, C] W^T --------------
+    def _gemm_shape(self):
+        """A stride-1, unpadded, undilated, ungrouped 1x1 convolution over 2-D maps: in
+        channels-last it is exactly one GEMM per direction."""
+        return self.num_spatial == 2 and self.group == 1 and \
+            all(int(v) == 1 for v in tuple(self.kernel) + tuple(self.stride) +
+                tuple(self.dilation)) and all(int(v) == 0 for v in self.pad)
+
+    def _add_gemm(self, cands, xshape, yshape, x, w, y):
+        """Add cuBLAS's GEMM (algorithm GEMM, no workspace) to the NHWC candidates of each
+        direction with its time on these buffers, as Find times cuDNN's (median of 5 after
+        a warm-up); MINICAFFE_CONV_GEMM=1 makes it the only candidate, 0 leaves it out."""
+        force = config.env("MINICAFFE_CONV_GEMM")
+        if force is False:
+            return
+        from ..gpu import cublas
+        n, c = xshape[0], xshape[1]
+        k = yshape[1]
+        m = n * xshape[2] * xshape[3]
+        x2, y2, w2 = x.reshape(m, c), y.reshape(m, k), w.reshape(k, c)
+        dw = backend.gpu_module().zeros((k, c), dtype=np.float32)
+        calls = {"fwd": lambda: cublas.matmul_ex(x2, w2, y2, trans_b=True),
+                 "bwd_data": lambda: cublas.matmul_ex(y2, w2, x2),
+                 "bwd_filter": lambda: cublas.matmul_ex(y2, x2, dw, trans_a=True, beta=1.0)}
+        for kind, fn in calls.items():
+            t = 0.0 if force else _timed(fn)
+            cands[kind] = ([(GEMM, 0, t)] if force else
+                           sorted(cands[kind] + [(GEMM, 0, t)], key=lambda a: a[2]))
 
     def use_workspace(self, cap, backward_cap=None):
         """Take, for each of the three calls, the fastest algorithm within ``cap`` bytes of
         workspace (``share_workspace`` sets one cap for a whole net); ``backward_cap``:
-        another cap for the two backward calls (offload.fit_workspace, per step)."""
+        another cap for the two backward calls (offload.fit_workspace, per step).  The
+        channels-last set, when there is one, picks within the same caps."""
         bcap = cap if backward_cap is None else backward_cap
-        self.fwd = cudnn.pick(self.candidates["fwd"], cap)
-        self.bwd_data, self.bwd_filter = (cudnn.pick(self.candidates[k], bcap)
+        c = self._nchw_candidates
+        self.fwd = cudnn.pick(c["fwd"], cap)
+        self.bwd_data, self.bwd_filter = (cudnn.pick(c[k], bcap)
                                           for k in ("bwd_data", "bwd_filter"))
         self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
+        n = getattr(self, "_nhwc", None)
+        if n is not None:
+            n.fwd = cudnn.pick(n.candidates["fwd"], cap)
+            n.bwd_data, n.bwd_filter = (cudnn.pick(n.candidates[k], bcap)
+                                        for k in ("bwd_data", "bwd_filter"))
+            self.workspace_bytes = max(self.workspace_bytes, n.fwd[1], n.bwd_data[1],
+                                       n.bwd_filter[1])
 
-    def workspace_need(self, direction):
+    def workspace_need(self, direction, algos=None):
         """Bytes of workspace this layer's ``direction`` ("forward"/"backward") takes with
         the algorithms chosen (0 where this shape runs Caffe's engine): the memory plan
         gives each its own place, live only at that step (engine/plan.py)."""
         if getattr(self, "_cudnn_key", None) is None or not hasattr(self, "fwd"):
             return 0
+        a = algos or getattr(self, "_nhwc", None) or self    # the engine's layout's
         if direction == "forward":
-            return int(self.fwd[1])
-        return int(max(self.bwd_data[1], self.bwd_filter[1]))
+            return int(a.fwd[1])
+        return int(max(a.bwd_data[1], a.bwd_filter[1]))
 
-    def _workspace(self, direction):
+    def _workspace(self, direction, algos=None):
         """(pointer, bytes) of the workspace for ``direction``: the place the memory plan
         gave it (``planned_workspace``, set by MemoryPlan.apply) when it is there and
         large enough, else this thread's shared workspace (a net run outside the GPU step:
         a test net, pycaffe)."""
-        need = self.workspace_need(direction)
+        need = self.workspace_need(direction, algos)
         if need == 0:
             return None, 0
         view = (getattr(self, "planned_workspace", None) or {}).get(direction)
@@ -293,22 +395,62 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         return getattr(self, "_cudnn_key", None) is not None and \
             getattr(self, "_storage", None) is not None
 
+    @property
+    def nhwc_body(self):
+        """True when this layer's reduced body takes channels-last buffers (cuDNN found
+        channels-last algorithms for its shape: engine/precision.py)."""
+        return getattr(self, "_nhwc", None) is not None
+
+    def _algos(self, bottom, top):
+        """The descriptors and algorithms for the layout the buffers are held in now:
+        channels-last (``_nhwc``) when the engine holds them so, else NCHW (self)."""
+        n = getattr(self, "_nhwc", None)
+        if n is not None and (r16.layout(bottom[0]) is not None or
+                              r16.layout(top[0]) is not None):
+            return n
+        return self
+
+    def _w16(self, a):
+        """The fp32 master weights in this layer's reduced type, K, R, S, C for a
+        channels-last set (``a`` is ``_nhwc``), else K, C, R, S: cast at the forward and
+        kept for the backward of the same step (the weights change only at the update)."""
+        w = self.blobs[0].gpu_data()
+        if a is self:
+            return self._cast_in("w16", w)
+        buf = getattr(self, "_w16_buf", None)
+        bt = np.dtype(buffer_dtype(self._storage))
+        if buf is None or buf.size != w.size or buf.dtype != bt:
+            buf = self._w16_buf = backend.gpu_module().empty(w.size, dtype=bt)
+        if w.ndim == 4:
+            k, c, r, t = w.shape
+            to_reduced(w.transpose(0, 2, 3, 1), buf.reshape(k, r, t, c), self._storage)
+        else:
+            to_reduced(w, buf.reshape(w.shape), self._storage)
+        return buf
+
     def _forward_reduced(self, bottom, top, relu):
         h = cudnn.handle()
         dt = np.float32
-        wsp, wsn = self._workspace("forward")
-        w16 = self._cast_in("w16", self.blobs[0].gpu_data())
+        a = self._algos(bottom, top)
+        wsp, wsn = self._workspace("forward", a)
+        w16 = self._w16(a)
         bias = self.blobs[1].gpu_data() if self.bias_term else None
+        nhwc = a is not self
         for b, t in zip(bottom, top):
             x16 = self._in16("x16", b)
             y = t.mutable_gpu_data()
             direct = r16.storage(t) == self._storage
             y16 = y if direct else self._reduced("y16", y.shape)
-            cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), self.x_desc.ptr,
-                       _ptr(x16), self.w_desc.ptr, _ptr(w16), self.conv_desc.ptr,
-                       self.fwd[0], wsp, wsn, cudnn.zero(dt), self.y_desc.ptr, _ptr(y16))
+            if a.fwd[0] == GEMM:
+                k, c = self.blobs[0].shape[:2]
+                cublas_gemm(x16.reshape(-1, c), w16.reshape(k, c), y16.reshape(-1, k),
+                            trans_b=True)
+            else:
+                cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), a.x_desc.ptr,
+                           _ptr(x16), a.w_desc.ptr, _ptr(w16), self.conv_desc.ptr,
+                           a.fwd[0], wsp, wsn, cudnn.zero(dt), a.y_desc.ptr, _ptr(y16))
             if direct:
-                r16.bias_act(y, self._storage, bias=bias, relu=relu)
+                r16.bias_act(y, self._storage, bias=bias, relu=relu, nhwc=nhwc)
             else:
                 from_reduced(y16, y, self._storage, bias=bias, relu=relu, rounded=True)
         return True
@@ -323,14 +465,24 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     def _backward_reduced(self, top, propagate_down, bottom):
         h = cudnn.handle()
         dt = np.float32
-        wsp, wsn = self._workspace("backward")
-        w16 = self._cast_in("w16", self.blobs[0].gpu_data())
+        a = self._algos(bottom, top)
+        wsp, wsn = self._workspace("backward", a)
+        nhwc = a is not self
+        if nhwc and getattr(self, "_w16_buf", None) is not None and \
+                self._w16_buf.size == self.blobs[0].count():
+            w16 = self._w16_buf        # cast by this step's forward
+        else:
+            w16 = self._w16(a)
+        k, c = self.blobs[0].shape[:2]
         for i, (b, t) in enumerate(zip(bottom, top)):
             dy = t.gpu_diff()
             native_dy = r16.storage(t, diff=True) == self._storage
             dy16 = dy if native_dy else self._cast_in("y16", dy)
             if self.bias_term and self.get_param_propagate_down(1):
-                if native_dy:
+                if nhwc:      # the column sums of dY[NHW, K]: a GEMM with a ones row
+                    cublas_gemm(self._ones16(dy.size // k), dy.reshape(-1, k),
+                                self.blobs[1].mutable_gpu_diff().reshape(1, k), beta=1.0)
+                elif native_dy:
                     r16.channel_sum(dy, self.blobs[1].mutable_gpu_diff(), self._partial(dy),
                                     self._storage)
                 else:
@@ -338,22 +490,45 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             if self.get_param_propagate_down(0):
                 x16 = self._in16("x16", b)
                 dwm = self.blobs[0].mutable_gpu_diff()
-                dw16 = self._reduced("dw16", dwm.shape)
-                cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt), self.x_desc.ptr,
-                           _ptr(x16), self.y_desc.ptr, _ptr(dy16), self.conv_desc.ptr,
-                           self.bwd_filter[0], wsp, wsn, cudnn.zero(dt), self.w_desc.ptr,
-                           _ptr(dw16))
-                from_reduced(dw16, dwm, self._storage, accumulate=True)
+                if a.bwd_filter[0] == GEMM:     # dW += dY^T X, into the fp32 diff
+                    cublas_gemm(dy16.reshape(-1, k), x16.reshape(-1, c), dwm.reshape(k, c),
+                                trans_a=True, beta=1.0)
+                else:
+                    dw16 = self._reduced("dw16", dwm.shape)
+                    cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt),
+                               a.x_desc.ptr, _ptr(x16), a.y_desc.ptr, _ptr(dy16),
+                               self.conv_desc.ptr, a.bwd_filter[0], wsp, wsn, cudnn.zero(dt),
+                               a.w_desc.ptr, _ptr(dw16))
+                    if nhwc and dwm.ndim == 4:     # K, R, S, C -> the master's K, C, R, S
+                        kk, cc, r, q = dwm.shape
+                        dw16 = dw16.reshape(kk, r, q, cc).transpose(0, 3, 1, 2)
+                    from_reduced(dw16, dwm, self._storage, accumulate=True)
             if propagate_down[i]:
                 dx = b.mutable_gpu_diff()
                 direct = r16.storage(b, diff=True) == self._storage
                 dx16 = dx if direct else self._reduced("x16", dx.shape)
-                cudnn.call("cudnnConvolutionBackwardData", h, cudnn.one(dt), self.w_desc.ptr,
-                           _ptr(w16), self.y_desc.ptr, _ptr(dy16), self.conv_desc.ptr,
-                           self.bwd_data[0], wsp, wsn, cudnn.zero(dt), self.x_desc.ptr,
-                           _ptr(dx16))
+                if a.bwd_data[0] == GEMM:       # dX = dY W
+                    cublas_gemm(dy16.reshape(-1, k), w16.reshape(k, c), dx16.reshape(-1, c))
+                else:
+                    cudnn.call("cudnnConvolutionBackwardData", h, cudnn.one(dt), a.w_desc.ptr,
+                               _ptr(w16), a.y_desc.ptr, _ptr(dy16), self.conv_desc.ptr,
+                               a.bwd_data[0], wsp, wsn, cudnn.zero(dt), a.x_desc.ptr,
+                               _ptr(dx16))
                 if not direct:
                     from_reduced(dx16, dx, self._storage)
+
+    def _ones16(self, m):
+        """A row of ``m`` ones in this layer's reduced type (1, m): the bias gradient's
+        GEMM."""
+        key = ("ones16", self._storage, m)
+        handles = context.get().handles
+        o = handles.get(key)
+        if o is None:
+            cp = backend.gpu_module()
+            o = handles[key] = to_reduced(cp.ones(m, dtype=np.float32),
+                                          cp.empty(m, dtype=buffer_dtype(self._storage)),
+                                          self._storage).reshape(1, m)
+        return o
 
     def forward_gpu_relu(self, bottom, top):
         """The fused type Convolution+ReLU (layers/fused.py): y = max(W * x + b, 0) by one
@@ -496,22 +671,24 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
         """cuDNN pools 2-byte buffers (bfloat16, float16) too (engine/precision.py)."""
         return bool(getattr(self, "_use", False))
 
-    def _descs(self, blob):
-        """(x, y) descriptors for the type ``blob``'s buffers are held in now."""
+    def _descs(self, blob, top):
+        """(x, y) descriptors for the type ``blob``'s buffers are held in now, and their
+        layout (channels-last where the engine holds the maps so)."""
         s = r16.storage(blob)
         if s is None:
             return self.x_desc, self.y_desc, blob.dtype
-        key = (s, self._desc_key)
+        nhwc = r16.layout(blob) is not None or r16.layout(top) is not None
+        key = (s, nhwc, self._desc_key)
         if getattr(self, "_descs16", (None,))[0] != key:
             dt = "bfloat16" if s == precision.BFLOAT16 else np.dtype(np.float16)
-            self._descs16 = (key, cudnn.TensorDesc(self.x_desc.shape, dt),
-                             cudnn.TensorDesc(self.y_desc.shape, dt), dt)
+            self._descs16 = (key, cudnn.TensorDesc(self.x_desc.shape, dt, nhwc=nhwc),
+                             cudnn.TensorDesc(self.y_desc.shape, dt, nhwc=nhwc), dt)
         return self._descs16[1:]
 
     def forward_gpu(self, bottom, top):
         if not self._use:
             return super().forward_gpu(bottom, top)
-        xd, yd, dt = self._descs(bottom[0])
+        xd, yd, dt = self._descs(bottom[0], top[0])
         cudnn.call("cudnnPoolingForward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
                    xd.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), yd.ptr,
                    _ptr(top[0].mutable_gpu_data()))
@@ -521,7 +698,7 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
             return
-        xd, yd, dt = self._descs(bottom[0])
+        xd, yd, dt = self._descs(bottom[0], top[0])
         cudnn.call("cudnnPoolingBackward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
                    yd.ptr, _ptr(top[0].gpu_data()), yd.ptr,
                    _ptr(top[0].gpu_diff()), xd.ptr, _ptr(bottom[0].gpu_data()),
@@ -796,14 +973,16 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         return bool(getattr(self, "_use", False)) and not self.use_global_stats
 
     def _descs(self, blob):
-        """(x descriptor, parameter descriptor) for the type ``blob``'s buffers hold now."""
+        """(x descriptor, parameter descriptor) for the type ``blob``'s buffers hold now
+        (channels-last where the engine holds the maps so)."""
         s = r16.storage(blob)
         if s is None:
             return self.x_desc, self.p_desc
-        key = (s, self._desc_key)
+        nhwc = r16.layout(blob) is not None
+        key = (s, nhwc, self._desc_key)
         if getattr(self, "_descs16", (None,))[0] != key:
             dt = "bfloat16" if s == precision.BFLOAT16 else np.dtype(np.float16)
-            xd = cudnn.TensorDesc(blob.shape, dt)
+            xd = cudnn.TensorDesc(blob.shape, dt, nhwc=nhwc)
             self._descs16 = (key, xd, cudnn.BNParamDesc(xd, cudnn.BN_SPATIAL))
         return self._descs16[1:]
 
