@@ -1,5 +1,6 @@
 """cuDNN's training batch norm (forward + backward) on bfloat16 maps, NCHW against NHWC
-(channels-last), in SPATIAL and SPATIAL_PERSISTENT modes (issue 20's channels-last step).
+(channels-last), in SPATIAL and SPATIAL_PERSISTENT modes, and minicaffe's channels-last
+kernels (kernels/reduced.bn_nhwc_*) (issue 20's channels-last step).
 
     python3 benchmarks/bn_layout.py [--batch 64]
 
@@ -55,6 +56,20 @@ def main(argv=None):
                 k = ("NHWC " if nhwc else "NCHW ") + mname
                 tot[k] = tot.get(k, 0.0) + cnt * t
                 row.append(f"{k} {t:.3f}")
+        from minicaffe.kernels import reduced as r16
+        m = a.batch * hw * hw
+        n = r16.bn_partial_size(m, c)
+        p1, p2 = cp.zeros(n, np.float64), cp.zeros(n, np.float64)
+        sums = cp.zeros(2 * c, np.float32)
+
+        def ours():
+            r16.bn_nhwc_forward(x, y, c, "BFLOAT16", p[0], p[1], 1e-5, p[4], p[5], p[2],
+                                p[3], p1, p2)
+            r16.bn_nhwc_backward(x, dy, dx, c, "BFLOAT16", p[0], p[4], p[5], p[6], p[7],
+                                 True, sums, p1, p2)
+        t = _timed(ours, 10)
+        tot["NHWC minicaffe kernels"] = tot.get("NHWC minicaffe kernels", 0.0) + cnt * t
+        row.append(f"NHWC minicaffe kernels {t:.3f}")
         print(f"{c:5d} x {hw:3d}x{hw:<3d} x{cnt:2d}: " + ", ".join(row))
     print("ResNet-50's batch norms, fwd + bwd ms per step: " +
           ", ".join(f"{k} {v:.2f}" for k, v in tot.items()))

@@ -169,3 +169,132 @@ def channel_sum(dy, out, partial, s):
     raw_kernel(_SUM_SRC, "mc_channel_sum_final", "float")(
         ((C + 255) // 256,), (256,), (partial, np.int32(C), np.int32(splits), out,
                                       np.int32(1)))
+
+
+# -- training batch norm on channels-last 2-byte maps (x, y, dy, dx: [M = N*H*W, C]) -------
+# cuDNN's legacy batch norm is fast on NCHW only (benchmarks/bn_layout.py): these kernels
+# are its channels-last counterpart.  Per-channel sums in float64 over fixed row chunks,
+# then a fixed-order sum of the chunks (deterministic), then one element-wise pass.
+_BN16 = r"""
+extern "C" __global__ void mc_bn16_partial(const unsigned short* x, const unsigned short* dy,
+    long long M, int C, long long rows, const float* mean, const float* inv, double* p1,
+    double* p2, int mode) {
+  __shared__ double sa[8][33], sb[8][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int c = blockIdx.x * 32 + tx;
+  const long long r0 = (long long)blockIdx.y * rows;
+  const long long r1 = min(M, r0 + rows);
+  double a = 0, b = 0;
+  if (c < C) {
+    const float m = mode ? mean[c] : 0.0f, iv = mode ? inv[c] : 0.0f;
+    for (long long r = r0 + ty; r < r1; r += 8) {
+      const float v = mc_load(x[r * C + c]);
+      if (mode == 0) { a += (double)v; b += (double)v * (double)v; }
+      else { const float d = mc_load(dy[r * C + c]); a += (double)d;
+             b += (double)d * (double)((v - m) * iv); }
+    }
+  }
+  sa[ty][tx] = a; sb[ty][tx] = b;
+  __syncthreads();
+  if (ty == 0 && c < C) {
+    for (int k = 1; k < 8; ++k) { a += sa[k][tx]; b += sb[k][tx]; }
+    p1[(long long)blockIdx.y * C + c] = a;
+    p2[(long long)blockIdx.y * C + c] = b;
+  }
+}
+// mode 0: the batch statistics: mean, 1/sqrt(var + eps), and for Caffe's running sums
+// the mean and the unbiased variance; mode 1: the sums of dy and dy * x_hat, and the
+// parameters' gradients (added into, or written over: acc)
+extern "C" __global__ void mc_bn16_final(const double* p1, const double* p2, int chunks,
+    int C, long long M, double eps, float* o1, float* o2, float* o3, float* o4,
+    float* dgamma, float* dbeta, int mode, int acc) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  double a = 0, b = 0;
+  for (int k = 0; k < chunks; ++k) { a += p1[(long long)k * C + c]; b += p2[(long long)k * C + c]; }
+  if (mode == 0) {
+    const double mean = a / (double)M;
+    double var = b / (double)M - mean * mean;
+    if (var < 0) var = 0;
+    o1[c] = (float)mean; o2[c] = (float)(1.0 / sqrt(var + eps));
+    o3[c] = (float)mean; o4[c] = (float)(M > 1 ? var * (double)M / (double)(M - 1) : var);
+  } else {
+    o1[c] = (float)a; o2[c] = (float)b;
+    if (dgamma) dgamma[c] = (acc ? dgamma[c] : 0.0f) + (float)b;
+    if (dbeta) dbeta[c] = (acc ? dbeta[c] : 0.0f) + (float)a;
+  }
+}
+"""
+
+
+def _bn16_kernels(s):
+    src = f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n" + _H2F.split(
+        'extern "C"')[0] + _BN16
+    return (raw_kernel(src, "mc_bn16_partial", "float"),
+            raw_kernel(src, "mc_bn16_final", "float"))
+
+
+def _bn16_apply(s, what):
+    t, load, store = _TYPE[s], _LOAD[s], _STORE[s]
+    tag = "bf16" if s == P.BFLOAT16 else "f16"
+    if what == "fwd":
+        return elementwise_kernel(
+            f"{t} x, raw float32 mean, raw float32 inv, raw float32 g, raw float32 b, "
+            "int64 C", f"{t} y",
+            f"const long long c = i % C;\n"
+            f"float v = ({load.format(x='x')} - mean[c]) * inv[c] * g[c] + b[c];\n"
+            + store.format(v="v", out="y"), f"mc_bn16_fwd_{tag}")
+    return elementwise_kernel(
+        f"{t} x, {t} dy, raw float32 mean, raw float32 inv, raw float32 g, raw float32 sdy, "
+        "raw float32 sdyx, float32 rm, int64 C", f"{t} dx",
+        f"const long long c = i % C;\n"
+        f"const float xh = ({load.format(x='x')} - mean[c]) * inv[c];\n"
+        f"float v = g[c] * inv[c] * ({load.format(x='dy')} - rm * sdy[c] - rm * xh * sdyx[c]);\n"
+        + store.format(v="v", out="dx"), f"mc_bn16_bwd_{tag}")
+
+
+def _bn16_grid(M, C):
+    cx = -(-C // 32)
+    chunks = int(max(1, min(-(-M // 64), -(-2048 // cx))))
+    rows = -(-M // chunks)
+    return cx, -(-M // rows), rows
+
+
+def bn_partial_size(M, C):
+    return C * _bn16_grid(M, C)[1]
+
+
+def bn_nhwc_forward(x, y, C, s, gamma, beta, eps, save_mean, save_inv, batch_mean,
+                    batch_var, p1, p2):
+    """Training batch norm of the channels-last 2-byte ``x`` ([M, C] flat) into ``y``:
+    the batch statistics (``save_mean``, ``save_inv`` = 1/sqrt(var + eps); ``batch_mean``,
+    ``batch_var`` unbiased, what cuDNN's running average with factor 1 gives), then
+    y = (x - mean) * inv * gamma + beta.  ``p1``/``p2``: float64 of ``bn_partial_size``."""
+    M = x.size // C
+    cx, chunks, rows = _bn16_grid(M, C)
+    part, final = _bn16_kernels(s)
+    u = x.view(np.uint16)
+    part((cx, chunks), (32, 8), (u, u, np.int64(M), np.int32(C), np.int64(rows), save_mean,
+                                 save_inv, p1, p2, np.int32(0)))
+    final(((C + 127) // 128,), (128,), (p1, p2, np.int32(chunks), np.int32(C), np.int64(M),
+                                         np.float64(eps), save_mean, save_inv, batch_mean,
+                                         batch_var, p1, p1, np.int32(0), np.int32(0)))
+    _bn16_apply(s, "fwd")(x, save_mean, save_inv, gamma, beta, np.int64(C), y)
+
+
+def bn_nhwc_backward(x, dy, dx, C, s, gamma, save_mean, save_inv, dgamma, dbeta, acc,
+                     sums, p1, p2):
+    """Its backward: dgamma (+)= sum dy x_hat, dbeta (+)= sum dy (``acc``: added into),
+    dx = gamma inv (dy - mean(dy) - x_hat mean(dy x_hat)); ``sums``: float32 of 2 C."""
+    M = x.size // C
+    cx, chunks, rows = _bn16_grid(M, C)
+    part, final = _bn16_kernels(s)
+    part((cx, chunks), (32, 8), (x.view(np.uint16), dy.view(np.uint16), np.int64(M),
+                                 np.int32(C), np.int64(rows), save_mean, save_inv, p1, p2,
+                                 np.int32(1)))
+    sdy, sdyx = sums[:C], sums[C:2 * C]
+    final(((C + 127) // 128,), (128,), (p1, p2, np.int32(chunks), np.int32(C), np.int64(M),
+                                         np.float64(0), sdy, sdyx, sdy, sdyx, dgamma, dbeta,
+                                         np.int32(1), np.int32(int(bool(acc)))))
+    _bn16_apply(s, "bwd")(x, dy, save_mean, save_inv, gamma, sdy, sdyx,
+                          np.float32(1.0 / M), np.int64(C), dx)

@@ -1030,13 +1030,33 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             gamma = sc.blobs[0].gpu_data()
             beta = sc.blobs[1].gpu_data() if sc.bias_term else self._zeros
         self._fused = sc
-        cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL, cudnn.one(dt),
-                   cudnn.zero(dt), xd.ptr, _ptr(x), xd.ptr, _ptr(y),
-                   pd.ptr, _ptr(gamma), _ptr(beta), 1.0, _ptr(self._mean),
-                   _ptr(self._var), float(self.eps), _ptr(self._save_mean), _ptr(self._save_inv))
+        if r16.layout(bottom[0]) is not None:     # channels-last 2-byte maps: our kernels
+            p1, p2 = self._bn16_partials(x.size // C, C)
+            r16.bn_nhwc_forward(x, y, C, r16.storage(bottom[0]), gamma, beta, self.eps,
+                                self._save_mean, self._save_inv, self._mean, self._var, p1, p2)
+        else:
+            cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL,
+                       cudnn.one(dt), cudnn.zero(dt), xd.ptr, _ptr(x), xd.ptr, _ptr(y),
+                       pd.ptr, _ptr(gamma), _ptr(beta), 1.0, _ptr(self._mean),
+                       _ptr(self._var), float(self.eps), _ptr(self._save_mean),
+                       _ptr(self._save_inv))
         self._kernel("mc_bn_fold", dt)(grid, (256,), (stats[0], stats[1], stats[2], self._mean,
                                                       self._var, dt.type(self.moving_average_fraction),
                                                       np.int32(C)))
+
+    def _bn16_partials(self, M, C):
+        """float64 scratch for the channels-last kernels' per-chunk sums (kernels/reduced)."""
+        n = r16.bn_partial_size(M, C)
+        p = getattr(self, "_bn16_p", None)
+        if p is None or p.size < 2 * n + C:
+            p = self._bn16_p = backend.gpu_module().empty(2 * n + C, dtype=np.float64)
+        return p[:n], p[n:2 * n]
+
+    def _bn16_sums(self, C):
+        s = getattr(self, "_bn16_s", None)
+        if s is None or s.size < 2 * C:
+            s = self._bn16_s = backend.gpu_module().empty(2 * C, dtype=np.float32)
+        return s
 
     def backward_gpu(self, top, propagate_down, bottom):
         if not self._use:
@@ -1066,6 +1086,15 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
                 dbeta = sc.blobs[1].mutable_gpu_diff()
             pbeta = cudnn.one(dt)   # parameter diffs accumulate (into the scratch too)
         xd, pd = self._descs(bottom[0])
+        if r16.layout(bottom[0]) is not None:     # channels-last 2-byte maps: our kernels
+            C = self.channels
+            p1, p2 = self._bn16_partials(x.size // C, C)
+            r16.bn_nhwc_backward(x, dy, out, C, r16.storage(bottom[0]), gamma,
+                                 self._save_mean, self._save_inv, dgamma, dbeta,
+                                 sc is not None, self._bn16_sums(C), p1, p2)
+            if out is not dx:
+                dx[...] = out
+            return
         cudnn.call("cudnnBatchNormalizationBackward", h, cudnn.BN_SPATIAL, cudnn.one(dt),
                    cudnn.zero(dt), cudnn.one(dt), pbeta, xd.ptr, _ptr(x),
                    xd.ptr, _ptr(dy), xd.ptr, _ptr(out), pd.ptr,
