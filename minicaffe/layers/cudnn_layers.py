@@ -365,7 +365,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         view = (getattr(self, "planned_workspace", None) or {}).get(direction)
         if view is not None and view.nbytes >= need:
             return view.data.ptr, int(view.nbytes)
-        ws = workspace(self.workspace_bytes)
+        ws = workspace(max(self.workspace_bytes, need))
         return (ws.data.ptr, ws.nbytes) if ws is not None else (None, 0)
 
     # -- reduced precision (issue 20): cuDNN in float16/bfloat16, the blobs fp32 ----------
