@@ -135,8 +135,8 @@ def test_memory_cli_lists_native_layers(cli, tmp_path):
     rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "fp16")
     assert rc == 0, err
     assert "16-bit storage on a GPU" in out
-    assert "  conv2 (Convolution): native FLOAT16 channels-last" in out
-    assert "  fc (InnerProduct): native FLOAT16" in out.splitlines()
+    assert "  conv2 (Convolution): native FLOAT16" in out.splitlines()
+    assert "  ip (InnerProduct): fp32" in out
     assert "  ip (InnerProduct): fp32" in out
     rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt")
     assert rc == 0 and "16-bit storage" not in out
@@ -252,8 +252,18 @@ def test_host_side_transposes_of_a_channels_last_buffer():
 
 
 def test_channels_last_switch_from_the_environment(monkeypatch):
-    monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "0")
-    assert RunConfig(precision="bf16").nhwc is False
+    monkeypatch.delenv("MINICAFFE_CHANNELS_LAST", raising=False)
+    assert RunConfig(precision="bf16").nhwc is False            # off by default
     assert RunConfig(precision="bf16", channels_last=True).nhwc is True
-    monkeypatch.delenv("MINICAFFE_CHANNELS_LAST")
+    monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "1")
     assert RunConfig(precision="bf16").nhwc is True
+    assert RunConfig(precision="bf16", channels_last=False).nhwc is False
+
+
+def test_memory_cli_lists_channels_last_layers_when_switched_on(cli, tmp_path, monkeypatch):
+    (tmp_path / "net.prototxt").write_text(FC)
+    monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "1")
+    rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "bf16")
+    assert rc == 0, err
+    assert "  conv2 (Convolution): native BFLOAT16 channels-last" in out
+    assert "  fc (InnerProduct): native BFLOAT16" in out.splitlines()

@@ -19,7 +19,8 @@ scale).
 - Channels-last (NHWC): ``layout_plan(net, storage)`` says which of those 2-byte buffers
   the plan holds N, H, W, C in memory: every one whose blobs are all 4-D of one shape with
   more than one pixel, when the run's ``channels_last`` is on (``RunConfig``; unset:
-  MINICAFFE_CHANNELS_LAST, on by default).  The layers that take such buffers
+  MINICAFFE_CHANNELS_LAST, off by default until the GPU failures docs/precision.md names
+  are fixed).  The layers that take such buffers
   (``NHWC_TYPES``: cuDNN's convolution, pooling and batch norm through channels-last
   descriptors, the element-wise ones) read the layout from the buffer; an op whose
   layers are all such and native wants its 4-D buffers channels-last, every other op
