@@ -23,19 +23,6 @@ SHAPES = [(64, 64, 56, 1), (64, 256, 56, 4), (256, 64, 56, 2), (128, 512, 28, 4)
           (2048, 512, 7, 2)]
 
 
-def timed(backend, fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        a, b = backend.new_event(), backend.new_event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(backend.elapsed_ms(a, b))
-    return float(np.median(ts))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -44,6 +31,10 @@ def main(argv=None):
     from minicaffe.core import backend, context
     from minicaffe.gpu import cublas, cudnn
     import conv_layout
+    from minicaffe.layers.cudnn_layers import _timed
+
+    def timed(backend, fn, reps):
+        return _timed(fn, reps)
     context.set_mode_gpu()
     cp = backend.gpu_module()
     n = a.batch
@@ -76,7 +67,6 @@ def main(argv=None):
         tot["nchw_gemm_fd"] += cnt * (fb + db + cn[2])
         tot["cudnn_nchw"] += cnt * sum(cn)
         tot["cudnn_nhwc"] += cnt * sum(ch)
-        del x, dy, y, dx, w, dw
     print("ResNet-50's 30 stride-1 1x1 convolutions, ms per step: " +
           ", ".join(f"{k} {v:.2f}" for k, v in tot.items()))
     return 0

@@ -137,9 +137,9 @@ def matmul(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=No
     return out
 
 
-def matmul_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=None):
-    """``matmul`` over the leading axis of 3-D arrays (stride 0 allowed for a or b by
-    passing a 2-D array, which is then shared by every batch entry)."""
+def _batched(a, b, out, trans_a, trans_b, what):
+    """(batch, stride of a, stride of b, a's and b's first matrices, M, N, K) of a
+    strided-batched product; a 2-D ``a`` or ``b`` has stride 0 (shared)."""
     nb = out.shape[0]
     sa = 0 if a.ndim == 2 else a.shape[1] * a.shape[2]
     sb = 0 if b.ndim == 2 else b.shape[1] * b.shape[2]
@@ -147,10 +147,17 @@ def matmul_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0,
     b2 = b if b.ndim == 2 else b[0]
     M, N, K = _dims(a2, b2, trans_a, trans_b)
     if out.shape[1:] != (M, N):
-        raise ValueError(f"matmul_batched: out has shape {out.shape}, the product is ({M}, {N})")
+        raise ValueError(f"{what}: out has shape {out.shape}, the product is ({M}, {N})")
     for x in (a, b, out):
         if not x.flags.c_contiguous:
-            raise ValueError("matmul_batched wants C-contiguous arrays")
+            raise ValueError(f"{what} wants C-contiguous arrays")
+    return nb, sa, sb, a2, b2, M, N, K
+
+
+def matmul_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=None):
+    """``matmul`` over the leading axis of 3-D arrays (stride 0 allowed for a or b by
+    passing a 2-D array, which is then shared by every batch entry)."""
+    nb, sa, sb, a2, b2, M, N, K = _batched(a, b, out, trans_a, trans_b, "matmul_batched")
     if nb == 0 or M == 0 or N == 0:
         return out
     dt = out.dtype
@@ -190,18 +197,7 @@ def matmul_ex(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
 def matmul_ex_batched(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     """``matmul_ex`` over the leading axis of 3-D arrays (``cublasGemmStridedBatchedEx``);
     a 2-D ``a`` or ``b`` is shared by every batch entry (stride 0)."""
-    nb = out.shape[0]
-    sa = 0 if a.ndim == 2 else a.shape[1] * a.shape[2]
-    sb = 0 if b.ndim == 2 else b.shape[1] * b.shape[2]
-    a2 = a if a.ndim == 2 else a[0]
-    b2 = b if b.ndim == 2 else b[0]
-    M, N, K = _dims(a2, b2, trans_a, trans_b)
-    if out.shape[1:] != (M, N):
-        raise ValueError(f"matmul_ex_batched: out has shape {out.shape}, the product is "
-                         f"({M}, {N})")
-    for x in (a, b, out):
-        if not x.flags.c_contiguous:
-            raise ValueError("matmul_ex_batched wants C-contiguous arrays")
+    nb, sa, sb, a2, b2, M, N, K = _batched(a, b, out, trans_a, trans_b, "matmul_ex_batched")
     if nb == 0 or M == 0 or N == 0:
         return out
     l = lib()

@@ -124,6 +124,16 @@ def _timed(fn, reps=5):
     return float(np.median(ts))
 
 
+def _search_workspace(d, lim):
+    """A buffer of the most workspace Find should offer for descriptors ``d`` (x, w,
+    conv, y) within ``lim`` bytes (cudnn.search_workspace of the three calls), or None."""
+    need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
+               cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr), lim),
+               cudnn.search_workspace("bwd_filter", (d[0].ptr, d[3].ptr, d[2].ptr, d[1].ptr),
+                                      lim))
+    return backend.gpu_module().empty(need, dtype=np.uint8) if need else None
+
+
 class _Layout:
     """A convolution's channels-last descriptors (x, y N, H, W, C; the filter K, R, S, C)
     and, once found, its candidates and picked algorithms."""
@@ -241,12 +251,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                        for shape in (xshape, self.blobs[0].shape, yshape))
         lim = find_limit(self.config.offloads, self.config.workspace_limit)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
-        need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
-                   cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
-                                          lim),
-                   cudnn.search_workspace("bwd_filter", (d[0].ptr, d[3].ptr, d[2].ptr,
-                                                         d[1].ptr), lim))
-        ws = cp.empty(need, dtype=np.uint8) if need else None
+        ws = _search_workspace(d, lim)
         dw = cp.empty_like(w)
         tc = self.config.tf32 or self._storage is not None    # tensor-op math allowed
         self._nchw_candidates = self._find(key, d, x, w, y, dw, ws, lim, tc)
@@ -268,12 +273,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
     def _find_nhwc(self, key, xshape, yshape, dt, x, w, y, dw, lim, tc):
         n = _Layout(xshape, yshape, self.blobs[0].shape, dt)
         d = n.x_desc, n.w_desc, self.conv_desc, n.y_desc
-        need = max(cudnn.search_workspace("fwd", (d[0].ptr, d[1].ptr, d[2].ptr, d[3].ptr), lim),
-                   cudnn.search_workspace("bwd_data", (d[1].ptr, d[3].ptr, d[2].ptr, d[0].ptr),
-                                          lim),
-                   cudnn.search_workspace("bwd_filter", (d[0].ptr, d[3].ptr, d[2].ptr,
-                                                         d[1].ptr), lim))
-        ws = backend.gpu_module().empty(need, dtype=np.uint8) if need else None
+        ws = _search_workspace(d, lim)
         n.candidates = self._find(key + ("NHWC",), d, x, w, y, dw, ws, lim, tc)
         if self._gemm_shape():
             self._add_gemm(n.candidates, xshape, yshape, x, w, y)
