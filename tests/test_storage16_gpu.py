@@ -208,17 +208,28 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-@pytest.mark.parametrize("prec", ["bf16", pytest.param("fp16", marks=pytest.mark.xfail(
-    strict=True, reason="a known defect, measured on the H100: cuDNN's batch norm on float16 "
-    "buffers gives s1's Scale gradient 0.00361 from fp32 where the emulation is 8.2e-05 "
-    "from it (bfloat16 on the same body: 0.00709 against 0.00715); cause not found yet"))])
+# MAX pooling for the storage listing and the forward; AVE pooling for the gradients.
+# Measured on the H100 (BLOCK as above, MAX): the real 2-byte path and the emulation round
+# at other points (cuDNN's float16 batch norm rounds its fp32 result once, the emulation
+# rounds the fp32 layer's), so a value may land one ulp apart; 1 of 2048 pooling windows
+# then took another argmax, which moves one whole gradient element: s1's Scale gradient
+# 4.2% of its largest from the emulation in fp16 (bf16: 0.8%, inside its wider bound).
+# With AVE pooling every fp16 gradient is within 0.08% of the emulation's (s1: 0.056%).
+# cuDNN's float16 batch norm itself, on the same rounded inputs as its float32 one, gave
+# the same Scale gradient to 1e-7 (what the xfail this replaces suspected).
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
 def test_resnet_pieces_on_16_bit_storage_match_the_emulation(prec):
     from minicaffe.engine.precision import storage_lines
     emu, real, f32, plan = _pair(prec, BLOCK, fp32=True)
     lines = storage_lines(real)
     for name in ("c1 (Convolution)", "bn1 (BatchNorm)", "s1 (Scale)", "sum (Eltwise)",
                  "pool (Pooling)", "fc (InnerProduct)"):
-        assert any(l.startswith(f"  {name}: native {KIND[prec]}") for l in lines), name
+        assert f"  {name}: native {KIND[prec]}" in lines, name
+    l1, l2 = float(emu.forward()["loss"]), float(real.forward()["loss"])
+    assert abs(l1 - l2) <= TOL[prec] * abs(l1)
+    plan.release()
+    emu, real, f32, plan = _pair(prec, BLOCK.replace("pool: MAX", "pool: AVE"), fp32=True)
+    assert f"  pool (Pooling): native {KIND[prec]}" in storage_lines(real)
     l1 = float(emu.forward()["loss"])
     l2 = float(real.forward()["loss"])
     f32.forward()
