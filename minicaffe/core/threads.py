@@ -72,6 +72,27 @@ def _threadpoolctl():
     return threadpoolctl
 
 
+_kernel = []        # the OpenBLAS kernel's name, once asked
+
+
+def blas_kernel():
+    """numpy's BLAS kernel as threadpoolctl names it, lower case ("haswell", "skylakex",
+    what OPENBLAS_CORETYPE forces...), "" when it is not OpenBLAS or cannot be told
+    (kernels/blas.py splits a product only where the kernel keeps its bits)."""
+    if not _kernel:
+        name = ""
+        tpc = _threadpoolctl()
+        try:
+            for info in tpc.threadpool_info() if tpc is not None else ():
+                if info.get("internal_api") == "openblas":
+                    name = str(info.get("architecture") or "").lower()
+                    break
+        except Exception:       # threadpoolctl could not read a library: no split
+            name = ""
+        _kernel.append(name)
+    return _kernel[0]
+
+
 def _needs_threadpoolctl(what):
     """The one-line error of ``what`` without a usable threadpoolctl (none, or too old)."""
     from .errors import MinicaffeError

@@ -8,22 +8,32 @@ None keeps the process default (``gpu.options.tf32``).
 
 numpy with a CPU kernel pool (core/threads.py: ``--threads N``, N > 1; the BLAS then runs
 on one thread): a 2-D ``gemm`` of at least ``PARALLEL_MIN_PART`` multiply-adds per part is
-split by rows (or columns, the longer of the two) of ``out`` into parts of whole
-``PARALLEL_ROW_ALIGN``-row blocks, one per pool thread.  Each output element is still one
-BLAS dot product over the whole inner dimension, so the parts give the one-thread bits
-(tests/layers/test_conv_threads.py checks it for the InnerProduct shapes; OpenBLAS's
-small-matrix kernels, which sum in another order, are kept out by the part size).
+split by rows (or columns, the longer of the two) of ``out``, one part per pool thread,
+where the BLAS's kernel gives a part the bits it gives the same rows or columns of the
+whole product: each output element is one dot product over the whole inner dimension,
+but the order of its multiply-adds depends on where the element sits in the kernel's
+register blocks, so parts must be whole blocks.  Which cuts keep the bits was measured
+per OpenBLAS kernel (``SPLITS``: numpy 2.4's OpenBLAS 0.3.31 on a Zen 4 core, every cut
+of 8 shapes, ``benchmarks/gemm_split_bits.py``); a BLAS or kernel not listed there is not
+split (tests/layers/test_conv_threads.py checks the bits for the InnerProduct shapes;
+OpenBLAS's small-matrix kernels, which sum in another order, are kept out by the part
+size).
 """
 import numpy as np
 
 from ..core import threads as _threads
 
-# Split GEMMs in the kernel pool: parts of whole 16-row (or -column) blocks (OpenBLAS's
-# sgemm register blocks divide 16), each of at least 2^22 multiply-adds (well above the
+# Split GEMMs in the kernel pool: parts of at least 2^22 multiply-adds (well above the
 # small-matrix kernels' 64^3, and about 50-100 us of BLAS work: with 2^20 LeNet's ip1
 # backward took 15 parts on the GPU machine's 16 threads and ran slower than on one,
-# 1.62 -> 2.05 ms; on two threads LeNet's three ip1 products still split in two).
-PARALLEL_ROW_ALIGN = 16
+# 1.62 -> 2.05 ms; on two threads LeNet's three ip1 products still split in two), cut
+# where the kernel keeps the bits: OpenBLAS's kernel (threadpoolctl's "architecture",
+# lower case) -> (rows per block, columns per block or None: no column split).  Haswell's
+# sgemm (also what OPENBLAS_CORETYPE=Haswell forces on newer cores) keeps them for rows
+# cut at multiples of 24 and for no column cut at all; SkylakeX's for rows at multiples
+# of 64 and columns at multiples of 128 (32-row and 64-column cuts change bits on both).
+SPLITS = {"haswell": (24, None), "zen": (24, None),
+          "skylakex": (64, 128), "cooperlake": (64, 128)}
 PARALLEL_MIN_PART = 1 << 22
 
 
@@ -54,8 +64,11 @@ def _parts(M, K, N):
     pool = _threads.kernel_pool()
     if pool is None or _threads.in_kernel_pool():
         return None, None, None
-    axis, length, other = (0, M, N) if M >= N else (1, N, M)
-    align = PARALLEL_ROW_ALIGN
+    rows, columns = SPLITS.get(_threads.blas_kernel(), (None, None))
+    if rows is None:
+        return None, None, None
+    axis, length, other = (0, M, N) if M >= N or columns is None else (1, N, M)
+    align = rows if axis == 0 else columns
     rows = max(align, -(-PARALLEL_MIN_PART // max(K * other, 1)))
     rows = -(-rows // align) * align
     t = min(_threads.kernel_threads(), length // rows)

@@ -123,7 +123,9 @@ GEMMS = [  # M, K, N, trans_a, trans_b, beta: InnerProduct's three products, and
 def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, ta, tb, beta,
                                                                      monkeypatch):
     """numpy GEMMs (kernels/blas.gemm: InnerProduct's) split by rows or columns over the
-    pool's threads: the one-thread bits, for 2, 3 and 16 threads."""
+    pool's threads: the one-thread bits, for 2, 3 and 16 threads.  They split where this
+    BLAS's kernel is listed (blas.SPLITS) and the product has two blocks along the axis
+    cut; elsewhere (another BLAS, too few rows) one thread computes it whole."""
     from concurrent.futures import ThreadPoolExecutor
     from minicaffe.kernels import blas
     monkeypatch.setattr(blas, "PARALLEL_MIN_PART", 1 << 20)   # CIFAR-10's ip1 splits too
@@ -135,6 +137,9 @@ def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, t
     a = rs.randn(*((K, M) if ta else (M, K))).astype(np.float32)
     b = rs.randn(*((N, K) if tb else (K, N))).astype(np.float32)
     start = rs.randn(M, N).astype(np.float32)
+    rows, columns = blas.SPLITS.get(threads.blas_kernel(), (None, None))
+    length, align = (M, rows) if M >= N or columns is None else (N, columns)
+    splits = rows is not None and length >= 2 * align
     results = []
     try:
         for n in (1, 2, 3, 16):
@@ -142,7 +147,8 @@ def test_gemm_split_in_the_kernel_pool_is_bit_identical_to_one_thread(M, K, N, t
             out = start.copy()
             blas.gemm(np, a, b, out, trans_a=ta, trans_b=tb, beta=beta)
             results.append(out)
-            assert len(submitted) >= (0 if n == 1 else 1)   # split: the caller runs a part too
+            # split: the caller runs a part too, the pool the others
+            assert bool(submitted) == (splits and n > 1), (threads.blas_kernel(), n)
             submitted.clear()
     finally:
         threads.set_kernel_threads(1)
