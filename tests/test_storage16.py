@@ -253,7 +253,10 @@ def test_host_side_transposes_of_a_channels_last_buffer():
 
 def test_channels_last_switch_from_the_environment(monkeypatch):
     monkeypatch.delenv("MINICAFFE_CHANNELS_LAST", raising=False)
-    assert RunConfig(precision="bf16").nhwc is False            # off by default
+    assert RunConfig(precision="bf16").nhwc is True             # on by default
+    assert RunConfig(precision="bf16", channels_last=False).nhwc is False
+    monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "0")
+    assert RunConfig(precision="bf16").nhwc is False
     assert RunConfig(precision="bf16", channels_last=True).nhwc is True
     monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "1")
     assert RunConfig(precision="bf16").nhwc is True

@@ -94,9 +94,9 @@ VARIABLES = {
                         "0 forbids the cuDNN engine (every layer takes Caffe's)"),
     "MINICAFFE_CUDNN_WORKSPACE_LIMIT": (_bytes, "a number of bytes >= 0 (e.g. 0, 1e9)", None,
                                         "most workspace cuDNN's Find may try"),
-    "MINICAFFE_CHANNELS_LAST": (_bool, "1/0, true/false, yes/no, on/off", False,
+    "MINICAFFE_CHANNELS_LAST": (_bool, "1/0, true/false, yes/no, on/off", True,
                                 "bf16/fp16 on the GPU: 2-byte feature maps held channels-last"
-                                " (NHWC) inside the engine (off by default: docs/precision.md)"),
+                                " (NHWC) inside the engine (on by default; 0: NCHW)"),
     "MINICAFFE_CONV_GEMM": (_bool, "1/0, true/false, yes/no, on/off", None,
                             "1x1 convolutions in channels-last as cuBLAS GEMMs: always (1), "
                             "never (0); unset: where timed faster than cuDNN"),
@@ -322,7 +322,7 @@ class RunConfig:
     @property
     def nhwc(self):
         """True when bf16/fp16 feature maps are held channels-last on the GPU
-        (``channels_last``; unset: MINICAFFE_CHANNELS_LAST, off by default)."""
+        (``channels_last``; unset: MINICAFFE_CHANNELS_LAST, on by default)."""
         return bool(env("MINICAFFE_CHANNELS_LAST") if self.channels_last is None
                     else self.channels_last)
 

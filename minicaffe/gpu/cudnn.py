@@ -373,7 +373,21 @@ _GET = {
     "bwd_data": "cudnnGetConvolutionBackwardDataAlgorithm_v7",
     "bwd_filter": "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
 }
+_WS = {
+    "fwd": "cudnnGetConvolutionForwardWorkspaceSize",
+    "bwd_data": "cudnnGetConvolutionBackwardDataWorkspaceSize",
+    "bwd_filter": "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+}
 _algo_cache = {}
+
+
+def workspace_size(kind, descs, algo):
+    """Bytes of workspace cuDNN requires for ``algo`` of ``kind`` with ``descs`` (the 4
+    descriptors in the heuristics call's order) as they are set now: what the call
+    itself checks (it can exceed the figure Find reported for that algorithm)."""
+    n = _sz(0)
+    call(_WS[kind], handle(), *descs, int(algo), ctypes.byref(n))
+    return int(n.value)
 
 
 def clear_algorithm_cache():

@@ -330,18 +330,22 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         another cap for the two backward calls (offload.fit_workspace, per step).  The
         channels-last set, when there is one, picks within the same caps."""
         bcap = cap if backward_cap is None else backward_cap
-        c = self._nchw_candidates
-        self.fwd = cudnn.pick(c["fwd"], cap)
-        self.bwd_data, self.bwd_filter = (cudnn.pick(c[k], bcap)
-                                          for k in ("bwd_data", "bwd_filter"))
-        self.workspace_bytes = max(self.fwd[1], self.bwd_data[1], self.bwd_filter[1])
+        sets = [(self, self._nchw_candidates, (self.x_desc, self.w_desc, self.y_desc))]
         n = getattr(self, "_nhwc", None)
         if n is not None:
-            n.fwd = cudnn.pick(n.candidates["fwd"], cap)
-            n.bwd_data, n.bwd_filter = (cudnn.pick(n.candidates[k], bcap)
-                                        for k in ("bwd_data", "bwd_filter"))
-            self.workspace_bytes = max(self.workspace_bytes, n.fwd[1], n.bwd_data[1],
-                                       n.bwd_filter[1])
+            sets.append((n, n.candidates, (n.x_desc, n.w_desc, n.y_desc)))
+        self.workspace_bytes = 0
+        for a, c, (x, w, y) in sets:
+            descs = {"fwd": (x, w, self.conv_desc, y), "bwd_data": (w, y, self.conv_desc, x),
+                     "bwd_filter": (x, y, self.conv_desc, w)}
+            for kind, attr, k_cap in (("fwd", "fwd", cap), ("bwd_data", "bwd_data", bcap),
+                                      ("bwd_filter", "bwd_filter", bcap)):
+                algo, mem, t = cudnn.pick(c[kind], k_cap)
+                if algo != GEMM:    # what the call will check (Find's figure can be less)
+                    mem = max(mem, cudnn.workspace_size(kind, [d.ptr for d in descs[kind]],
+                                                        algo))
+                setattr(a, attr, (algo, mem, t))
+                self.workspace_bytes = max(self.workspace_bytes, mem)
 
     def workspace_need(self, direction, algos=None):
         """Bytes of workspace this layer's ``direction`` ("forward"/"backward") takes with
