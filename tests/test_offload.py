@@ -565,6 +565,8 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
                                           if b.kind == "data" and b.part is None]
     # diffs and cuDNN workspaces (engine/plan.py) write junk where they are placed
     diffs = [b for b in op.plan.buffers if b.kind in ("diff", "workspace")]
+    # a recomputed map's forward place holds nothing after its last forward reader
+    redone = [e for e in op.entries if e.recompute is not None]
     checked = 0
     for _ in range(iterations):
         latest = {}
@@ -588,6 +590,9 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
                 if s in b.writes:
                     latest[id(b)] = _value(b, s)
                     b.mem.device_array[:b.mem.size] = latest[id(b)]
+            for e in redone:
+                if s == e.fwd.end and not again:   # its place is free: spoil it
+                    op.plan.arena[e.fwd.offset:e.fwd.offset + e.fwd.nbytes] = 0xEE
 
         # a recompute runs its layers' forward again: here, the same checked reads and
         # writes as their forward step (the value a step writes names the step)
