@@ -214,3 +214,32 @@ def test_recompute_keeps_the_weights_bit_identical_on_the_cpu(spoil):
     assert same != spoil
     if not spoil:
         assert ref.smoothed_loss == s.smoothed_loss
+
+
+# -- the budget-aware copy bound (benchmarks/offload.py prints it beside each policy) ----------
+@pytest.mark.parametrize("scale", [1e-3, 1e-6, 1e-9])
+def test_budget_bound_is_under_every_copy_schedule_and_over_the_compute(monkeypatch, scale):
+    """The fluid bound: the compute where the budget holds everything, never above what
+    the timeline model gives the copy schedules of ALL within the same memory, growing
+    as the budget shrinks, None under the floor."""
+    monkeypatch.setattr(offload, "RECOMPUTE", False)        # a copy-only bound
+    net = _synthetic("models/vgg16/train_val.prototxt", 8, [3, 64, 64])
+    times = _fake_times(net, conv=scale, other=scale / 100)
+    first = offload.n_prologue(net)
+    plan = MemoryPlan(net)
+    compute = sum(times[first:])
+    none = offload.build(net, "NONE").peak
+    assert offload.budget_bound(plan, times, none) == pytest.approx(compute)
+    every = offload.build(net, "ALL", times=times)
+    floor = offload.floor_bytes(plan)
+    assert offload.budget_bound(plan, times, floor - (1 << 20)) is None
+    last = compute
+    for budget in sorted({none, (none + every.peak) // 2, every.peak,
+                          (every.peak + floor) // 2, floor}, reverse=True):
+        b = offload.budget_bound(plan, times, budget)
+        assert b >= last - 1e-12
+        last = b
+        if budget >= every.peak:      # ALL's schedule, a copy schedule in this memory
+            assert b <= offload.simulate(times, every.entries, first, lazy=True)[0] + 1e-12
+    if scale == 1e-9:                  # compute is nothing: the link decides
+        assert last > 100 * compute

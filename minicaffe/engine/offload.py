@@ -485,6 +485,65 @@ def fifo_bound(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S
     return simulate(times, free, first, d2h, h2d)[0]
 
 
+def budget_bound(plan, times, budget, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
+    """A lower bound (seconds) on one forward-backward of ``plan``'s net (not split) by
+    any schedule that keeps its device bytes within ``budget`` by copying feature maps
+    out and back over links of ``d2h``/``h2d`` bytes/s, the steps taking ``times``
+    (seconds each, compute only): a fluid model.  At each step k the device must hold
+    what the step and the rest of the iteration cannot do without (parameters and
+    everything beside the arena, the diffs alive then, the maps the step reads or
+    writes, what lives all iteration: ``live_bytes_with`` over ALL's maps at their
+    shortest lives) plus the maps between their last forward use and their first
+    backward one; what of that exceeds the budget, E_k, is off the device during step
+    k.  So by the start of step k the device->host link has moved at least E_k bytes
+    of maps made before it (out of what was made by then, at ``d2h``), and from the
+    start of step k to the end the host->device link moves at least E_k (needed after
+    it, at ``h2d``).  Forward, the earliest start of each step under the first (the
+    link copying as soon as maps are made, compute stalling only where E_k demands);
+    backward in reverse time, the least time from each step's start to the end under
+    the second; the bound is the largest sum of the two over the steps (at least the
+    compute).  Recompute is not in it: it trades link time for compute and may go
+    under it.  None where the floor is over the budget.  Pure Python."""
+    net = plan.net
+    first = n_prologue(net)
+    steps = len(times)
+    entries = candidates(plan, "ALL")
+    for e in entries:
+        if e.bwd_first is not None:
+            e.prefetch = e.bwd_first
+    must = live_bytes_with(plan, entries)[:steps].astype(np.float64)
+    between = np.zeros(steps)
+    made, needed = collections.defaultdict(float), collections.defaultdict(float)
+    for e in entries:
+        if e.bwd_first is not None:
+            between[e.fwd_end + 1:e.bwd_first] += e.nbytes
+            made[e.d2h_after] += e.nbytes
+            needed[e.bwd_first] += e.nbytes
+    room = budget - plan.side_bytes
+    if (must[first:] > room).any():
+        return None
+    excess = np.maximum(0.0, must + between - room)
+    start, t, out, avail = [0.0] * steps, 0.0, 0.0, 0.0
+    for k in range(first, steps):
+        if out < excess[k]:
+            t += (excess[k] - out) / d2h
+            out = excess[k]
+        start[k] = t
+        out = min(avail, out + d2h * times[k])
+        t += times[k]
+        avail += made.get(k, 0.0)
+    rest, t, inn, avail = [0.0] * steps, 0.0, 0.0, 0.0
+    for k in range(steps - 1, first - 1, -1):
+        inn = min(avail, inn + h2d * times[k])
+        t += times[k]
+        if inn < excess[k]:
+            t += (excess[k] - inn) / h2d
+            inn = excess[k]
+        rest[k] = t
+        avail += needed.get(k, 0.0)
+    return max([sum(times[first:])] + [start[k] + rest[k] for k in range(first, steps)])
+
+
 def estimate_times(net):
     """Seconds per step from a roofline guess (``ASSUMED_FLOPS``,
     ``ASSUMED_MEM_BYTES_PER_S``): what ``minicaffe memory`` uses for DYNAMIC before
