@@ -1368,13 +1368,19 @@ def memory_rows(net, policies=POLICIES, budget=0, history_sets=1, times=None):
             summary[policy] = {"error": str(e)}
             continue
         live = live_bytes(op.plan)
-        out_mems = {id(e.buf.mem) for e in op.entries}
+        out_mems = {id(e.buf.mem) for e in op.entries if e.recompute is None}
+        redo_mems = {id(e.buf.mem) for e in op.entries if e.recompute is not None}
         for i, r in enumerate(rows):
             steps = [i, 2 * L - 1 - i]
             r[policy] = {"live": int(max(live[s] for s in steps)),
-                         "offloaded": any(id(t.data_mem) in out_mems for t in net.top_vecs[i])}
-        summary[policy] = {"peak": op.peak, "moved": op.moved_bytes, "n": len(op.entries),
-                           "back": op.returned_bytes,
+                         "offloaded": any(id(t.data_mem) in out_mems for t in net.top_vecs[i]),
+                         "recomputed": any(id(t.data_mem) in redo_mems
+                                           for t in net.top_vecs[i])}
+        redo = [e for e in op.entries if e.recompute is not None]
+        summary[policy] = {"peak": op.peak, "moved": op.moved_bytes,
+                           "n": len(op.entries) - len(redo), "back": op.returned_bytes,
+                           "recomputed": len(redo),
+                           "recomputed_bytes": sum(e.copy_bytes for e in redo),
                            "host": op.host_bytes, "fits": not budget or op.peak <= budget}
         if not summary[policy]["fits"]:
             summary[policy]["over"] = str(
@@ -1395,13 +1401,15 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
                 f"{r['params'] / MiB:10.2f}")
         for p in pols:
             c = r.get(p)
-            line += f" {c['live'] / MiB:16.2f} {'h' if c['offloaded'] else ' '}"
+            line += (f" {c['live'] / MiB:16.2f} "
+                     f"{'h' if c['offloaded'] else 'r' if c.get('recomputed') else ' '}")
         wf, wb = r.get("workspace", (0, 0))
         line += f" {wf / MiB:10.2f} / {wb / MiB:.2f}"
         out.append(line)
     out.append("")
     out.append("live MiB: the feature maps, diffs and cuDNN workspaces on the device during the "
                "layer's forward or backward (the larger); h: its output goes to host memory; "
+               "r: its output is dropped and made again in backward (no copy); "
                "workspace MiB fwd/bwd: the layer's cuDNN workspace, in the arena at its step "
                "only")
     for p, s in summary.items():
@@ -1410,7 +1418,9 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
             continue
         out.append(f"{p:8s}: planned peak {s['peak'] / GiB:8.3f} GiB; {s['n']} feature map(s) "
                    f"offloaded, {s['moved'] / GiB:.3f} GiB out and {s['back'] / GiB:.3f} GiB back "
-                   f"per iteration")
+                   f"per iteration" + (f"; {s['recomputed']} recomputed in backward "
+                                       f"({s['recomputed_bytes'] / GiB:.3f} GiB, no copy)"
+                                       if s.get("recomputed") else ""))
         if "over" in s:
             out.append(f"          over the budget: {s['over']}")
     if budget:
