@@ -4,6 +4,7 @@ DYNAMIC's choice over fake layer times, the budget errors, the schema, the comma
 Everything here runs on the CPU: the plan and the schedule are pure Python.  The CUDA
 side (copies, events, graph capture, bit-identical weights) is in test_offload_gpu.py.
 """
+import functools
 import os
 
 import numpy as np
@@ -765,7 +766,14 @@ def test_replan_lets_the_old_arena_go_before_the_new_one_is_made(monkeypatch):
     monkeypatch.setattr(backend, "cp", fake)
     monkeypatch.setattr(context, "_kept_streams", {})       # (see _run_on_fake_device)
     net = _net()
-    op = offload.build(net, "ALL")
+    # convolutions with workspaces, recomputed: a recompute's workspace place (in the
+    # arena) must not outlive its plan either
+    from test_offload_budget import _two_fake_convs
+    _two_fake_convs(net)
+    monkeypatch.setattr(offload, "choose_recompute",
+                        functools.partial(offload.choose_recompute, force=True))
+    op = offload.build(net, "ALL", times=_fake_times(net))
+    assert any(op.redo_ws.values())
     op.plan.apply()
     old = weakref.ref(op.plan.arena)
     alive_at_alloc = []

@@ -1640,10 +1640,9 @@ class Offloader:
             for i in e.recompute:
                 self.forward_again(i)
         finally:
-            for w, old in saved:
-                if old is None:
-                    w.mem.unbind_device()
-                else:
+            for w, old in saved:     # nothing may keep the recompute's view (the arena
+                w.mem.unbind_device()   # must go at a re-plan): the forward's place back
+                if old is not None:
                     w.mem.layer.planned_workspace["forward"] = old
         if mark is not None:
             tl.copy_ends(mark, self.compute, "redo", e, s)
