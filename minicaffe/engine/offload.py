@@ -43,8 +43,14 @@ not a branch inside any layer:
   own step (engine/plan.py), and where a step's floor is over the budget that step's
   convolution takes a smaller one (``fit_workspace``, per step); ``floor_parts`` says
   what the floor is made of;
+- **recomputation** (``choose_recompute``): a map whose producers may run again
+  (``RECOMPUTABLE``: convolution, ReLU, pooling, LRN) may be dropped after its last
+  forward reader and made again right before its first backward reader instead of
+  copied out and back, where the timeline model says that is shorter within the memory
+  (VGG-16's conv1_1: ~3 ms of convolution against ~2 x 60 ms of link);
 - **the timeline** (``Timeline``, ``trace_iteration``): CUDA events on the compute and
-  both copy streams over one eager forward-backward, for benchmarks/offload.py.
+  both copy streams over one eager forward-backward, for benchmarks/offload.py, with
+  ``budget_bound``, the least time any copy schedule could take within a budget.
 
 What the plan does not hold stays where it was: parameters, their diffs and the solver's
 history, what layers keep from forward to backward (``Layer.state_bytes``).  After a step an offloaded blob's host side is its slot in the
@@ -1124,10 +1130,13 @@ class OffloadPlan:
 def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
     """The OffloadPlan of ``policy`` for ``net``'s training step (a fresh MemoryPlan,
     split).  DYNAMIC needs ``times`` (seconds per step); a budget that even ALL cannot
-    meet raises BudgetError.  Unless ``hide`` (default ``HIDE``) is false, the lives of
-    the chosen maps are then lengthened where their copies need it (``hide_copies``,
-    over ``times`` or ``estimate_times``) within the budget, or within the peak of the
-    plan without it where there is no budget.  Pure Python: runs without a GPU."""
+    meet raises BudgetError.  Unless ``hide`` (default ``HIDE``) is false, then (over
+    ``times`` or ``estimate_times``, within the budget, or within the peak of the plan
+    without it where there is no budget): DYNAMIC keeps on the device what fits
+    (``keep_on_device``), maps are recomputed instead of copied where that is shorter
+    (``choose_recompute``, unless ``RECOMPUTE`` is false), and the lives of the copied
+    ones are lengthened where their copies need it (``hide_copies``).  Pure Python:
+    runs without a GPU."""
     from .plan import MemoryPlan
     op = _build(net, policy, budget, history_sets, times)
     if not op.entries:
