@@ -5,6 +5,7 @@ offload policy, with PyTorch's ``save_on_cpu(pin_memory=True)`` as the peer, in 
                                  [--budgets 0.5,0.65,0.75] [--limits 12GiB] [--json OUT.json]
                                  [--policies ALL,CONV] [--vdnn ALL,CONV,DYNAMIC]
                                  [--one-lane ALL,CONV,DYNAMIC]
+                                 [--no-recompute ALL,CONV,DYNAMIC]
                                  [--no-timeline] [--timeline-steps all|waits]
 
 Each configuration runs in a child process of its own (a clean device: its peak is its
@@ -42,11 +43,12 @@ MODELS = {"vgg16": "models/vgg16/train_val.prototxt",
           "resnet50": "models/resnet50/train_val.prototxt"}
 GiB = float(1 << 30)
 # a child's schedule: lives lengthened (hide_copies), vDNN's lives, one d2h stream
-MODE_LABEL = {"1": "", "0": " vDNN lives", "1L1": " one d2h stream"}
+MODE_LABEL = {"1": "", "0": " vDNN lives", "1L1": " one d2h stream", "1R0": " no recompute"}
 
 
 # -- one configuration per process ---------------------------------------------------------
-def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, lanes=2):
+def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, lanes=2,
+                  recompute=True):
     from gpu_step import make, synthetic
     from minicaffe.core import backend, context, log
     from minicaffe.engine import offload
@@ -60,6 +62,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, la
     budget = offload.resolve_budget(parse_gpu_mem_limit(budget))   # 12GiB, auto...
     offload.HIDE = hide            # off: the lives of vDNN's points (the schedule before)
     offload.LANES = lanes          # 1: one device->host stream (the schedule of round 2)
+    offload.RECOMPUTE = recompute  # off: every offloaded map copied (the schedule before)
     net = synthetic(MODELS[net_name], batch, [3, 224, 224])
     net.offload_param.policy = caffe_pb2.OffloadParameter.Policy.Value(policy)
     net.offload_param.gpu_memory_budget = int(budget)
@@ -94,6 +97,8 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, la
         out["lengthened"] = off.oplan.info.get("lengthened", 0)
         out["lanes"] = off.oplan.info.get("lanes", 0)
         out["kept"] = off.oplan.info.get("kept", 0)
+        out["recomputed"] = sum(1 for e in off.oplan.entries if e.recompute is not None)
+        out["recomputed_bytes"] = off.oplan.recomputed_bytes
         out.update(moved=off.oplan.moved_bytes, back=off.oplan.returned_bytes,
                    n=len(off.oplan.entries), host=off.oplan.host_bytes,
                    model_ms=off.oplan.info.get("total_s", 0) * 1e3,
@@ -104,6 +109,22 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, la
     out["floor_lines"] = offload.floor_lines(st.plan)
     if os.environ.get("OFFLOAD_BENCH_TIMELINE", "1") == "1":
         out["timeline"] = offload.trace_iteration(st).as_dict()
+        # the budget-aware copy bound (offload.budget_bound) over this run's measured
+        # step times, at the rates measured first in this run, within the run's budget
+        # (or, with none, the memory its plan took)
+        from minicaffe.engine.plan import MemoryPlan
+        rates = os.environ.get("OFFLOAD_BENCH_RATES", "")
+        d2h, h2d = (float(x) for x in rates.split(",")) if rates else \
+            (offload.D2H_BYTES_PER_S, offload.H2D_BYTES_PER_S)
+        L = len(st.net.layers)
+        times = [0.0] * (2 * L)
+        for r in out["timeline"]["rows"]:
+            times[r["step"]] = r["ms"] * 1e-3
+        memory = budget if budget and policy != "NONE" else st.plan.peak
+        plan = MemoryPlan(st.net, train=True, history_sets=len(solver.history_flat))
+        b = offload.budget_bound(plan, times, memory, d2h, h2d)
+        out["budget_bound"] = {"ms": None if b is None else b * 1e3, "memory": memory,
+                               "compute_ms": sum(times) * 1e3}
     return out
 
 
@@ -226,7 +247,8 @@ def child(argv):
     elif kind == "minicaffe":
         net, batch, policy, budget, iters, repeats, hide = argv[1:]
         res = run_minicaffe(net, int(batch), policy, budget, int(iters), int(repeats),
-                            hide[0] == "1", 1 if hide.endswith("L1") else 2)
+                            hide[0] == "1", 1 if hide.endswith("L1") else 2,
+                            not hide.endswith("R0"))
     else:
         net, batch, mode, iters, repeats = argv[1:]
         res = run_torch(net, int(batch), mode, int(iters), int(repeats))
@@ -268,6 +290,9 @@ def main():
     ap.add_argument("--one-lane", default="",
                     help="policies (ALL,CONV,DYNAMIC) also run with one device->host "
                          "stream (offload.LANES = 1), for comparison in the same run")
+    ap.add_argument("--no-recompute", default="",
+                    help="policies (ALL,CONV,DYNAMIC) also run with every offloaded map "
+                         "copied (offload.RECOMPUTE = False), for comparison in the same run")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--timeline-steps", default="waits", choices=("all", "waits"))
@@ -276,6 +301,8 @@ def main():
     os.environ["OFFLOAD_BENCH_TIMELINE"] = "0" if a.no_timeline else "1"
     report = {"bandwidth": spawn("bandwidth")}
     bw = report["bandwidth"]
+    if "d2h" in bw:           # the children's budget bound at the rates measured here
+        os.environ["OFFLOAD_BENCH_RATES"] = f"{bw['d2h'] * 1e9},{bw['h2d'] * 1e9}"
     print(f"pinned copies: {bw.get('d2h', 0):.1f} GB/s device->host, "
           f"{bw.get('h2d', 0):.1f} GB/s host->device, {bw.get('both', 0):.1f} GB/s both ways "
           f"{bw.get('error', '')}", flush=True)
@@ -295,7 +322,8 @@ def main():
             runs.append(("DYNAMIC", text, f"DYNAMIC {text}"))
         for policy, budget, label in runs:
             modes = ["1"] + (["0"] if policy in a.vdnn.split(",") else []) + \
-                (["1L1"] if policy in a.one_lane.split(",") else [])
+                (["1L1"] if policy in a.one_lane.split(",") else []) + \
+                (["1R0"] if policy in a.no_recompute.split(",") else [])
             for hide in modes:
                 rows.append((f"minicaffe {label}{MODE_LABEL[hide]}",
                              spawn("minicaffe", name, a.batch, policy, budget, a.iters,
@@ -326,6 +354,12 @@ def print_timelines(rows, which):
         print(flush=True)
         for line in timeline_lines(steps, tl["summary"], tl["copies"], label):
             print(line, flush=True)
+        bb = r.get("budget_bound")
+        if bb and bb.get("ms"):
+            print(f"  budget-aware copy bound (offload.budget_bound, these step times, "
+                  f"{bb['memory'] / GiB:.2f} GiB): {bb['ms']:.1f} ms against "
+                  f"{bb['compute_ms']:.1f} ms of compute (copy schedules only: a recompute "
+                  f"may go under it)", flush=True)
         for line in r.get("floor_lines", ()):
             print("  " + line, flush=True)
 
@@ -360,6 +394,15 @@ def print_table(name, batch, rows, bw):
                 line += f"  floor {r['floor'] / GiB:.2f} GiB"
             if r.get("lanes") or r.get("kept"):
                 line += f"  ({r.get('lanes', 0)} out on the 2nd stream, {r.get('kept', 0)} kept)"
+            if r.get("recomputed"):
+                line += (f"  ({r['recomputed']} recomputed, "
+                         f"{r['recomputed_bytes'] / GiB:.2f} GiB)")
+        bb = r.get("budget_bound")
+        if bb and bb.get("ms"):
+            line += (f"  budget bound {bb['ms']:.1f} ms ({bb['ms'] / r['ms']:.2f}) at "
+                     f"{bb['memory'] / GiB:.2f} GiB")
+        elif bb:
+            line += f"  budget bound: none (floor over {bb['memory'] / GiB:.2f} GiB)"
         print(line, flush=True)
 
 

@@ -4,6 +4,7 @@ DYNAMIC's choice over fake layer times, the budget errors, the schema, the comma
 Everything here runs on the CPU: the plan and the schedule are pure Python.  The CUDA
 side (copies, events, graph capture, bit-identical weights) is in test_offload_gpu.py.
 """
+import functools
 import os
 
 import numpy as np
@@ -92,11 +93,28 @@ def check_plan(op):
         if e.release is not None:
             assert e.release > e.fwd.end
         if b.bwd_reads:
-            assert e.bwd.start == e.prefetch and e.bwd.end == max(b.bwd_reads)
-            assert L <= e.prefetch <= min(b.bwd_reads) == e.bwd_first
+            # (a recomputed map's producer may read it before its own readers do)
+            assert e.bwd.start == e.prefetch and e.bwd.end == e.bwd_last >= max(b.bwd_reads)
+            assert L <= e.prefetch <= e.bwd_first <= min(b.bwd_reads)
             assert e.prefetch > e.fwd.end + 1          # the buffer is off the device between
         else:
             assert e.bwd is None
+    # a recomputed map: no copy, no slot; its producers' inputs are on the device when
+    # it is made again (kept, back by then, or made again before it at the same step)
+    by_mem = {id(e.buf.mem): e for e in op.entries}
+    for e in op.entries:
+        if e.recompute is None:
+            continue
+        assert e.release is None and e.bwd.start == e.bwd_first and e.fwd.end == e.fwd_end
+        assert offload.recompute_layers(net, e.buf) == e.recompute
+        r = e.bwd_first
+        for m in offload.recompute_inputs(net, e):
+            x = by_mem.get(id(m))
+            if x is not None:
+                assert x.bwd is not None and x.bwd.start <= r <= x.bwd.end, (e.name, x.name)
+                assert x.bwd_first <= r
+                if x.recompute is not None:
+                    assert x.bwd_first < r or x.recompute[0] < e.recompute[0]
     bufs = plan.buffers
     for i, a in enumerate(bufs):
         assert a.offset + a.nbytes <= plan.arena_bytes
@@ -106,6 +124,8 @@ def check_plan(op):
                     (a.names, a.part, c.names, c.part)
     # the device->host copy is waited for before anything else takes its place
     for e in op.entries:
+        if e.recompute is not None:
+            continue                                   # no copy to wait for
         f = e.fwd
         for b in bufs:
             if b is not f and b.start > f.end and b.offset < f.offset + f.nbytes and \
@@ -149,10 +169,12 @@ def test_policies_split_feature_maps_safely(policy):
         assert all(e.conv_input for e in op.entries)
     else:
         assert {"conv1", "conv1b", "pool1", "conv2"} <= names
-    # one host slot per buffer, none overlapping
-    slots = sorted((e.slot, e.slot + e.copy_bytes) for e in op.entries)
+    # one host slot per copied buffer, none overlapping; none for a recomputed one
+    copied = [e for e in op.entries if e.recompute is None]
+    assert all(e.slot is None for e in op.entries if e.recompute is not None)
+    slots = sorted((e.slot, e.slot + e.copy_bytes) for e in copied)
     assert all(a[1] <= b[0] for a, b in zip(slots, slots[1:]))
-    assert op.host_bytes >= sum(e.copy_bytes for e in op.entries)
+    assert op.host_bytes >= sum(e.copy_bytes for e in copied) == op.moved_bytes
 
 
 def test_in_place_layers_offload_their_buffer_once_after_the_last_write():
@@ -219,7 +241,8 @@ def test_offloaded_split_buffer_is_read_by_every_branch(resnet):
 
 
 # -- the timeline model and DYNAMIC ---------------------------------------------------------
-def test_simulation_hides_copies_under_long_compute_only():
+def test_simulation_hides_copies_under_long_compute_only(monkeypatch):
+    monkeypatch.setattr(offload, "RECOMPUTE", False)     # every map copied
     net = _net()
     op = offload.build(net, "ALL")
     first = offload.n_prologue(net)
@@ -543,14 +566,19 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
                                           if b.kind == "data" and b.part is None]
     # diffs and cuDNN workspaces (engine/plan.py) write junk where they are placed
     diffs = [b for b in op.plan.buffers if b.kind in ("diff", "workspace")]
+    # a recomputed map's forward place holds nothing after its last forward reader
+    redone = [e for e in op.entries if e.recompute is not None]
     checked = 0
     for _ in range(iterations):
         latest = {}
 
-        def run(s):
+        def run(s, again=False):
+            """Step s; ``again``: forward step s run again by a recompute (its cuDNN
+            workspace is the recompute's own place, not the forward step's)."""
             nonlocal checked
             for b in diffs:
-                if b.start == s:
+                if (b.part == "recompute" and b.mem.layer is net.layers[s]) if again else \
+                        b.start == s:
                     op.plan.arena[b.offset:b.offset + b.nbytes] = 0xEE
             for b in data:
                 if s in b.reads or s in b.bwd_reads:
@@ -563,7 +591,13 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
                 if s in b.writes:
                     latest[id(b)] = _value(b, s)
                     b.mem.device_array[:b.mem.size] = latest[id(b)]
+            for e in redone:
+                if s == e.fwd.end and not again:   # its place is free: spoil it
+                    op.plan.arena[e.fwd.offset:e.fwd.offset + e.fwd.nbytes] = 0xEE
 
+        # a recompute runs its layers' forward again: here, the same checked reads and
+        # writes as their forward step (the value a step writes names the step)
+        off.forward_again = lambda i: run(i, again=True)
         for i in range(first):       # the data layers, before the body
             run(i)
         off.begin()
@@ -579,7 +613,8 @@ def _run_on_fake_device(monkeypatch, net, op, early, iterations=2):
         for e in op.entries:     # parked: the host side holds the last forward value
             m = e.buf.mem
             assert m.device_array is None
-            assert (np.asarray(m.cpu_data()) == latest[id(e.buf)]).all(), e.name
+            if e.recompute is None:   # (a recomputed map is transient, as a diff)
+                assert (np.asarray(m.cpu_data()) == latest[id(e.buf)]).all(), e.name
     off.detach()
     return checked
 
@@ -644,11 +679,16 @@ def test_lanes_put_the_late_small_maps_beside_the_early_large_ones():
     """On VGG's shape (large maps first, needed last) the model picks the second stream
     for the maps needed first in backward, and is shorter than one FIFO stream;
     LANES = 1 keeps every copy on one stream."""
-    net = _synthetic("models/vgg16/train_val.prototxt", 64, [3, 32, 32])
+    saved = offload.RECOMPUTE
+    offload.RECOMPUTE = False        # every map copied (a recomputed one takes no stream)
+    try:
+        net = _synthetic("models/vgg16/train_val.prototxt", 64, [3, 32, 32])
+        op = offload.build(net, "ALL", times=_fake_times(net, conv=1e-4, other=1e-6))
+    finally:
+        offload.RECOMPUTE = saved
     times = _fake_times(net, conv=1e-4, other=1e-6)      # copies long against compute
     first = offload.n_prologue(net)
-    op = offload.build(net, "ALL", times=times)        # lives lengthened (hide_copies)
-    check_plan(op)
+    check_plan(op)                                     # lives lengthened (hide_copies)
     lanes = {e.name: e.lane for e in op.entries}
     two = offload.simulate(times, op.entries, first)[0]
     assert op.info["lanes"] == sum(lanes.values()) > 0
@@ -726,7 +766,14 @@ def test_replan_lets_the_old_arena_go_before_the_new_one_is_made(monkeypatch):
     monkeypatch.setattr(backend, "cp", fake)
     monkeypatch.setattr(context, "_kept_streams", {})       # (see _run_on_fake_device)
     net = _net()
-    op = offload.build(net, "ALL")
+    # convolutions with workspaces, recomputed: a recompute's workspace place (in the
+    # arena) must not outlive its plan either
+    from test_offload_budget import _two_fake_convs
+    _two_fake_convs(net)
+    monkeypatch.setattr(offload, "choose_recompute",
+                        functools.partial(offload.choose_recompute, force=True))
+    op = offload.build(net, "ALL", times=_fake_times(net))
+    assert any(op.redo_ws.values())
     op.plan.apply()
     old = weakref.ref(op.plan.arena)
     alive_at_alloc = []
@@ -741,6 +788,7 @@ def test_replan_lets_the_old_arena_go_before_the_new_one_is_made(monkeypatch):
                                  solver=types.SimpleNamespace(history_flat=[]))
     step.replan = lambda plan: GpuStep.replan(step, plan)
     off = offload.Offloader(step, op, "ALL", 0)
+    off.forward_again = lambda i: None          # (no layer runs here: the arenas matter)
     off.attach()
     L = len(net.layers)
     first = offload.n_prologue(net)

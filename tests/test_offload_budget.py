@@ -229,14 +229,21 @@ def test_timeline_records_every_step_and_copy_on_the_fake_device(monkeypatch):
     assert [r["layer"] for r in rows[:L - first]] == net.layer_names[first:]
     outs = [c for c in tl.copy_times if c[0] == "out"]
     ins = [c for c in tl.copy_times if c[0] == "in"]
-    assert sorted(e.name for _, e, *_ in outs) == sorted(e.name for e in op.entries)
-    assert sorted(e.name for _, e, *_ in ins) == sorted(e.name for e in op.entries
+    redo = [c for c in tl.copy_times if c[0] == "redo"]
+    copied = [e for e in op.entries if e.recompute is None]
+    assert redo, "the chain net recomputes some map (choose_recompute)"
+    assert sorted(e.name for _, e, *_ in outs) == sorted(e.name for e in copied)
+    assert sorted(e.name for _, e, *_ in ins) == sorted(e.name for e in copied
                                                        if e.bwd is not None)
+    assert sorted(e.name for _, e, *_ in redo) == sorted(e.name for e in op.entries
+                                                        if e.recompute is not None)
     for k, e, s, a, b in tl.copy_times:     # issued where the plan says
-        assert s == (e.d2h_after if k == "out" else e.prefetch) and b > a
+        assert s == {"out": e.d2h_after, "in": e.prefetch, "redo": e.bwd_first}[k] and b > a
+    assert sum(r["redo"] for r in rows) == sum(b - a for *_, a, b in redo)
     sm = tl.summary()
     assert sm["out_bytes"] == op.moved_bytes and sm["in_bytes"] == op.returned_bytes
     assert sm["compute"] == sum(r["ms"] for r in rows) and sm["model"] > 0
+    assert sm["recompute"] == sum(b - a for *_, a, b in redo)
     d = tl.as_dict()
     lines = offload.timeline_lines(d["rows"], d["summary"], d["copies"], "chain ALL")
     assert lines[0].startswith("timeline of chain ALL")

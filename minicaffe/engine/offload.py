@@ -43,8 +43,14 @@ not a branch inside any layer:
   own step (engine/plan.py), and where a step's floor is over the budget that step's
   convolution takes a smaller one (``fit_workspace``, per step); ``floor_parts`` says
   what the floor is made of;
+- **recomputation** (``choose_recompute``): a map whose producers may run again
+  (``RECOMPUTABLE``: convolution, ReLU, pooling, LRN) may be dropped after its last
+  forward reader and made again right before its first backward reader instead of
+  copied out and back, where the timeline model says that is shorter within the memory
+  (VGG-16's conv1_1: ~3 ms of convolution against ~2 x 60 ms of link);
 - **the timeline** (``Timeline``, ``trace_iteration``): CUDA events on the compute and
-  both copy streams over one eager forward-backward, for benchmarks/offload.py.
+  both copy streams over one eager forward-backward, for benchmarks/offload.py, with
+  ``budget_bound``, the least time any copy schedule could take within a budget.
 
 What the plan does not hold stays where it was: parameters, their diffs and the solver's
 history, what layers keep from forward to backward (``Layer.state_bytes``).  After a step an offloaded blob's host side is its slot in the
@@ -232,7 +238,8 @@ class Entry:
     """One offloaded buffer: its lives and copies in steps of the iteration."""
     __slots__ = ("buf", "name", "nbytes", "copy_bytes", "first", "d2h_after", "fwd_end",
                  "bwd_first", "bwd_last", "prefetch", "release", "slot", "fwd", "bwd",
-                 "conv_input", "on_demand", "hold", "lane")
+                 "conv_input", "on_demand", "hold", "lane", "recompute", "bwd_read",
+                 "bwd_end")
 
     def __init__(self, buf):
         self.buf = buf
@@ -245,6 +252,12 @@ class Entry:
         self.fwd_end = max(touched)                    # the last forward reader
         self.bwd_first = min(buf.bwd_reads) if buf.bwd_reads else None
         self.bwd_last = max(buf.bwd_reads) if buf.bwd_reads else None
+        # its own first and last backward readers (``bwd_first``/``bwd_last`` may reach
+        # further: a recomputed map's producer reads it there, ``recompute_lives``)
+        self.bwd_read, self.bwd_end = self.bwd_first, self.bwd_last
+        # None, or the layers whose forward runs again to make it before ``bwd_first``
+        # (in place of the copies out and back: ``choose_recompute``)
+        self.recompute = None
         self.prefetch = None                           # step the host->device copy starts
         self.hold = self.fwd_end                       # its forward place kept until here
         self.on_demand = False                         # fetched by the layer that needs it
@@ -260,7 +273,15 @@ class Entry:
             out.append(("backward", self.prefetch, self.bwd_last))
         return out
 
+    @property
+    def copies(self):
+        """Whether it moves over the link (False: recomputed, ``recompute``)."""
+        return self.recompute is None
+
     def __repr__(self):
+        if self.recompute is not None:
+            return (f"Entry({self.name}: fwd {self.first}..{self.fwd_end}, recomputed by "
+                    f"layers {list(self.recompute)} before {self.bwd_first}..{self.bwd_last})")
         return (f"Entry({self.name}: fwd {self.first}..{self.fwd_end}/{self.hold}, d2h after "
                 f"{self.d2h_after} (lane {self.lane}), bwd {self.prefetch}/{self.bwd_first}.."
                 f"{self.bwd_last})")
@@ -416,10 +437,17 @@ def simulate(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S, 
     compute stream waits for a buffer's device->host copy before ``release`` (``lazy``:
     as placed) or else right after its forward place is let go (``hold``: its last
     forward reader, unless ``hide_copies`` kept it longer), and for its host->device
-    copy before its first backward reader.  Returns (total, stall), stall being the time
-    compute waited."""
+    copy before its first backward reader.  A recomputed entry (``recompute``) has no
+    copy: its producers' forward times are added to the compute stream right before its
+    first backward reader.  Returns (total, stall), stall being the time compute
+    waited."""
     after, release, fetch, need = (collections.defaultdict(list) for _ in range(4))
+    redo = collections.defaultdict(float)
     for e in entries:
+        layers = getattr(e, "recompute", None)
+        if layers is not None:
+            redo[e.bwd_first] += sum(times[i] for i in layers)
+            continue
         after[e.d2h_after].append(e)
         r = e.release if lazy else e.hold + 1
         if r is not None:
@@ -440,7 +468,7 @@ def simulate(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S, 
         for e in need.get(s, ()):
             start = max(start, in_done[id(e)])
         stall += start - t
-        t = start + times[s]
+        t = start + redo.get(s, 0.0) + times[s]
         for e in after.get(s, ()):
             pipe.add(id(e), t, e.copy_bytes, getattr(e, "lane", 0))
     total = max(t, pipe.drain(), h2d_free)
@@ -457,9 +485,69 @@ def fifo_bound(times, entries, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S
     free = [types.SimpleNamespace(d2h_after=e.d2h_after, hold=10 ** 9, release=None,
                                   bwd_first=e.bwd_first, copy_bytes=e.copy_bytes,
                                   lane=getattr(e, "lane", 0),
+                                  recompute=getattr(e, "recompute", None),
                                   prefetch=L if e.bwd_first is not None else None)
             for e in sorted(entries, key=lambda e: (e.bwd_first is None, e.bwd_first or 0))]
     return simulate(times, free, first, d2h, h2d)[0]
+
+
+def budget_bound(plan, times, budget, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
+    """A lower bound (seconds) on one forward-backward of ``plan``'s net (not split) by
+    any schedule that keeps its device bytes within ``budget`` by copying feature maps
+    out and back over links of ``d2h``/``h2d`` bytes/s, the steps taking ``times``
+    (seconds each, compute only): a fluid model.  At each step k the device must hold
+    what the step and the rest of the iteration cannot do without (parameters and
+    everything beside the arena, the diffs alive then, the maps the step reads or
+    writes, what lives all iteration: ``live_bytes_with`` over ALL's maps at their
+    shortest lives) plus the maps between their last forward use and their first
+    backward one; what of that exceeds the budget, E_k, is off the device during step
+    k.  So by the start of step k the device->host link has moved at least E_k bytes
+    of maps made before it (out of what was made by then, at ``d2h``), and from the
+    start of step k to the end the host->device link moves at least E_k (needed after
+    it, at ``h2d``).  Forward, the earliest start of each step under the first (the
+    link copying as soon as maps are made, compute stalling only where E_k demands);
+    backward in reverse time, the least time from each step's start to the end under
+    the second; the bound is the largest sum of the two over the steps (at least the
+    compute).  Recompute is not in it: it trades link time for compute and may go
+    under it.  None where the floor is over the budget.  Pure Python."""
+    net = plan.net
+    first = n_prologue(net)
+    steps = len(times)
+    entries = candidates(plan, "ALL")
+    for e in entries:
+        if e.bwd_first is not None:
+            e.prefetch = e.bwd_first
+    must = live_bytes_with(plan, entries)[:steps].astype(np.float64)
+    between = np.zeros(steps)
+    made, needed = collections.defaultdict(float), collections.defaultdict(float)
+    for e in entries:
+        if e.bwd_first is not None:
+            between[e.fwd_end + 1:e.bwd_first] += e.nbytes
+            made[e.d2h_after] += e.nbytes
+            needed[e.bwd_first] += e.nbytes
+    room = budget - plan.side_bytes
+    if (must[first:] > room).any():
+        return None
+    excess = np.maximum(0.0, must + between - room)
+    start, t, out, avail = [0.0] * steps, 0.0, 0.0, 0.0
+    for k in range(first, steps):
+        if out < excess[k]:
+            t += (excess[k] - out) / d2h
+            out = excess[k]
+        start[k] = t
+        out = min(avail, out + d2h * times[k])
+        t += times[k]
+        avail += made.get(k, 0.0)
+    rest, t, inn, avail = [0.0] * steps, 0.0, 0.0, 0.0
+    for k in range(steps - 1, first - 1, -1):
+        inn = min(avail, inn + h2d * times[k])
+        t += times[k]
+        if inn < excess[k]:
+            t += (excess[k] - inn) / h2d
+            inn = excess[k]
+        rest[k] = t
+        avail += needed.get(k, 0.0)
+    return max([sum(times[first:])] + [start[k] + rest[k] for k in range(first, steps)])
 
 
 def estimate_times(net):
@@ -573,6 +661,7 @@ def _copy_model(times, entries, first, d2h, h2d):
         t += times[k] if k >= first else 0.0
     start[len(times)] = t
     out_t, pipe = {}, _OutPipe(d2h)
+    entries = [e for e in entries if e.copies]
     for e in sorted(entries, key=lambda e: e.d2h_after):
         pipe.add(id(e), start[e.d2h_after + 1], e.copy_bytes, e.lane)
     for e in entries:
@@ -623,7 +712,7 @@ def _lengthen(plan, entries, times, target, d2h, h2d, scale=1.0, prefetch=True, 
         return [a + (z - a) * k // n for k in range(1, n + 1)]
 
     if prefetch:
-        for e in sorted((e for e in entries if e.bwd_first is not None),
+        for e in sorted((e for e in entries if e.bwd_first is not None and e.copies),
                         key=lambda e: (e.bwd_first, e.prefetch)):
             want = e.prefetch
             while want > L and start[want] > latest[id(e)]:
@@ -636,7 +725,7 @@ def _lengthen(plan, entries, times, target, d2h, h2d, scale=1.0, prefetch=True, 
                 cur[pick:e.prefetch] += e.nbytes
                 e.prefetch, e.on_demand = pick, False
     if hold:
-        for e in sorted(entries, key=lambda e: e.d2h_after):
+        for e in sorted((e for e in entries if e.copies), key=lambda e: e.d2h_after):
             end = min(2 * L - 1 if e.bwd_first is None else e.prefetch - 2, 2 * L - 1)
             want = e.hold
             while want + 1 <= end and start[want + 1] < out_t[id(e)]:
@@ -713,9 +802,10 @@ def choose_lanes(entries, times, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER
     right after the forward life.  Returns how many go on the second.  Pure Python."""
     for e in entries:
         e.lane = 0
+    every, entries = entries, [e for e in entries if getattr(e, "copies", True)]
     if LANES < 2 or len(entries) < 2:
         return 0
-    best, pick = simulate(times, entries, first, d2h, h2d, lazy)[0], [0] * len(entries)
+    best, pick = simulate(times, every, first, d2h, h2d, lazy)[0], [0] * len(entries)
     ways = [[int(e.d2h_after >= k) for e in entries]
             for k in _spread(sorted({e.d2h_after for e in entries})[1:], 16)]
     ways += [[int(e.copy_bytes <= z) for e in entries]
@@ -723,14 +813,14 @@ def choose_lanes(entries, times, first=0, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER
     for lanes in ways:
         for e, lane in zip(entries, lanes):
             e.lane = lane
-        total = simulate(times, entries, first, d2h, h2d, lazy)[0]
+        total = simulate(times, every, first, d2h, h2d, lazy)[0]
         if total < best - 1e-6:
             best, pick = total, lanes
     for e, lane in zip(entries, pick):
         e.lane = lane
     for e in sorted(entries, key=lambda e: e.d2h_after):   # then one map at a time
         e.lane = 1 - e.lane
-        total = simulate(times, entries, first, d2h, h2d, lazy)[0]
+        total = simulate(times, every, first, d2h, h2d, lazy)[0]
         if total < best - 1e-6:
             best = total
         else:
@@ -776,6 +866,140 @@ def live_bytes_with(plan, entries):
     return live
 
 
+# -- recomputation in place of the copies (activation checkpointing) ---------------------------
+# benchmarks/offload.py turns it off to measure the schedule without it (the same run)
+RECOMPUTE = True
+# layer types whose forward may run again: deterministic, and stateless but for what
+# the same forward writes again with the same values (Caffe's MAX pooling mask, LRN's
+# scale, an in-place ReLU's saved input on the CPU); not Dropout (a new mask), not
+# BatchNorm in training (its running statistics), not data layers
+RECOMPUTABLE = ("Convolution", "ReLU", "Pooling", "LRN")
+
+
+def recompute_layers(net, buf):
+    """The layers whose forward, run again in order, makes data buffer ``buf`` (its
+    producer and the in-place layers after it: ``buf.writes``), or None where one of
+    them may not run again (``RECOMPUTABLE``; one top each; no stochastic pooling)."""
+    layers = sorted(set(buf.writes))
+    for i in layers:
+        layer = net.layers[i]
+        if layer.type not in RECOMPUTABLE or len(net.top_vecs[i]) != 1:
+            return None
+        if layer.type == "Pooling" and \
+                layer.layer_param.pooling_param.pool == caffe_pb2.PoolingParameter.STOCHASTIC:
+            return None
+    if any(b.data_mem is buf.mem for b in net.bottom_vecs[layers[0]]):
+        return None
+    return tuple(layers)
+
+
+def recompute_inputs(net, e):
+    """The data memories the layers that remake ``e`` read (not ``e``'s own)."""
+    out = {}
+    for i in e.recompute:
+        for b in net.bottom_vecs[i]:
+            if b.data_mem is not e.buf.mem:
+                out[id(b.data_mem)] = b.data_mem
+    return list(out.values())
+
+
+def redo_workspace(net, e):
+    """Bytes of cuDNN forward workspace the layers remaking ``e`` take at once (each
+    gets its own place, live at the recompute only: ``OffloadPlan``)."""
+    from .plan import workspace_need
+    return sum(workspace_need(net.layers[i], "forward") for i in e.recompute)
+
+
+def recompute_lives(net, entries):
+    """Set the lives the recomputed ``entries`` (``recompute`` not None) ask for: each is
+    made again right before its first backward reader (its backward life starts there,
+    no copy), and every input of its producers must be on the device then -- an
+    offloaded input comes back by then (its backward life and its wait start there at
+    the latest), a recomputed one is made again by then (first, in layer order).  A
+    copied entry whose backward life would then touch its forward life, or an input
+    that never comes back, makes the choice infeasible: returns False."""
+    for e in entries:
+        e.bwd_first, e.bwd_last = e.bwd_read, e.bwd_end
+    by_mem = {id(e.buf.mem): e for e in entries}
+    redo = sorted((e for e in entries if e.recompute is not None),
+                  key=lambda e: -e.recompute[0])
+    for e in redo:                 # the latest producers first: their needs reach down
+        e.hold, e.on_demand, e.release = e.fwd_end, True, None
+        r = e.prefetch = e.bwd_first
+        for m in recompute_inputs(net, e):
+            x = by_mem.get(id(m))
+            if x is None:
+                continue           # on the device all iteration
+            if x.bwd_first is None:
+                return False       # it goes out and never comes back
+            if r < x.bwd_first:
+                x.bwd_first = r
+            x.bwd_last = max(x.bwd_last, r)
+    for x in entries:
+        if x.recompute is None and x.bwd_first is not None:
+            if x.prefetch > x.bwd_first:
+                x.prefetch, x.on_demand = x.bwd_first, True
+            if x.prefetch <= x.hold + 1:
+                return False
+    return True
+
+
+def choose_recompute(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S,
+                     force=False):
+    """Which of the offloaded ``entries`` (not yet split) are made again in backward
+    instead of copied out and back: those whose producers may run again
+    (``recompute_layers``) and whose inputs are on the device or come back, tried one
+    at a time in the order of what they save (the link time of both copies less their
+    producers' forward time in ``times``), each kept where the timeline model
+    (``simulate``) gets shorter and the planned live bytes, with the recompute's
+    workspace at its step, stay within ``target`` (less ``plan.side_bytes``).  VGG-16:
+    conv1_1's 3 GiB output comes back by two copies of ~60 ms each or by one 3 ms
+    convolution of the data.  ``force``: every one that can, within ``target``, whatever
+    the model says (the tests' way to recompute much).  Returns how many are
+    recomputed.  Pure Python."""
+    net = plan.net
+    first = n_prologue(net)
+    room = target - plan.side_bytes
+    chains = {}
+    for e in entries:
+        if e.bwd_read is not None and e.recompute is None:
+            c = recompute_layers(net, e.buf)
+            if c is not None:
+                chains[id(e)] = c
+    if not chains:
+        return 0
+
+    def state():
+        return [(e.prefetch, e.on_demand, e.hold, e.recompute, e.release) for e in entries]
+
+    def reset(st):
+        for e, (p, o, h, r, rel) in zip(entries, st):
+            e.prefetch, e.on_demand, e.hold, e.recompute, e.release = p, o, h, r, rel
+        recompute_lives(net, entries)
+
+    def gain(e):
+        return e.copy_bytes * (1 / d2h + 1 / h2d) - sum(times[i] for i in chains[id(e)])
+
+    best, kept = simulate(times, entries, first, d2h, h2d)[0], state()
+    n = 0
+    for e in sorted((e for e in entries if id(e) in chains), key=lambda e: -gain(e)):
+        if gain(e) <= 0 and not force:
+            break
+        e.recompute = chains[id(e)]
+        if recompute_lives(net, entries):
+            live = live_bytes_with(plan, entries)
+            for x in entries:
+                if x.recompute is not None:
+                    live[x.bwd_first] += redo_workspace(net, x)
+            total = simulate(times, entries, first, d2h, h2d)[0]
+            if live.max() <= room and (total < best - 1e-9 or force):
+                best, kept, n = total, state(), n + 1
+                continue
+        reset(kept)
+    reset(kept)
+    return n
+
+
 # -- the plan of a policy ------------------------------------------------------------------
 class OffloadPlan:
     """A MemoryPlan with ``entries`` split into their two lives, placed, and the
@@ -792,22 +1016,43 @@ class OffloadPlan:
             b = by_mem[id(e.buf.mem)]
             if b is not e.buf:
                 e2 = Entry(b)
-                e2.prefetch, e2.on_demand, e2.conv_input = e.prefetch, e.on_demand, e.conv_input
-                e2.hold, e2.lane = e.hold, e.lane
+                for k in ("prefetch", "on_demand", "conv_input", "hold", "lane", "recompute",
+                          "bwd_first", "bwd_last"):
+                    setattr(e2, k, getattr(e, k))
                 e = e2
             parts = plan.split(b, e.lives())
             e.fwd = parts[0]
             e.bwd = parts[1] if len(parts) > 1 else None
             self.entries.append(e)
+        # a recomputing layer's cuDNN forward workspace: a place of its own, live at the
+        # recompute only (its forward step's place is another map's by then)
+        from .plan import Buffer, WorkspaceMemory, workspace_need
+        self.redo_ws = {}
+        for e in self.entries:
+            if e.recompute is None:
+                continue
+            for i in e.recompute:
+                need = workspace_need(self.net.layers[i], "forward")
+                if need > 0:
+                    w = Buffer(WorkspaceMemory(self.net.layers[i], "forward", need),
+                               "workspace", f"{self.net.layer_names[i]} (recompute workspace)")
+                    w.part, w.start, w.end = "recompute", e.bwd_first, e.bwd_first
+                    plan.buffers.append(w)
+                    self.redo_ws.setdefault(id(e), []).append(w)
         plan.place()
         self._releases()
         off = 0
         for e in self.entries:
+            if e.recompute is not None:
+                continue
             e.slot = off
             off += (e.copy_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
         self.host_bytes = off
-        self.moved_bytes = sum(e.copy_bytes for e in self.entries)
-        self.returned_bytes = sum(e.copy_bytes for e in self.entries if e.bwd is not None)
+        copied = [e for e in self.entries if e.recompute is None]
+        self.moved_bytes = sum(e.copy_bytes for e in copied)
+        self.returned_bytes = sum(e.copy_bytes for e in copied if e.bwd is not None)
+        self.recomputed_bytes = sum(e.copy_bytes for e in self.entries
+                                    if e.recompute is not None)
 
     @property
     def peak(self):
@@ -819,6 +1064,9 @@ class OffloadPlan:
         body, which joins the copy streams anyway)."""
         placed = self.plan.buffers
         for e in self.entries:
+            if e.recompute is not None:      # no copy to wait for
+                e.release = None
+                continue
             f = e.fwd
             lo, hi = f.offset, f.offset + f.nbytes
             later = [b.start for b in placed if b is not f and b.start > f.end
@@ -826,10 +1074,14 @@ class OffloadPlan:
             e.release = min(later) if later else None
 
     def tables(self):
-        """Per step: {'point_fwd', 'wait_out', 'out', 'fetch', 'need'} -> entries."""
+        """Per step: {'point_fwd', 'wait_out', 'out', 'fetch', 'need', 'recompute'} ->
+        entries (the recomputed ones in the order their producers run)."""
         t = collections.defaultdict(lambda: collections.defaultdict(list))
-        for e in self.entries:
+        for e in sorted(self.entries, key=lambda e: e.recompute[0] if e.recompute else -1):
             t[e.first]["point_fwd"].append(e)
+            if e.recompute is not None:
+                t[e.bwd_first]["recompute"].append(e)
+                continue
             t[e.d2h_after]["out"].append(e)
             if e.release is not None:
                 t[e.release]["wait_out"].append(e)
@@ -843,9 +1095,12 @@ class OffloadPlan:
         net = self.net
         out = [f"Offload plan of net {net.name} ({self.policy}"
                f"{', budget %.2f GiB' % (self.budget / GiB) if self.budget else ''}): "
-               f"{len(self.entries)} feature map(s) to host memory, "
-               f"{self.moved_bytes / GiB:.2f} GiB out and {self.returned_bytes / GiB:.2f} GiB "
-               f"back per iteration; planned peak {self.peak / GiB:.2f} GiB "
+               f"{sum(1 for e in self.entries if e.recompute is None)} feature map(s) to "
+               f"host memory, {self.moved_bytes / GiB:.2f} GiB out and "
+               f"{self.returned_bytes / GiB:.2f} GiB back per iteration"
+               + (f", {sum(1 for e in self.entries if e.recompute is not None)} recomputed "
+                  f"({self.recomputed_bytes / GiB:.2f} GiB)" if self.recomputed_bytes else "")
+               + f"; planned peak {self.peak / GiB:.2f} GiB "
                f"(without offload {self.base_peak / GiB:.2f} GiB)"]
         if "total_s" in self.info:
             c, t = self.info["compute_s"], self.info["total_s"]
@@ -853,6 +1108,13 @@ class OffloadPlan:
                        f"{t * 1e3:.1f} ms with the copies (+{(t / c - 1) * 100 if c else 0:.1f}%)"
                        f"{'; %d offload(s) do not hide' % self.info['exposed'] if self.info.get('exposed') else ''}")
         for e in self.entries:
+            if e.recompute is not None:
+                ni, _ = step_layer(net, e.bwd_first)
+                out.append(f"  {e.name}: {e.copy_bytes / MiB:.1f} MiB dropped after its "
+                           f"forward, recomputed (forward of "
+                           f"{'+'.join(repr(net.layer_names[i]) for i in e.recompute)} "
+                           f"again) before '{net.layer_names[ni]}' runs backward, no copy")
+                continue
             li, _ = step_layer(net, e.d2h_after)
             back = ""
             if e.bwd is not None:
@@ -868,10 +1130,13 @@ class OffloadPlan:
 def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
     """The OffloadPlan of ``policy`` for ``net``'s training step (a fresh MemoryPlan,
     split).  DYNAMIC needs ``times`` (seconds per step); a budget that even ALL cannot
-    meet raises BudgetError.  Unless ``hide`` (default ``HIDE``) is false, the lives of
-    the chosen maps are then lengthened where their copies need it (``hide_copies``,
-    over ``times`` or ``estimate_times``) within the budget, or within the peak of the
-    plan without it where there is no budget.  Pure Python: runs without a GPU."""
+    meet raises BudgetError.  Unless ``hide`` (default ``HIDE``) is false, then (over
+    ``times`` or ``estimate_times``, within the budget, or within the peak of the plan
+    without it where there is no budget): DYNAMIC keeps on the device what fits
+    (``keep_on_device``), maps are recomputed instead of copied where that is shorter
+    (``choose_recompute``, unless ``RECOMPUTE`` is false), and the lives of the copied
+    ones are lengthened where their copies need it (``hide_copies``).  Pure Python:
+    runs without a GPU."""
     from .plan import MemoryPlan
     op = _build(net, policy, budget, history_sets, times)
     if not op.entries:
@@ -895,15 +1160,16 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
             e.prefetch, e.on_demand, e.lane = was.prefetch, was.on_demand, was.lane
         kept = keep_on_device(plan, entries, times, target) if op.policy == "DYNAMIC" else []
         entries = [e for e in entries if e.name not in kept]
+        redo = choose_recompute(plan, entries, times, target) if RECOMPUTE else 0
         n = hide_copies(plan, entries, times, target)
-        if not n and not kept:
+        if not n and not kept and not redo:
             return op
         live = int(live_bytes_with(plan, entries).max()) + plan.side_bytes
         hidden = OffloadPlan(plan, entries, op.policy, budget, op.info)
         if hidden.peak <= limit:
             lanes = choose_lanes(hidden.entries, times, first, lazy=True)
             hidden.info = dict(op.info, lengthened=n, unhidden_peak=op.peak, lanes=lanes,
-                               kept=len(kept))
+                               kept=len(kept), recomputed=redo)
             return hidden
         target = min(target, live) - (hidden.peak - limit)
     return op
@@ -1111,13 +1377,19 @@ def memory_rows(net, policies=POLICIES, budget=0, history_sets=1, times=None):
             summary[policy] = {"error": str(e)}
             continue
         live = live_bytes(op.plan)
-        out_mems = {id(e.buf.mem) for e in op.entries}
+        out_mems = {id(e.buf.mem) for e in op.entries if e.recompute is None}
+        redo_mems = {id(e.buf.mem) for e in op.entries if e.recompute is not None}
         for i, r in enumerate(rows):
             steps = [i, 2 * L - 1 - i]
             r[policy] = {"live": int(max(live[s] for s in steps)),
-                         "offloaded": any(id(t.data_mem) in out_mems for t in net.top_vecs[i])}
-        summary[policy] = {"peak": op.peak, "moved": op.moved_bytes, "n": len(op.entries),
-                           "back": op.returned_bytes,
+                         "offloaded": any(id(t.data_mem) in out_mems for t in net.top_vecs[i]),
+                         "recomputed": any(id(t.data_mem) in redo_mems
+                                           for t in net.top_vecs[i])}
+        redo = [e for e in op.entries if e.recompute is not None]
+        summary[policy] = {"peak": op.peak, "moved": op.moved_bytes,
+                           "n": len(op.entries) - len(redo), "back": op.returned_bytes,
+                           "recomputed": len(redo),
+                           "recomputed_bytes": sum(e.copy_bytes for e in redo),
                            "host": op.host_bytes, "fits": not budget or op.peak <= budget}
         if not summary[policy]["fits"]:
             summary[policy]["over"] = str(
@@ -1138,13 +1410,15 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
                 f"{r['params'] / MiB:10.2f}")
         for p in pols:
             c = r.get(p)
-            line += f" {c['live'] / MiB:16.2f} {'h' if c['offloaded'] else ' '}"
+            line += (f" {c['live'] / MiB:16.2f} "
+                     f"{'h' if c['offloaded'] else 'r' if c.get('recomputed') else ' '}")
         wf, wb = r.get("workspace", (0, 0))
         line += f" {wf / MiB:10.2f} / {wb / MiB:.2f}"
         out.append(line)
     out.append("")
     out.append("live MiB: the feature maps, diffs and cuDNN workspaces on the device during the "
                "layer's forward or backward (the larger); h: its output goes to host memory; "
+               "r: its output is dropped and made again in backward (no copy); "
                "workspace MiB fwd/bwd: the layer's cuDNN workspace, in the arena at its step "
                "only")
     for p, s in summary.items():
@@ -1153,7 +1427,9 @@ def format_memory_report(net, rows, summary, budget=0, estimated=False):
             continue
         out.append(f"{p:8s}: planned peak {s['peak'] / GiB:8.3f} GiB; {s['n']} feature map(s) "
                    f"offloaded, {s['moved'] / GiB:.3f} GiB out and {s['back'] / GiB:.3f} GiB back "
-                   f"per iteration")
+                   f"per iteration" + (f"; {s['recomputed']} recomputed in backward "
+                                       f"({s['recomputed_bytes'] / GiB:.3f} GiB, no copy)"
+                                       if s.get("recomputed") else ""))
         if "over" in s:
             out.append(f"          over the budget: {s['over']}")
     if budget:
@@ -1265,6 +1541,8 @@ class Offloader:
         self.host = {}
         self.out_done, self.in_done = {}, {}
         for e in oplan.entries:
+            if e.recompute is not None:
+                continue
             m = e.buf.mem
             self.host[id(e)] = self.slab.view(e.slot, m.size, m.dtype)
             self.out_done[id(e)] = ev()
@@ -1311,9 +1589,14 @@ class Offloader:
 
     def park(self):
         """Each offloaded buffer's host side is its slot (newest after the step's copies),
-        with no device side: what the host reads after a step is Caffe's value."""
+        with no device side: what the host reads after a step is Caffe's value.  A
+        recomputed one has neither (transient, as a diff): its place is another's by
+        the end of the backward."""
         for e in self.oplan.entries:
-            e.buf.mem.park(self.host[id(e)])
+            if e.recompute is not None:
+                e.buf.mem.unbind_device(keep=False)
+            else:
+                e.buf.mem.park(self.host[id(e)])
 
     def _point(self, e, view):
         e.buf.mem.bind_device(view, keep_contents=False)
@@ -1343,10 +1626,39 @@ class Offloader:
             for e in acts.get("need", ()):
                 c.wait_event(self.in_done[id(e)])
                 self._point(e, e.bwd.view)
+            for e in acts.get("recompute", ()):
+                self._recompute(e, s)
             for e in acts.get("point_fwd", ()):
                 self._point(e, e.fwd.view)
         if self.profiling:
             self.marks[s][0].record(c)
+
+    def _recompute(self, e, s):
+        """Make ``e`` again in its backward place on the compute stream: its producers'
+        forward bodies (``Net.forward_again``: no hooks) with their cuDNN forward
+        workspace at the recompute's own place (``OffloadPlan.redo_ws``)."""
+        self._point(e, e.bwd.view)
+        tl = self.net._offload_timeline
+        mark = tl.copy_begins(self.compute) if tl is not None else None
+        ws = self.oplan.redo_ws.get(id(e), ())
+        saved = [(w, (getattr(w.mem.layer, "planned_workspace", None) or {}).get("forward"))
+                 for w in ws]
+        for w in ws:
+            w.mem.bind_device(w.view)
+        try:
+            for i in e.recompute:
+                self.forward_again(i)
+        finally:
+            for w, old in saved:     # nothing may keep the recompute's view (the arena
+                w.mem.unbind_device()   # must go at a re-plan): the forward's place back
+                if old is not None:
+                    w.mem.layer.planned_workspace["forward"] = old
+        if mark is not None:
+            tl.copy_ends(mark, self.compute, "redo", e, s)
+
+    def forward_again(self, i):
+        """Layer i's forward body once more (the fake device of the tests stands in)."""
+        self.net.forward_again(i)
 
     def _after(self, s):
         if not self.active:
@@ -1508,8 +1820,12 @@ class Timeline:
                 if done is not None and prev_end is not None and done > prev_end:
                     wait = max(wait, min(done, a) - prev_end)
                     names.append(f"{k} {e.name}")
+            redo = [(e.name, z - y) for k, e, t, y, z in self.copy_times
+                    if k == "redo" and t == s]
             row = {"step": s, "layer": self.net.layer_names[i], "dir": direction,
-                   "start": a, "ms": b - a, "wait": wait, "waited_for": names}
+                   "start": a, "ms": b - a, "wait": wait, "waited_for": names,
+                   "redo": sum(ms for _, ms in redo),
+                   "redone": [f"{n} {ms:.2f} ms" for n, ms in redo]}
             for k in ("out", "in"):
                 row[k] = sum(max(0.0, min(b, z) - max(a, y)) for y, z in busy[k])
             out.append(row)
@@ -1528,9 +1844,10 @@ class Timeline:
         return out
 
     def summary(self, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S):
-        """{'span', 'compute', 'wait', 'gaps', 'out_ms', 'in_ms', 'out_bytes', 'in_bytes',
-        'bound'} in ms: the forward-backward's span, the compute stream's busy time, its
-        waits for copies, its other idle time (launch gaps), each copy stream's busy
+        """{'span', 'compute', 'wait', 'recompute', 'gaps', 'out_ms', 'in_ms', 'out_bytes',
+        'in_bytes', 'bound'} in ms: the forward-backward's span, the compute stream's busy
+        time in the steps, its waits for copies, its recomputes of dropped maps (before
+        the steps that read them), its other idle time (launch gaps), each copy stream's busy
         time and bytes, and the copy bound max(compute, bytes out / d2h, bytes in / h2d)."""
         rows = self.rows()
         span = max([r["start"] + r["ms"] for r in rows] +
@@ -1540,6 +1857,7 @@ class Timeline:
         wait = sum(r["wait"] for r in rows)
         out_b = sum(e.copy_bytes for k, e, *_ in self.copy_times if k == "out")
         in_b = sum(e.copy_bytes for k, e, *_ in self.copy_times if k == "in")
+        redo = sum(r["redo"] for r in rows)
         model = unlimited = None
         off = self.step.offload
         if off is not None and rows:        # the timeline model over the measured steps
@@ -1551,8 +1869,8 @@ class Timeline:
             unlimited = fifo_bound(times, off.oplan.entries, n_prologue(self.net), d2h,
                                    h2d) * 1e3
         return {"span": span - first, "compute": compute, "wait": wait, "model": model,
-                "unlimited": unlimited,
-                "gaps": max(0.0, span - first - compute - wait),
+                "unlimited": unlimited, "recompute": redo,
+                "gaps": max(0.0, span - first - compute - wait - redo),
                 "out_ms": sum(b - a for a, b in self._busy("out")),
                 "in_ms": sum(b - a for a, b in self._busy("in")),
                 "out_bytes": out_b, "in_bytes": in_b,
@@ -1604,21 +1922,25 @@ def timeline_lines(rows, summary, copies=(), label=""):
     for r in rows:
         out.append(f"  {r['layer'][:24]:24s} {r['dir'][:3]:3s} {r['start']:8.2f} "
                    f"{r['ms']:8.2f} {r['wait']:7.2f} {r['out']:7.2f} {r['in']:7.2f}  "
-                   f"{', '.join(r['waited_for'])}")
+                   f"{', '.join(r['waited_for'])}"
+                   + ("; recomputed " + ", ".join(r["redone"]) if r.get("redone") else ""))
     if copies:
-        out.append("  copies: name, direction (out2: the second device->host stream), MiB, "
-                   "issued, start..end ms, GB/s")
+        out.append("  copies: name, direction (out2: the second device->host stream; redo: "
+                   "recomputed on the compute stream), MiB, issued, start..end ms, GB/s")
         for c in copies:
             dt = c["end"] - c["start"]
             rate = c["bytes"] / (dt * 1e-3) / 1e9 if dt > 0 else float("nan")
             where = c.get("after") or c.get("during")
             kind = c["kind"] + ("2" if c.get("lane") else "")
+            verb = {"out": "after", "redo": "before"}.get(c["kind"], "during")
             out.append(f"    {c['name'][:24]:24s} {kind:4s} {c['bytes'] / MiB:9.1f} "
-                       f"{'after' if c['kind'] == 'out' else 'during'} {where:28s} "
+                       f"{verb:6s} {where:27s} "
                        f"{c['start']:8.2f}..{c['end']:8.2f} {rate:6.1f}")
     sm = summary
     out.append(f"  span {sm['span']:.1f} ms: compute {sm['compute']:.1f}, waits for copies "
-               f"{sm['wait']:.1f}, other idle (launches) {sm['gaps']:.1f}; device->host busy "
+               f"{sm['wait']:.1f}, "
+               + (f"recomputes {sm['recompute']:.1f}, " if sm.get("recompute") else "")
+               + f"other idle (launches) {sm['gaps']:.1f}; device->host busy "
                f"{sm['out_ms']:.1f} ms ({sm['out_bytes'] / GiB:.2f} GiB), host->device busy "
                f"{sm['in_ms']:.1f} ms ({sm['in_bytes'] / GiB:.2f} GiB); copy bound "
                f"{sm['bound']:.1f} ms" + (f"; the timeline model ({D2H_BYTES_PER_S / 1e9:.0f}/"

@@ -17,7 +17,9 @@ Passes rewrite the list, each a plain function of a schedule and what it reads:
   ``forward i+j <type>`` (and one ``backward`` where the pair fuses its backward);
 - ``offload_pass(s, net, oplan)``: an offload plan's copies (offload.py, its ``tables``:
   what the offloader does from the Net's hooks at each step) as ``copy_out``, ``wait``
-  and ``copy_in`` ops beside the forward and backward ops they follow or precede;
+  and ``copy_in`` ops beside the forward and backward ops they follow or precede, and
+  its recomputes (a dropped map made again by its producers' forward right before its
+  first backward reader) as ``recompute`` ops;
 - ``allreduce_pass(s, net, buckets)``: with several ranks, ``allreduce k`` once the
   backward op that completes bucket k has run (parallel.make_bucket_plan), in the last
   pass of iter_size;
@@ -41,8 +43,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One op: ``kind`` (prologue, forward, backward, copy_out, wait, copy_in, allreduce,
-    loss, update), the layer index it concerns (or the bucket index), the names it
+    """One op: ``kind`` (prologue, forward, backward, copy_out, wait, copy_in, recompute,
+    allreduce, loss, update), the layer index it concerns (or the bucket index), the names it
     concerns, and a detail (a fused type, the bytes copied...)."""
     kind: str
     index: int = -1
@@ -232,8 +234,9 @@ def accesses(net, op):
 def offload_pass(schedule, net, oplan):
     """The copies of offload plan ``oplan`` (offload.OffloadPlan) around the ops at whose
     steps the offloader acts: before a step, ``wait`` for a copy out whose place is reused
-    and ``copy_in`` (prefetch) then ``wait`` for a copy in that this step reads; after a
-    step, ``copy_out`` of the buffers its forward wrote last.  In each pass of iter_size."""
+    and ``copy_in`` (prefetch) then ``wait`` for a copy in that this step reads, then
+    ``recompute`` of the dropped maps it reads first; after a step, ``copy_out`` of the
+    buffers its forward wrote last.  In each pass of iter_size."""
     if oplan is None or not oplan.entries:
         return schedule
     table = oplan.tables()
@@ -248,6 +251,10 @@ def offload_pass(schedule, net, oplan):
                 out.append(Op("copy_in", -1, e.name, f"{e.copy_bytes} bytes host->device"))
             for e in acts.get("need", ()):
                 out.append(Op("wait", -1, e.name, "copy in done"))
+            for e in acts.get("recompute", ()):
+                out.append(Op("recompute", -1, e.name, "forward of " + "+".join(
+                    net.layer_names[i] for i in e.recompute) + f" again, {e.copy_bytes} "
+                    "bytes, no copy"))
         out.append(op)
         for s in steps:
             for e in table.get(s, {}).get("out", ()):

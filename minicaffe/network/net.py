@@ -686,6 +686,20 @@ class Net:
         for cb in self._after_backward:
             cb(i)
 
+    def forward_again(self, i):
+        """Layer i's forward body once more, as this pass ran it (a fused pair's fused
+        body from its first layer; nothing for its second), without hooks or debug info:
+        offload's recompute of a dropped feature map during the backward
+        (engine/offload.py ``choose_recompute``).  The same kernels on the same inputs
+        write the same values."""
+        f, role = self.fusion_of(i)
+        if f is not None and f.index in self._fused_pass:
+            if role == 1:
+                return                      # its pair's fused body made it
+            f.forward_body(self.bottom_vecs[i], self.top_vecs[i])
+            return
+        self.layers[i].forward_body(self.bottom_vecs[i], self.top_vecs[i])
+
     def end_pass(self):
         """After a backward over every layer: the debug info's norms (as
         ``forward_backward``)."""
