@@ -130,8 +130,9 @@ def test_narrow_and_widen_are_the_rounding_of_the_emulation():
     assert P.storage_of(np.zeros(1, np.float32)) == P.FLOAT
 
 
-def test_memory_cli_lists_native_layers(cli, tmp_path):
+def test_memory_cli_lists_native_layers(cli, tmp_path, monkeypatch):
     (tmp_path / "net.prototxt").write_text(FC)
+    monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "0")      # (on by default: below)
     rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "fp16")
     assert rc == 0, err
     assert "16-bit storage on a GPU" in out
@@ -263,9 +264,14 @@ def test_channels_last_switch_from_the_environment(monkeypatch):
     assert RunConfig(precision="bf16", channels_last=False).nhwc is False
 
 
-def test_memory_cli_lists_channels_last_layers_when_switched_on(cli, tmp_path, monkeypatch):
+@pytest.mark.parametrize("env", [None, "1"])
+def test_memory_cli_lists_channels_last_layers_when_switched_on(cli, tmp_path, monkeypatch,
+                                                                env):
     (tmp_path / "net.prototxt").write_text(FC)
-    monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", "1")
+    if env is None:                              # on by default
+        monkeypatch.delenv("MINICAFFE_CHANNELS_LAST", raising=False)
+    else:
+        monkeypatch.setenv("MINICAFFE_CHANNELS_LAST", env)
     rc, out, err = cli("memory", "--model", tmp_path / "net.prototxt", "--precision", "bf16")
     assert rc == 0, err
     assert "  conv2 (Convolution): native BFLOAT16 channels-last" in out
