@@ -118,16 +118,22 @@ def _dims(a, b, trans_a, trans_b):
     return M, N, K
 
 
+def _plain(a, b, out, trans_a, trans_b, what):
+    """(M, N, K) of a 2-D product, its arrays checked (C-contiguous 2-D, out's shape)."""
+    for x in (a, b, out):
+        if x.ndim != 2 or not x.flags.c_contiguous:
+            raise ValueError(f"{what} wants C-contiguous 2-D arrays")
+    M, N, K = _dims(a, b, trans_a, trans_b)
+    if out.shape != (M, N):
+        raise ValueError(f"{what}: out has shape {out.shape}, the product is ({M}, {N})")
+    return M, N, K
+
+
 def matmul(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, tf32=None):
     """out = alpha op(a) op(b) + beta out, row-major 2-D C-contiguous arrays.
 
     Row-major C = A B is column-major C^T = B^T A^T, so cuBLAS gets the operands swapped."""
-    for x in (a, b, out):
-        if x.ndim != 2 or not x.flags.c_contiguous:
-            raise ValueError("matmul wants C-contiguous 2-D arrays")
-    M, N, K = _dims(a, b, trans_a, trans_b)
-    if out.shape != (M, N):
-        raise ValueError(f"matmul: out has shape {out.shape}, the product is ({M}, {N})")
+    M, N, K = _plain(a, b, out, trans_a, trans_b, "matmul")
     if M == 0 or N == 0:
         return out
     dt = out.dtype
@@ -176,12 +182,7 @@ _COMPUTE_32F, _GEMM_DEFAULT = 68, -1
 def matmul_ex(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     """``matmul`` with 2-byte ``a`` and ``b`` (float16, or bfloat16 as uint16 words) and
     fp32 accumulation (tensor cores); ``out`` 2-byte (rounded) or float32."""
-    for x in (a, b, out):
-        if x.ndim != 2 or not x.flags.c_contiguous:
-            raise ValueError("matmul_ex wants C-contiguous 2-D arrays")
-    M, N, K = _dims(a, b, trans_a, trans_b)
-    if out.shape != (M, N):
-        raise ValueError(f"matmul_ex: out has shape {out.shape}, the product is ({M}, {N})")
+    M, N, K = _plain(a, b, out, trans_a, trans_b, "matmul_ex")
     if M == 0 or N == 0:
         return out
     fa = ctypes.c_float(alpha)

@@ -13,7 +13,13 @@ import numpy as np
 from ._backend import cuda_type, raw_kernel
 
 _SRC = r"""
-extern "C" __global__ void mc_channel_sum_partial(const T* dy, int N, int C, long long S,
+// dy's element type and how one is read: T by default; kernels/reduced.py's 2-byte
+// buffers define MC_IN (unsigned short) and MC_LOAD (their float value) first
+#ifndef MC_IN
+#define MC_IN T
+#define MC_LOAD(v) (v)
+#endif
+extern "C" __global__ void mc_channel_sum_partial(const MC_IN* dy, int N, int C, long long S,
                                                   int rows_per_split, double* partial) {
   __shared__ double part[256];
   const int c = blockIdx.x, b = blockIdx.y;
@@ -23,14 +29,15 @@ extern "C" __global__ void mc_channel_sum_partial(const T* dy, int N, int C, lon
   double acc = 0;
   if (S >= 256) {
     for (int n = n0; n < n1; ++n) {
-      const T* row = dy + ((long long)n * C + c) * S;
-      for (long long s = tid; s < S; s += 256) acc += (double)row[s];
+      const MC_IN* row = dy + ((long long)n * C + c) * S;
+      for (long long s = tid; s < S; s += 256) acc += (double)MC_LOAD(row[s]);
     }
   } else {
     const int R = 256 / (int)S;
     const int r = tid / (int)S, s = tid % (int)S;
     if (r < R)
-      for (int n = n0 + r; n < n1; n += R) acc += (double)dy[((long long)n * C + c) * S + s];
+      for (int n = n0 + r; n < n1; n += R)
+        acc += (double)MC_LOAD(dy[((long long)n * C + c) * S + s]);
   }
   part[tid] = acc;
   __syncthreads();

@@ -124,35 +124,6 @@ __device__ __forceinline__ float mc_load(unsigned short h) {
   return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
 #endif
 }
-extern "C" __global__ void mc_channel_sum_partial16(const unsigned short* dy, int N, int C,
-                                                    long long S, int rows_per_split,
-                                                    double* partial) {
-  __shared__ double part[256];
-  const int c = blockIdx.x, b = blockIdx.y;
-  const int n0 = b * rows_per_split;
-  const int n1 = min(N, n0 + rows_per_split);
-  const int tid = threadIdx.x;
-  double acc = 0;
-  if (S >= 256) {
-    for (int n = n0; n < n1; ++n) {
-      const unsigned short* row = dy + ((long long)n * C + c) * S;
-      for (long long s = tid; s < S; s += 256) acc += (double)mc_load(row[s]);
-    }
-  } else {
-    const int R = 256 / (int)S;
-    const int r = tid / (int)S, s = tid % (int)S;
-    if (r < R)
-      for (int n = n0 + r; n < n1; n += R)
-        acc += (double)mc_load(dy[((long long)n * C + c) * S + s]);
-  }
-  part[tid] = acc;
-  __syncthreads();
-  for (int w = 128; w > 0; w >>= 1) {
-    if (tid < w) part[tid] += part[tid + w];
-    __syncthreads();
-  }
-  if (tid == 0) partial[(long long)c * gridDim.y + b] = part[0];
-}
 """
 
 
@@ -162,8 +133,9 @@ def channel_sum(dy, out, partial, s):
     N, C = dy.shape[0], dy.shape[1] if dy.ndim > 1 else 1
     S = dy.size // max(N * C, 1)
     splits, rows = _splits(N, C)
-    src = f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n" + _H2F
-    raw_kernel(src, "mc_channel_sum_partial16", "float")(
+    src = (f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n" + _H2F +
+           "#define MC_IN unsigned short\n#define MC_LOAD(v) mc_load(v)\n" + _SUM_SRC)
+    raw_kernel(src, "mc_channel_sum_partial", "float")(
         (C, splits), (256,), (dy.view(np.uint16), np.int32(N), np.int32(C), np.int64(S),
                               np.int32(rows), partial))
     raw_kernel(_SUM_SRC, "mc_channel_sum_final", "float")(
