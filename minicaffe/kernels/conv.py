@@ -24,6 +24,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..core import threads as _threads
+from . import winograd
 from .blas import gemm_batched
 from .im2col import (col2im, col2im_nd, col2im_padded_into, im2col, im2col_nd,
                      im2col_padded_into)
@@ -47,6 +48,9 @@ NHWC_MIN_CHANNELS = 8
 # kernel row holds at least this many values (kernel width x channels per group;
 # below, per-image products against dy in place: LeNet's conv1).
 CN_DW_ROWS_RUN = 8
+# Winograd F(4x4, 5x5) chunks: the tile matrix (64 points x tiles x channels) of one
+# chunk within this many bytes.
+WINO_BUFFER_BYTES = 1 << 20
 
 
 def _off_4k(count, itemsize):
@@ -68,7 +72,7 @@ class ConvEngine:
     """
 
     def __init__(self, channels, num_output, group, kernel, pad, stride, dilation,
-                 in_spatial, out_spatial):
+                 in_spatial, out_spatial, winograd=False):
         self.C, self.O, self.G = channels, num_output, group
         self.kernel, self.pad = tuple(kernel), tuple(pad)
         self.stride, self.dilation = tuple(stride), tuple(dilation)
@@ -81,6 +85,11 @@ class ConvEngine:
         self._ws = {}  # numpy workspaces: worker slot -> {key: (dtype, chunk), buffers}
         self._dw_buf = None  # numpy: the weight-gradient partials, one row per chunk
         self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
+        # numpy: 5x5, stride 1, one group through Winograd's F(4x4, 5x5) when asked
+        self.winograd = bool(winograd) and (
+            self.ns == 2 and self.G == 1 and self.kernel == (5, 5) and self.stride == (1, 1)
+            and self.dilation == (1, 1) and all(p <= 4 for p in self.pad)
+            and self.C >= NHWC_MIN_CHANNELS)
 
     # -- chunking ----------------------------------------------------------------
     def chunk(self, N, itemsize, budget, min_columns=0):
@@ -95,6 +104,8 @@ class ConvEngine:
 
     # -- public ------------------------------------------------------------------
     def forward(self, xp, x, w, y, budget, bias=None):
+        if xp is np and self.winograd:
+            return self._fwd_wino(x, w, y, bias)
         if xp is np and self.ns == 2 and not self.is_1x1:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._fwd_cn(x, w, y, budget, bias)
@@ -111,6 +122,8 @@ class ConvEngine:
         if xp is np and self.ns == 2 and not self.is_1x1:
             if dw is None and dx is None and db is None:
                 return
+            if self.winograd:
+                return self._bwd_wino(x, w, dy, dw, dx, db)
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._bwd_cn(x, w, dy, dw, dx, budget, db)
             return self._bwd_nhwc(x, w, dy, dw, dx, budget, db)
@@ -350,6 +363,136 @@ class ConvEngine:
                     wsl = slice(j * dw, j * dw + sw * (OW - 1) + 1, sw)
                     dpad[:, hs, wsl, g] += d6[i, j]  # one offset never repeats a pixel
         dx[...] = dpad[:, ph:ph + H, pw:pw + W].reshape(n, H, W, C).transpose(0, 3, 1, 2)
+
+    # -- numpy 2-D, 5x5, stride 1: Winograd F(4x4, 5x5) (kernels/winograd.py) -------------
+    # The output in 4x4 tiles, each from an 8x8 input tile: the tile matrix (8, 8, tiles
+    # x channels) is one strided copy of the padded channel-last input (a sixth of
+    # im2col's 25 values per output pixel), transformed by two 8x8 GEMMs; the 64 tile
+    # points' (tiles, C) x (C, O) products are one stacked matmul; two 4x8 GEMMs give
+    # the output tiles.  The data gradient is the same with dy padded by 4 - pad and
+    # the flipped kernel; the weight gradient multiplies x's transformed tiles with dy's
+    # (A dy A^T) per point, summed over the chunks in chunk order, then G^T . G.
+    def _wino_chunk(self, N, itemsize):
+        """Images per chunk: the largest tile matrix within WINO_BUFFER_BYTES, evened
+        out over the chunks (as ``chunk``)."""
+        tiles = max(math.prod(-(-s // 4) for s in self.out_spatial),
+                    math.prod(-(-s // 4) for s in self.in_spatial))
+        per_image = 64 * tiles * max(self.C, self.O) * itemsize
+        n = int(min(N, max(1, WINO_BUFFER_BYTES // per_image)))
+        return -(-N // -(-N // n))
+
+    def _wino_padded(self, ws, name, a, pad, shape, n):
+        """``a`` (n, C, H, W) channel-last at offset ``pad`` in a zero-bordered workspace
+        array (step, *shape, C)."""
+        step, C, H, W = ws["key"][1], a.shape[1], a.shape[2], a.shape[3]
+        buf = self._buffer(ws, name, (step,) + tuple(shape) + (C,), a.dtype, zero=True)[:n]
+        buf[:, pad[0]:pad[0] + H, pad[1]:pad[1] + W, :] = a.transpose(0, 2, 3, 1)
+        return buf
+
+    def _wino_tiles(self, ws, name, src, tiles, size, n, at=(0, 0)):
+        """(size, size, n*th*tw*C) copy of the size x size tiles at stride 4 of the
+        channel-last ``src`` (n, Hp, Wp, C), starting at row and column ``at``."""
+        (th, tw), C, st = tiles, src.shape[3], src.strides
+        view = as_strided(src[:, at[0]:, at[1]:], (size, size, n, th, tw, C),
+                          (st[1], st[2], st[0], 4 * st[1], 4 * st[2], st[3]), writeable=False)
+        buf = self._wino_scratch(ws, name, n * size * size * th * tw * C, src.dtype)
+        np.copyto(buf.reshape(size, size, n, th, tw, C), view)
+        return buf.reshape(size, size, -1)
+
+    def _wino_scratch(self, ws, name, count, dtype):
+        """A flat workspace array of at least ``count`` values (the chunk's largest)."""
+        return self._buffer(ws, name, ws["key"][1] * self._wino_cap, dtype)[:count]
+
+    def _wino_input(self, ws, name, src, tiles, n):
+        """V (64, n*th*tw, C): B^T d B of src's 8x8 tiles (in the tile copy's buffer)."""
+        x8 = self._wino_tiles(ws, name, src, tiles, 8, n)
+        z = self._wino_scratch(ws, "wz", x8.size, x8.dtype).reshape(x8.shape)
+        winograd.input_tiles(x8, z, x8)
+        return x8.reshape(64, -1, src.shape[3])
+
+    def _wino_conv(self, ws, src, u, dst, n, bias=None):
+        """dst (n, Co, OH, OW) = the 5x5 correlation of the channel-last ``src`` with the
+        transformed weights ``u`` (64, Ci, Co), plus ``bias``."""
+        Co = u.shape[2]
+        OH, OW = dst.shape[2:]
+        th, tw = -(-OH // 4), -(-OW // 4)
+        v = self._wino_input(ws, "wx", src, (th, tw), n)
+        T = v.shape[1]
+        m = self._wino_scratch(ws, "wm", 64 * T * Co, v.dtype).reshape(64, T, Co)
+        np.matmul(v, u, out=m)
+        z = self._wino_scratch(ws, "wz", 32 * T * Co, v.dtype).reshape(4, 8, T * Co)
+        y4 = self._wino_scratch(ws, "wy", 16 * T * Co, v.dtype).reshape(4, 4, T * Co)
+        winograd.output_tiles(m.reshape(64, T * Co), z, y4)
+        y6 = y4.reshape(4, 4, n, th, tw, Co).transpose(2, 5, 3, 0, 4, 1)
+        whole = OH == 4 * th and OW == 4 * tw and dst.flags.c_contiguous
+        out = (dst if whole else self._wino_scratch(ws, "wo", 16 * T * Co, v.dtype)).reshape(
+            n, Co, th, 4, tw, 4)
+        if bias is None or not whole:
+            out[...] = y6
+        else:     # the bias added in the copy to NCHW
+            np.add(y6, bias[None, :, None, None, None, None], out=out)
+        if not whole:
+            out = out.reshape(n, Co, 4 * th, 4 * tw)[:, :, :OH, :OW]
+            if bias is None:
+                dst[...] = out
+            else:
+                np.add(out, bias[None, :, None, None], out=dst)
+
+    @property
+    def _wino_cap(self):
+        """Values per image of the largest Winograd workspace array."""
+        tiles = max(math.prod(-(-s // 4) for s in self.out_spatial),
+                    math.prod(-(-s // 4) for s in self.in_spatial))
+        return 64 * tiles * max(self.C, self.O)
+
+    def _fwd_wino(self, x, w, y, bias=None):
+        N = x.shape[0]
+        u = winograd.weights(w)
+        step = self._wino_chunk(N, x.dtype.itemsize)
+        th, tw = (-(-s // 4) for s in self.out_spatial)
+        shape = (4 * th + 4, 4 * tw + 4)
+
+        def chunk(ws, n0, n):
+            xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, shape, n)
+            self._wino_conv(ws, xh, u, y[n0:n0 + n], n, bias)
+        self._chunks(N, step, x.dtype, chunk)
+
+    def _bwd_wino(self, x, w, dy, dw, dx, db=None):
+        N, C, O = dy.shape[0], self.C, self.O
+        (H, W), (OH, OW) = self.in_spatial, self.out_spatial
+        q = tuple(4 - p for p in self.pad)      # dy's padding for the full convolution
+        th, tw = -(-OH // 4), -(-OW // 4)
+        xth, xtw = -(-H // 4), -(-W // 4)
+        xshape = (4 * th + 4, 4 * tw + 4)
+        dshape = (max(4 * xth + 4, q[0] + 4 * th), max(4 * xtw + 4, q[1] + 4 * tw))
+        step = self._wino_chunk(N, dy.dtype.itemsize)
+        if dx is not None:   # the full convolution's weights: w[o, c] flipped, as (c, o)
+            uf = winograd.weights(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
+        if dw is not None:   # chunk i's partial dU (64, C, O) in dwp[i]
+            dwp = self._dw_parts(-(-N // step), (64, C, O), np.result_type(dy.dtype, x.dtype))
+
+        def chunk(ws, n0, n):
+            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
+            dyh = self._wino_padded(ws, "wdyh", dy[n0:n0 + n], q, dshape, n)
+            if dw is not None:
+                xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, xshape, n)
+                v = self._wino_input(ws, "wv", xh, (th, tw), n)
+                d4 = self._wino_tiles(ws, "wd4", dyh, (th, tw), 4, n, at=q)
+                z = self._wino_scratch(ws, "wz", 32 * d4.shape[2], dy.dtype)
+                mdy = self._wino_scratch(ws, "wm", 64 * d4.shape[2], dy.dtype)
+                winograd.grad_tiles(d4, z.reshape(8, 4, -1), mdy.reshape(64, -1))
+                np.matmul(v.transpose(0, 2, 1), mdy.reshape(64, -1, O), out=dwp[n0 // step])
+            if dx is not None:
+                self._wino_conv(ws, dyh, uf, dx[n0:n0 + n], n)
+            return bias
+        results = self._chunks(N, step, dy.dtype, chunk)
+        if db is not None:
+            self._sum_in_order(db, results)
+        if dw is not None:
+            dur = np.zeros(dwp.shape[1:], dwp.dtype)
+            for part in dwp:      # in chunk order, as the serial loop
+                dur += part
+            dw += winograd.weight_grad(dur, dw.dtype)
 
     # -- numpy 2-D, few input channels: channel-major columns -----------------------------
     # With 1-3 channels a channel-last copy moves runs of only kw*C values; the

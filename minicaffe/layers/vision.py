@@ -35,7 +35,7 @@ from ..core.blob import Blob
 from ..core.filler import fill
 from .layer import Layer
 from ..proto import caffe_pb2
-from .registry import register_layer
+from .registry import engine_name, register_layer
 
 
 
@@ -186,8 +186,11 @@ class BaseConvolutionLayer(_ConvGeometry):
         e = self.engine
         if (e is None or (e.C, e.O, e.in_spatial, e.out_spatial)
                 != (cin, cout, tuple(sin), tuple(sout))):
+            # engine DEFAULT: 5x5 stride-1 convolutions through Winograd on the CPU
+            # (kernels/winograd.py); engine CAFFE: Caffe's im2col + GEMM everywhere
             self.engine = ConvEngine(cin, cout, self.group, self.kernel, self.pad, self.stride,
-                                     self.dilation, sin, sout)
+                                     self.dilation, sin, sout,
+                                     winograd=engine_name(self.layer_param) != "CAFFE")
         self.engine.tf32 = self.config.tf32
 
     retain_inputs, retain_outputs = None, ()
