@@ -51,6 +51,9 @@ CN_DW_ROWS_RUN = 8
 # Winograd F(4x4, 5x5) chunks: the tile matrix (64 points x tiles x channels) of one
 # chunk within this many bytes.
 WINO_BUFFER_BYTES = 1 << 20
+# ``forward(..., keep=True)`` keeps the input's transformed tiles for the weight gradient
+# of the next ``backward`` on the same input when they take at most this many bytes.
+WINO_KEEP_BYTES = 64 << 20
 
 
 def _off_4k(count, itemsize):
@@ -84,6 +87,7 @@ class ConvEngine:
                        and all(p == 0 for p in self.pad))
         self._ws = {}  # numpy workspaces: worker slot -> {key: (dtype, chunk), buffers}
         self._dw_buf = None  # numpy: the weight-gradient partials, one row per chunk
+        self._kept = None    # numpy Winograd: (the input it was made from, its tiles' V)
         self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
         # numpy: 5x5, stride 1, one group through Winograd's F(4x4, 5x5) when asked
         self.winograd = bool(winograd) and (
@@ -103,9 +107,12 @@ class ConvEngine:
         return -(-N // -(-N // n))
 
     # -- public ------------------------------------------------------------------
-    def forward(self, xp, x, w, y, budget, bias=None):
+    def forward(self, xp, x, w, y, budget, bias=None, keep=False):
+        """``keep``: a later ``backward`` on the same ``x`` (unchanged) may reuse what the
+        forward made of it (the Winograd path's transformed input tiles), as MAX pooling's
+        backward uses its forward's mask."""
         if xp is np and self.winograd:
-            return self._fwd_wino(x, w, y, bias)
+            return self._fwd_wino(x, w, y, bias, keep)
         if xp is np and self.ns == 2 and not self.is_1x1:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._fwd_cn(x, w, y, budget, bias)
@@ -389,13 +396,15 @@ class ConvEngine:
         buf[:, pad[0]:pad[0] + H, pad[1]:pad[1] + W, :] = a.transpose(0, 2, 3, 1)
         return buf
 
-    def _wino_tiles(self, ws, name, src, tiles, size, n, at=(0, 0)):
+    def _wino_tiles(self, ws, name, src, tiles, size, n, at=(0, 0), out=None):
         """(size, size, n*th*tw*C) copy of the size x size tiles at stride 4 of the
-        channel-last ``src`` (n, Hp, Wp, C), starting at row and column ``at``."""
+        channel-last ``src`` (n, Hp, Wp, C), starting at row and column ``at`` (into
+        ``out`` when given)."""
         (th, tw), C, st = tiles, src.shape[3], src.strides
         view = as_strided(src[:, at[0]:, at[1]:], (size, size, n, th, tw, C),
                           (st[1], st[2], st[0], 4 * st[1], 4 * st[2], st[3]), writeable=False)
-        buf = self._wino_scratch(ws, name, n * size * size * th * tw * C, src.dtype)
+        count = n * size * size * th * tw * C
+        buf = self._wino_scratch(ws, name, count, src.dtype) if out is None else out[:count]
         np.copyto(buf.reshape(size, size, n, th, tw, C), view)
         return buf.reshape(size, size, -1)
 
@@ -403,20 +412,21 @@ class ConvEngine:
         """A flat workspace array of at least ``count`` values (the chunk's largest)."""
         return self._buffer(ws, name, ws["key"][1] * self._wino_cap, dtype)[:count]
 
-    def _wino_input(self, ws, name, src, tiles, n):
-        """V (64, n*th*tw, C): B^T d B of src's 8x8 tiles (in the tile copy's buffer)."""
-        x8 = self._wino_tiles(ws, name, src, tiles, 8, n)
+    def _wino_input(self, ws, name, src, tiles, n, out=None):
+        """V (64, n*th*tw, C): B^T d B of src's 8x8 tiles (in the tile copy's buffer, or
+        in ``out``)."""
+        x8 = self._wino_tiles(ws, name, src, tiles, 8, n, out=out)
         z = self._wino_scratch(ws, "wz", x8.size, x8.dtype).reshape(x8.shape)
         winograd.input_tiles(x8, z, x8)
         return x8.reshape(64, -1, src.shape[3])
 
-    def _wino_conv(self, ws, src, u, dst, n, bias=None):
+    def _wino_conv(self, ws, src, u, dst, n, bias=None, keep=None):
         """dst (n, Co, OH, OW) = the 5x5 correlation of the channel-last ``src`` with the
-        transformed weights ``u`` (64, Ci, Co), plus ``bias``."""
+        transformed weights ``u`` (64, Ci, Co), plus ``bias`` (src's V into ``keep``)."""
         Co = u.shape[2]
         OH, OW = dst.shape[2:]
         th, tw = -(-OH // 4), -(-OW // 4)
-        v = self._wino_input(ws, "wx", src, (th, tw), n)
+        v = self._wino_input(ws, "wx", src, (th, tw), n, out=keep)
         T = v.shape[1]
         m = self._wino_scratch(ws, "wm", 64 * T * Co, v.dtype).reshape(64, T, Co)
         np.matmul(v, u, out=m)
@@ -445,17 +455,31 @@ class ConvEngine:
                     math.prod(-(-s // 4) for s in self.in_spatial))
         return 64 * tiles * max(self.C, self.O)
 
-    def _fwd_wino(self, x, w, y, bias=None):
+    @staticmethod
+    def _identity(x):
+        return (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype)
+
+    def _fwd_wino(self, x, w, y, bias=None, keep=False):
         N = x.shape[0]
         u = winograd.weights(w)
         step = self._wino_chunk(N, x.dtype.itemsize)
         th, tw = (-(-s // 4) for s in self.out_spatial)
         shape = (4 * th + 4, 4 * tw + 4)
+        per = 64 * th * tw * self.C          # V's values per image
+        kept = None
+        if keep and N * per * x.dtype.itemsize <= WINO_KEEP_BYTES:
+            old = self._kept
+            kept = old[1] if old is not None and old[1].size == N * per and \
+                old[1].dtype == x.dtype else np.empty(N * per, x.dtype)
+        self._kept = None
 
         def chunk(ws, n0, n):
             xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, shape, n)
-            self._wino_conv(ws, xh, u, y[n0:n0 + n], n, bias)
+            self._wino_conv(ws, xh, u, y[n0:n0 + n], n, bias,
+                            None if kept is None else kept[n0 * per:(n0 + n) * per])
         self._chunks(N, step, x.dtype, chunk)
+        if kept is not None:
+            self._kept = (self._identity(x), kept)
 
     def _bwd_wino(self, x, w, dy, dw, dx, db=None):
         N, C, O = dy.shape[0], self.C, self.O
@@ -470,13 +494,19 @@ class ConvEngine:
             uf = winograd.weights(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
         if dw is not None:   # chunk i's partial dU (64, C, O) in dwp[i]
             dwp = self._dw_parts(-(-N // step), (64, C, O), np.result_type(dy.dtype, x.dtype))
+            kept = self._kept   # V of x from the forward, if it was made from this x
+            kept = kept[1] if kept is not None and kept[0] == self._identity(x) else None
+            per = 64 * th * tw * C
 
         def chunk(ws, n0, n):
             bias = None if db is None else self._bias_part(dy[n0:n0 + n])
             dyh = self._wino_padded(ws, "wdyh", dy[n0:n0 + n], q, dshape, n)
             if dw is not None:
-                xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, xshape, n)
-                v = self._wino_input(ws, "wv", xh, (th, tw), n)
+                if kept is None:
+                    xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, xshape, n)
+                    v = self._wino_input(ws, "wv", xh, (th, tw), n)
+                else:
+                    v = kept[n0 * per:(n0 + n) * per].reshape(64, -1, C)
                 d4 = self._wino_tiles(ws, "wd4", dyh, (th, tw), 4, n, at=q)
                 z = self._wino_scratch(ws, "wz", 32 * d4.shape[2], dy.dtype)
                 mdy = self._wino_scratch(ws, "wm", 64 * d4.shape[2], dy.dtype)

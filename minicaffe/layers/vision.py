@@ -220,7 +220,9 @@ class ConvolutionLayer(BaseConvolutionLayer):
             x = self._nd(b.data_for(xp), self.channels, self.in_spatial)
             y = self._nd(t.mutable_data_for(xp), self.num_output, self.out_spatial)
             bias = self.blobs[1].data_for(xp) if self.bias_term else None
-            self.engine.forward(xp, x, w, y, conv_budget(xp), bias=bias)
+            # TRAIN, one bottom: the weight gradient may reuse what the forward made of x
+            self.engine.forward(xp, x, w, y, conv_budget(xp), bias=bias,
+                                keep=self.phase == caffe_pb2.TRAIN and len(bottom) == 1)
 
     def backward_xp(self, xp, top, propagate_down, bottom):
         w = self.blobs[0].data_for(xp)
