@@ -51,9 +51,10 @@ CN_DW_ROWS_RUN = 8
 # Winograd F(4x4, 5x5) chunks: the tile matrix (64 points x tiles x channels) of one
 # chunk within this many bytes.
 WINO_BUFFER_BYTES = 1 << 20
-# ``forward(..., keep=True)`` keeps the input's transformed tiles for the weight gradient
-# of the next ``backward`` on the same input when they take at most this many bytes.
-WINO_KEEP_BYTES = 64 << 20
+# ``forward(..., keep=True)`` keeps what it made of the input (the Winograd path's
+# transformed tiles) for the weight gradient of a ``backward`` on the same input, when
+# they take at most this many bytes.
+KEEP_BYTES = 64 << 20
 
 
 def _off_4k(count, itemsize):
@@ -109,8 +110,7 @@ class ConvEngine:
     # -- public ------------------------------------------------------------------
     def forward(self, xp, x, w, y, budget, bias=None, keep=False):
         """``keep``: a later ``backward`` on the same ``x`` (unchanged) may reuse what the
-        forward made of it (the Winograd path's transformed input tiles), as MAX pooling's
-        backward uses its forward's mask."""
+        forward made of it (the Winograd path's transformed input tiles), as MAX pooling's backward uses its forward's mask."""
         if xp is np and self.winograd:
             return self._fwd_wino(x, w, y, bias, keep)
         if xp is np and self.ns == 2 and not self.is_1x1:
@@ -455,9 +455,31 @@ class ConvEngine:
                     math.prod(-(-s // 4) for s in self.in_spatial))
         return 64 * tiles * max(self.C, self.O)
 
+    # -- what the forward keeps for the weight gradient (forward(..., keep=True)) -------
     @staticmethod
     def _identity(x):
         return (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype)
+
+    def _keep_array(self, keep, shape, dtype):
+        """The array a forward keeps its input's transformed tiles in, when ``keep``
+        and they fit in KEEP_BYTES (the last one reused); drops what was kept."""
+        old, self._kept = self._kept, None
+        if not keep or math.prod(shape) * np.dtype(dtype).itemsize > KEEP_BYTES:
+            return None
+        if old is not None and old[1].shape == tuple(shape) and old[1].dtype == dtype:
+            return old[1]
+        return np.empty(shape, dtype)
+
+    def _kept_from(self, x, kept):
+        if kept is not None:
+            self._kept = (self._identity(x), kept)
+
+    def _kept_for(self, x, shape):
+        """What the last forward kept, if it was made from this ``x`` in this shape."""
+        k = self._kept
+        if k is not None and k[0] == self._identity(x) and k[1].shape == tuple(shape):
+            return k[1]
+        return None
 
     def _fwd_wino(self, x, w, y, bias=None, keep=False):
         N = x.shape[0]
@@ -466,20 +488,14 @@ class ConvEngine:
         th, tw = (-(-s // 4) for s in self.out_spatial)
         shape = (4 * th + 4, 4 * tw + 4)
         per = 64 * th * tw * self.C          # V's values per image
-        kept = None
-        if keep and N * per * x.dtype.itemsize <= WINO_KEEP_BYTES:
-            old = self._kept
-            kept = old[1] if old is not None and old[1].size == N * per and \
-                old[1].dtype == x.dtype else np.empty(N * per, x.dtype)
-        self._kept = None
+        kept = self._keep_array(keep, (N * per,), x.dtype)
 
         def chunk(ws, n0, n):
             xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, shape, n)
             self._wino_conv(ws, xh, u, y[n0:n0 + n], n, bias,
                             None if kept is None else kept[n0 * per:(n0 + n) * per])
         self._chunks(N, step, x.dtype, chunk)
-        if kept is not None:
-            self._kept = (self._identity(x), kept)
+        self._kept_from(x, kept)
 
     def _bwd_wino(self, x, w, dy, dw, dx, db=None):
         N, C, O = dy.shape[0], self.C, self.O
@@ -494,9 +510,8 @@ class ConvEngine:
             uf = winograd.weights(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
         if dw is not None:   # chunk i's partial dU (64, C, O) in dwp[i]
             dwp = self._dw_parts(-(-N // step), (64, C, O), np.result_type(dy.dtype, x.dtype))
-            kept = self._kept   # V of x from the forward, if it was made from this x
-            kept = kept[1] if kept is not None and kept[0] == self._identity(x) else None
-            per = 64 * th * tw * C
+            per = 64 * th * tw * C   # V of x from the forward, if made from this x
+            kept = self._kept_for(x, (N * per,))
 
         def chunk(ws, n0, n):
             bias = None if db is None else self._bias_part(dy[n0:n0 + n])
@@ -657,10 +672,11 @@ class ConvEngine:
         a = (self.kernel, self.pad, self.stride, self.dilation)
         return col2im(col, shape, *a) if self.ns == 2 else col2im_nd(col, shape, *a)
 
-    def forward_generic(self, xp, x, w, y, budget, bias=None):
+    def forward_generic(self, xp, x, w, y, budget, bias=None, keep=False):
         """The reference path every shape and array module can take: im2col from the
         kernels package and one batched GEMM per chunk of images, then the bias over
-        the whole output (``forward`` picks a faster numpy path where one applies)."""
+        the whole output (``forward`` picks a faster numpy path where one applies).
+        It keeps nothing for the backward (``keep`` is accepted as ``forward``'s)."""
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         step = self.chunk(N, x.dtype.itemsize, budget)
