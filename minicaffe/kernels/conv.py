@@ -430,23 +430,18 @@ class ConvEngine:
         T = v.shape[1]
         m = self._wino_scratch(ws, "wm", 64 * T * Co, v.dtype).reshape(64, T, Co)
         np.matmul(v, u, out=m)
+        if bias is not None:     # A^T's column of the point 1 is all ones: the bias
+            m[winograd.ONES] += bias    # there reaches every output of the tile
         z = self._wino_scratch(ws, "wz", 32 * T * Co, v.dtype).reshape(4, 8, T * Co)
         y4 = self._wino_scratch(ws, "wy", 16 * T * Co, v.dtype).reshape(4, 4, T * Co)
         winograd.output_tiles(m.reshape(64, T * Co), z, y4)
         y6 = y4.reshape(4, 4, n, th, tw, Co).transpose(2, 5, 3, 0, 4, 1)
-        whole = OH == 4 * th and OW == 4 * tw and dst.flags.c_contiguous
-        out = (dst if whole else self._wino_scratch(ws, "wo", 16 * T * Co, v.dtype)).reshape(
-            n, Co, th, 4, tw, 4)
-        if bias is None or not whole:
+        if OH == 4 * th and OW == 4 * tw and dst.flags.c_contiguous:
+            dst.reshape(n, Co, th, 4, tw, 4)[...] = y6
+        else:
+            out = self._wino_scratch(ws, "wo", 16 * T * Co, v.dtype).reshape(n, Co, th, 4, tw, 4)
             out[...] = y6
-        else:     # the bias added in the copy to NCHW
-            np.add(y6, bias[None, :, None, None, None, None], out=out)
-        if not whole:
-            out = out.reshape(n, Co, 4 * th, 4 * tw)[:, :, :OH, :OW]
-            if bias is None:
-                dst[...] = out
-            else:
-                np.add(out, bias[None, :, None, None], out=dst)
+            dst[...] = out.reshape(n, Co, 4 * th, 4 * tw)[:, :, :OH, :OW]
 
     @property
     def _wino_cap(self):

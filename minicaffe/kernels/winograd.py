@@ -58,6 +58,9 @@ AT64, G64, BT64 = _matrices()
 AT = AT64.astype(np.float32)
 BT = BT64.astype(np.float32)
 A = np.ascontiguousarray(AT.T)          # (8, 4): the output transform's transpose
+# the tile point (1, 1): A^T's column for the point 1 is all ones, so a value added to
+# every channel's M there is added to all 16 outputs of the tile (the bias)
+ONES = 1 * ALPHA + 1
 GG64 = np.kron(G64, G64)                # (64, 25): w (5x5) -> U (8x8), in float64
 
 
