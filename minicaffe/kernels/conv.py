@@ -501,8 +501,8 @@ class ConvEngine:
         xshape = (4 * th + 4, 4 * tw + 4)
         dshape = (max(4 * xth + 4, q[0] + 4 * th), max(4 * xtw + 4, q[1] + 4 * tw))
         step = self._wino_chunk(N, dy.dtype.itemsize)
-        if dx is not None:   # the full convolution's weights: w[o, c] flipped, as (c, o)
-            uf = winograd.weights(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
+        if dx is not None:   # the full convolution's weights: w[o, c] flipped
+            uf = winograd.weights(w, full=True)
         if dw is not None:   # chunk i's partial dU (64, C, O) in dwp[i]
             dwp = self._dw_parts(-(-N // step), (64, C, O), np.result_type(dy.dtype, x.dtype))
             per = 64 * th * tw * C   # V of x from the forward, if made from this x
@@ -532,7 +532,7 @@ class ConvEngine:
             dur = np.zeros(dwp.shape[1:], dwp.dtype)
             for part in dwp:      # in chunk order, as the serial loop
                 dur += part
-            dw += winograd.weight_grad(dur, dw.dtype)
+            dw += winograd.weight_grad(dur)
 
     # -- numpy 2-D, few input channels: channel-major columns -----------------------------
     # With 1-3 channels a channel-last copy moves runs of only kw*C values; the

@@ -7,7 +7,7 @@ multiplications in the products), at the cost of three small transforms:
 
 over the interpolation points 0, 1, -1, 2, -2, 1/2, -1/2 and infinity.  The transforms
 run separably (two GEMMs with an 8x8 or 4x8 matrix each), the 64 tile points' products
-as one stacked matmul.  The weight transform is computed in float64.  docs/layers.md
+as one stacked matmul.  docs/layers.md
 ("Winograd convolutions on the CPU") gives the measured error against the direct
 method; docs/performance.md the speed.
 
@@ -61,22 +61,32 @@ A = np.ascontiguousarray(AT.T)          # (8, 4): the output transform's transpo
 # the tile point (1, 1): A^T's column for the point 1 is all ones, so a value added to
 # every channel's M there is added to all 16 outputs of the tile (the bias)
 ONES = 1 * ALPHA + 1
-GG64 = np.kron(G64, G64)                # (64, 25): w (5x5) -> U (8x8), in float64
+GG64 = np.kron(G64, G64)                # (64, 25): w (5x5) -> U (8x8)
+GG32 = GG64.astype(np.float32)
 
 
-def weights(w):
-    """U (64, C, O) float32 from w (O, C, 5, 5): G w G^T per channel pair, float64."""
+def _gg(dtype):
+    return GG32 if dtype == np.float32 else GG64.astype(dtype, copy=False)
+
+
+def weights(w, full=False):
+    """U (64, C, O) from w (O, C, 5, 5): G w G^T per channel pair, one GEMM in w's dtype
+    (a float32 product of 25 terms: far within the method's own error).  ``full``: the
+    data gradient's weights instead, U (64, O, C) of w[o, c] flipped in both axes (a 5x5
+    kernel flipped is its 25 values reversed)."""
     O, C = w.shape[:2]
-    u = GG64 @ w.reshape(O * C, R * R).T.astype(np.float64)     # (64, O*C)
-    return np.ascontiguousarray(u.reshape(ALPHA * ALPHA, O, C).transpose(0, 2, 1),
-                                dtype=w.dtype)
+    gg = _gg(w.dtype)
+    if full:    # rows (o, c): the flipped kernel's taps are the reversed columns of GG
+        return (gg[:, ::-1] @ w.reshape(O * C, R * R).T).reshape(ALPHA * ALPHA, O, C)
+    u = gg @ w.transpose(1, 0, 2, 3).reshape(C * O, R * R).T
+    return u.reshape(ALPHA * ALPHA, C, O)
 
 
-def weight_grad(du, dtype):
-    """dw (O, C, 5, 5) from dU (64, C, O): G^T dU G per channel pair, float64."""
+def weight_grad(du):
+    """dw (O, C, 5, 5) from dU (64, C, O): G^T dU G per channel pair, one GEMM."""
     _, C, O = du.shape
-    dw = GG64.T @ du.reshape(ALPHA * ALPHA, C * O).astype(np.float64)    # (25, C*O)
-    return dw.reshape(R, R, C, O).transpose(3, 2, 0, 1).astype(dtype)
+    dw = du.reshape(ALPHA * ALPHA, C * O).T @ _gg(du.dtype)     # (C*O, 25)
+    return dw.reshape(C, O, R, R).transpose(1, 0, 2, 3)
 
 
 def input_tiles(x8, z, v):
