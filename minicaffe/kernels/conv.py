@@ -545,9 +545,11 @@ class ConvEngine:
         xpad[:, :, ph:ph + H, pw:pw + W] = x.transpose(1, 0, 2, 3)
         return xpad
 
-    def _cn_im2col(self, ws, x, n):
+    def _cn_im2col(self, ws, x, n, ones=False):
         """col (C*kh*kw, n*OH*OW) of the n images ``x``: kernels/im2col.py's numpy
-        im2col, into this layer's workspace.  Rows whose length in bytes is a multiple
+        im2col, into this layer's workspace; with ``ones`` a last row of ones under it
+        (one group: the bias as one more weight column, its gradient as one more row of
+        the weight gradient's product).  Rows whose length in bytes is a multiple
         of 4 KiB get a cache line of padding after them (a strided view): otherwise
         the GEMMs' loads of successive rows fall on the same cache sets (CIFAR-10
         quick's conv1 chunks of 3 images, rows of 12 KiB: its forward products took
@@ -556,8 +558,12 @@ class ConvEngine:
         xpad = self._cn_padded(ws, x, n)
         step, rows, cols = ws["key"][1], self.C * self.ksize, n * self.P
         ld = _off_4k(step * self.P, x.dtype.itemsize)
-        col = self._buffer(ws, "cn_col", (rows, ld), x.dtype)[:, :cols]
-        return im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
+        if "cn_col" not in ws:
+            ws["cn_col"] = np.empty((rows + 1, ld), x.dtype)
+            ws["cn_col"][rows] = 1
+        col = ws["cn_col"][:rows + bool(ones), :cols]
+        im2col_padded_into(xpad, col[:rows], kh, kw, sh, sw, dh, dw, *self.out_spatial)
+        return col
 
     def _cn_col2im(self, ws, col, dx, n):
         """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW)): kernels/im2col.py's."""
@@ -578,9 +584,13 @@ class ConvEngine:
         w3 = w.reshape(G, Og, -1)
         step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
         direct = y.flags.c_contiguous
+        ones = bias is not None and G == 1    # the bias in the product (a pass fewer)
+        if ones:
+            w3 = np.concatenate([w3, bias.reshape(1, O, 1).astype(w3.dtype)], axis=2)
+            bias = None
 
         def chunk(ws, n0, n):
-            col = self._cn_im2col(ws, x[n0:n0 + n], n)
+            col = self._cn_im2col(ws, x[n0:n0 + n], n, ones)
             if direct:    # one stacked matmul per group: numpy loops the images in C
                 col4 = col.reshape(G, -1, n, P)
                 y4 = y[n0:n0 + n].reshape(n, G, Og, P)
@@ -604,19 +614,22 @@ class ConvEngine:
         # chunk i's weight-gradient partial in dwp[i]: (G, Og, C/G*kh*kw), or with
         # ``rows`` transposed, (G, C/G*kh*kw, Og)
         rows = self.kernel[1] * (self.C // G) >= CN_DW_ROWS_RUN
+        # one group: the bias gradient as the product's row against a row of ones
+        ones = db is not None and dw is not None and G == 1
         if dw is not None:
-            shape = (G, w3.shape[2], Og) if rows else w3.shape
+            K = w3.shape[2] + ones
+            shape = (G, K, Og) if rows else (G, Og, K)
             dwp = self._dw_parts(-(-N // step), shape, np.result_type(dy.dtype, x.dtype))
         isz = dy.dtype.itemsize
 
         def chunk(ws, n0, n):
-            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
+            bias = None if db is None or ones else self._bias_part(dy[n0:n0 + n])
             if dw is not None and not rows:
                 # one product per image and group, dy (Og, P) in place against the
                 # image's columns, summed over the chunk's images (LeNet's conv1: one
                 # channel, rows of 5 values)
                 d4 = dy[n0:n0 + n].reshape(n, G, Og, P)
-                c4 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n, P)
+                c4 = self._cn_im2col(ws, x[n0:n0 + n], n, ones).reshape(G, -1, n, P)
                 c4 = c4.transpose(0, 2, 3, 1)
                 for g in range(G):
                     np.add.reduce(np.matmul(d4[:, g], c4[g]), axis=0, out=dwp[n0 // step, g])
@@ -636,7 +649,7 @@ class ConvEngine:
                     src = pad
                 dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
                 dyr.reshape(n, P, O)[...] = src.transpose(0, 2, 1)
-                c3 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n * P)
+                c3 = self._cn_im2col(ws, x[n0:n0 + n], n, ones).reshape(G, -1, n * P)
                 for g in range(G):
                     np.matmul(c3[g], dyr[:, g * Og:(g + 1) * Og], out=dwp[n0 // step, g])
             if dx is not None:
@@ -650,13 +663,17 @@ class ConvEngine:
                 self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
             return bias
         results = self._chunks(N, step, dy.dtype, chunk)
-        if db is not None:
+        if db is not None and not ones:
             self._sum_in_order(db, results)
         if dw is not None:
             dwr = np.zeros(dwp.shape[1:], dw.dtype)
             for part in dwp:       # in chunk order, as the serial loop
                 dwr += part
-            dw += (dwr.transpose(0, 2, 1) if rows else dwr).reshape(dw.shape)
+            dwr = dwr.transpose(0, 2, 1) if rows else dwr     # (G, Og, K)
+            if ones:
+                db += dwr[0, :, -1]
+                dwr = dwr[:, :, :-1]
+            dw += dwr.reshape(dw.shape)
 
     # -- generic (CuPy, N-D) ------------------------------------------------------------
     def _im2col(self, x):
