@@ -493,16 +493,17 @@ class ConvEngine:
         self._kept_from(x, kept)
 
     def _bwd_wino(self, x, w, dy, dw, dx, db=None):
+        """Both gradients from dy's transformed tiles A dy A^T (64, tiles, O): the weight
+        gradient against x's tiles, the data gradient as the forward's adjoint (each
+        point's product with U^T, then B . B^T per tile, the 8x8 tiles added back where
+        they overlap)."""
         N, C, O = dy.shape[0], self.C, self.O
-        (H, W), (OH, OW) = self.in_spatial, self.out_spatial
-        q = tuple(4 - p for p in self.pad)      # dy's padding for the full convolution
+        (H, W), (OH, OW), (ph, pw) = self.in_spatial, self.out_spatial, self.pad
         th, tw = -(-OH // 4), -(-OW // 4)
-        xth, xtw = -(-H // 4), -(-W // 4)
         xshape = (4 * th + 4, 4 * tw + 4)
-        dshape = (max(4 * xth + 4, q[0] + 4 * th), max(4 * xtw + 4, q[1] + 4 * tw))
         step = self._wino_chunk(N, dy.dtype.itemsize)
-        if dx is not None:   # the full convolution's weights: w[o, c] flipped
-            uf = winograd.weights(w, full=True)
+        if dx is not None:
+            u = winograd.weights(w)
         if dw is not None:   # chunk i's partial dU (64, C, O) in dwp[i]
             dwp = self._dw_parts(-(-N // step), (64, C, O), np.result_type(dy.dtype, x.dtype))
             per = 64 * th * tw * C   # V of x from the forward, if made from this x
@@ -510,20 +511,37 @@ class ConvEngine:
 
         def chunk(ws, n0, n):
             bias = None if db is None else self._bias_part(dy[n0:n0 + n])
-            dyh = self._wino_padded(ws, "wdyh", dy[n0:n0 + n], q, dshape, n)
+            dyh = self._wino_padded(ws, "wdyh", dy[n0:n0 + n], (0, 0), (4 * th, 4 * tw), n)
+            d4 = self._wino_tiles(ws, "wd4", dyh, (th, tw), 4, n)
+            T = n * th * tw
+            z = self._wino_scratch(ws, "wz", 32 * T * O, dy.dtype)
+            mdy = self._wino_scratch(ws, "wm", 64 * T * O, dy.dtype).reshape(64, T, O)
+            winograd.grad_tiles(d4, z.reshape(8, 4, -1), mdy.reshape(64, -1))
             if dw is not None:
                 if kept is None:
                     xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, xshape, n)
                     v = self._wino_input(ws, "wv", xh, (th, tw), n)
                 else:
                     v = kept[n0 * per:(n0 + n) * per].reshape(64, -1, C)
-                d4 = self._wino_tiles(ws, "wd4", dyh, (th, tw), 4, n, at=q)
-                z = self._wino_scratch(ws, "wz", 32 * d4.shape[2], dy.dtype)
-                mdy = self._wino_scratch(ws, "wm", 64 * d4.shape[2], dy.dtype)
-                winograd.grad_tiles(d4, z.reshape(8, 4, -1), mdy.reshape(64, -1))
-                np.matmul(v.transpose(0, 2, 1), mdy.reshape(64, -1, O), out=dwp[n0 // step])
+                np.matmul(v.transpose(0, 2, 1), mdy, out=dwp[n0 // step])
             if dx is not None:
-                self._wino_conv(ws, dyh, uf, dx[n0:n0 + n], n)
+                dv = self._wino_scratch(ws, "wv", 64 * T * C, dy.dtype).reshape(64, T, C)
+                np.matmul(mdy, u.transpose(0, 2, 1), out=dv)
+                z = self._wino_scratch(ws, "wz", 64 * T * C, dy.dtype).reshape(8, 8, -1)
+                dd = self._wino_scratch(ws, "wx", 64 * T * C, dy.dtype).reshape(8, 8, -1)
+                winograd.input_tiles_adjoint(dv.reshape(8, 8, -1), z, dd)
+                dpad = self._buffer(ws, "wdxh", (ws["key"][1],) + xshape + (C,), dy.dtype)[:n]
+                d6 = dpad.reshape(n, th + 1, 4, tw + 1, 4, C)
+                d6[:, th] = 0                     # what the first quarters do not cover
+                d6[:, :th, :, tw] = 0
+                dd8 = dd.reshape(2, 4, 2, 4, n, th, tw, C)
+                for bi, bj in ((0, 0), (0, 1), (1, 0), (1, 1)):   # the tiles' 4x4 quarters
+                    q = dd8[bi, :, bj].transpose(2, 3, 0, 4, 1, 5)
+                    if bi == bj == 0:
+                        d6[:, :th, :, :tw] = q
+                    else:
+                        d6[:, bi:bi + th, :, bj:bj + tw] += q
+                dx[n0:n0 + n] = dpad[:, ph:ph + H, pw:pw + W].transpose(0, 3, 1, 2)
             return bias
         results = self._chunks(N, step, dy.dtype, chunk)
         if db is not None:

@@ -58,6 +58,7 @@ AT64, G64, BT64 = _matrices()
 AT = AT64.astype(np.float32)
 BT = BT64.astype(np.float32)
 A = np.ascontiguousarray(AT.T)          # (8, 4): the output transform's transpose
+B = np.ascontiguousarray(BT.T)          # (8, 8): the input transform's
 # the tile point (1, 1): A^T's column for the point 1 is all ones, so a value added to
 # every channel's M there is added to all 16 outputs of the tile (the bias)
 ONES = 1 * ALPHA + 1
@@ -97,6 +98,16 @@ def input_tiles(x8, z, v):
     np.matmul(bt, x8.reshape(ALPHA, ALPHA * L), out=z.reshape(ALPHA, ALPHA * L))
     np.matmul(bt, z, out=v.reshape(ALPHA, ALPHA, L))
     return v
+
+
+def input_tiles_adjoint(v, z, d):
+    """B dV B^T for ``v`` (8, 8, L) (tile points, tiles x channels): the data gradient of
+    ``input_tiles``'s tiles, ``d`` (8, 8, L) written, ``z`` (8, 8, L) scratch."""
+    b = B if v.dtype == np.float32 else np.ascontiguousarray(BT64.T)
+    L = v.shape[2]
+    np.matmul(b, v.reshape(ALPHA, ALPHA * L), out=z.reshape(ALPHA, ALPHA * L))
+    np.matmul(b, z, out=d)
+    return d
 
 
 def output_tiles(m, z, y):
