@@ -91,12 +91,16 @@ def test_only_one_group_5x5_stride_1_with_enough_channels_takes_winograd(shape):
     assert e.winograd == (shape == (32, 32, 1, 5, 2, 1))
 
 
-def test_kernel_pool_is_bit_identical_to_one_thread():
+@pytest.mark.parametrize("per_chunk", [3, 5, 24])
+def test_kernel_pool_is_bit_identical_to_one_thread(per_chunk, monkeypatch):
+    """Chunks of ``per_chunk`` images (8 of 3; 4 of 5 and one of 4; one of 24) on 1 and
+    3 threads: the same bits."""
     pytest.importorskip("threadpoolctl")
+    from minicaffe.kernels import conv
+    # the tile matrix of one image: 64 points x 9 tiles (12x12 outputs) x 24 channels
+    monkeypatch.setattr(conv, "WINO_BUFFER_BYTES", per_chunk * 64 * 9 * 24 * 4)
     x, w, dy, b = _data(16, 24, 12, 12, 2, np.float32, N=24)
     e = _engine(16, 24, 12, 12, 2)
-    budget_chunks = e._wino_chunk(24, 4)
-    assert budget_chunks < 24            # several chunks
     results = []
     try:
         for n in (1, 3):
