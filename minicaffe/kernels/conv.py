@@ -8,7 +8,9 @@ backward_cpu_gemm / weight_cpu_gemm with ``im2col.cpp``.
   allocated once and reused.  The column matrix is built channel-last, one row per output
   pixel, by a single strided copy; with stride 1 the data gradient is a full convolution
   of dy with the flipped kernel; layers with few input channels use Caffe's channel-major
-  columns; a 1x1 kernel with stride 1 and no padding skips im2col.
+  columns; a 1x1 kernel with stride 1 and no padding skips im2col.  5x5 stride-1
+  one-group layers with enough channels take Winograd's F(4x4, 5x5) instead when the
+  layer asks (``winograd=True``: engine DEFAULT; kernels/winograd.py).
 * numpy with a kernel pool (core/threads.py: ``--threads N``, N > 1): the chunks of the
   batch run in the pool's threads, each with its own workspace; each chunk writes its
   weight-gradient partial into its own row of one kept array, summed in chunk order as
@@ -376,9 +378,10 @@ class ConvEngine:
     # x channels) is one strided copy of the padded channel-last input (a sixth of
     # im2col's 25 values per output pixel), transformed by two 8x8 GEMMs; the 64 tile
     # points' (tiles, C) x (C, O) products are one stacked matmul; two 4x8 GEMMs give
-    # the output tiles.  The data gradient is the same with dy padded by 4 - pad and
-    # the flipped kernel; the weight gradient multiplies x's transformed tiles with dy's
-    # (A dy A^T) per point, summed over the chunks in chunk order, then G^T . G.
+    # the output tiles.  The backward transforms dy's 4x4 tiles once (A dy A^T): the
+    # weight gradient multiplies them with x's transformed tiles per point (summed over
+    # the chunks in chunk order, then G^T . G), the data gradient is the forward's
+    # adjoint (products with U^T, B . B^T per tile, the overlapping tiles added back).
     def _wino_chunk(self, N, itemsize):
         """Images per chunk: the largest tile matrix within WINO_BUFFER_BYTES, evened
         out over the chunks (as ``chunk``)."""

@@ -7,9 +7,8 @@ multiplications in the products), at the cost of three small transforms:
 
 over the interpolation points 0, 1, -1, 2, -2, 1/2, -1/2 and infinity.  The transforms
 run separably (two GEMMs with an 8x8 or 4x8 matrix each), the 64 tile points' products
-as one stacked matmul.  docs/layers.md
-("Winograd convolutions on the CPU") gives the measured error against the direct
-method; docs/performance.md the speed.
+as one stacked matmul.  docs/vision.md ("Winograd F(4x4, 5x5) on the CPU") gives the
+measured error against the direct method; docs/performance.md the speed.
 
 Only the matrices and the per-tile transforms live here; the chunking, padding and
 threads are the engine's.
@@ -70,16 +69,11 @@ def _gg(dtype):
     return GG32 if dtype == np.float32 else GG64.astype(dtype, copy=False)
 
 
-def weights(w, full=False):
+def weights(w):
     """U (64, C, O) from w (O, C, 5, 5): G w G^T per channel pair, one GEMM in w's dtype
-    (a float32 product of 25 terms: far within the method's own error).  ``full``: the
-    data gradient's weights instead, U (64, O, C) of w[o, c] flipped in both axes (a 5x5
-    kernel flipped is its 25 values reversed)."""
+    (a float32 product of 25 terms: far within the method's own error)."""
     O, C = w.shape[:2]
-    gg = _gg(w.dtype)
-    if full:    # rows (o, c): the flipped kernel's taps are the reversed columns of GG
-        return (gg[:, ::-1] @ w.reshape(O * C, R * R).T).reshape(ALPHA * ALPHA, O, C)
-    u = gg @ w.transpose(1, 0, 2, 3).reshape(C * O, R * R).T
+    u = _gg(w.dtype) @ w.transpose(1, 0, 2, 3).reshape(C * O, R * R).T
     return u.reshape(ALPHA * ALPHA, C, O)
 
 
