@@ -8,7 +8,9 @@ backward_cpu_gemm / weight_cpu_gemm with ``im2col.cpp``.
   allocated once and reused.  The column matrix is built channel-last, one row per output
   pixel, by a single strided copy; with stride 1 the data gradient is a full convolution
   of dy with the flipped kernel; layers with few input channels use Caffe's channel-major
-  columns; a 1x1 kernel with stride 1 and no padding skips im2col.
+  columns; a 1x1 kernel with stride 1 and no padding skips im2col.  5x5 stride-1
+  one-group layers with enough channels take Winograd's F(4x4, 5x5) instead when the
+  layer asks (``winograd=True``: engine DEFAULT; kernels/winograd.py).
 * numpy with a kernel pool (core/threads.py: ``--threads N``, N > 1): the chunks of the
   batch run in the pool's threads, each with its own workspace; each chunk writes its
   weight-gradient partial into its own row of one kept array, summed in chunk order as
@@ -24,6 +26,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..core import threads as _threads
+from . import winograd
 from .blas import gemm_batched
 from .im2col import (col2im, col2im_nd, col2im_padded_into, im2col, im2col_nd,
                      im2col_padded_into)
@@ -47,6 +50,13 @@ NHWC_MIN_CHANNELS = 8
 # kernel row holds at least this many values (kernel width x channels per group;
 # below, per-image products against dy in place: LeNet's conv1).
 CN_DW_ROWS_RUN = 8
+# Winograd F(4x4, 5x5) chunks: the tile matrix (64 points x tiles x channels) of one
+# chunk within this many bytes.
+WINO_BUFFER_BYTES = 1 << 20
+# ``forward(..., keep=True)`` keeps what it made of the input (the Winograd path's
+# transformed tiles) for the weight gradient of a ``backward`` on the same input, when
+# they take at most this many bytes.
+KEEP_BYTES = 64 << 20
 
 
 def _off_4k(count, itemsize):
@@ -68,7 +78,7 @@ class ConvEngine:
     """
 
     def __init__(self, channels, num_output, group, kernel, pad, stride, dilation,
-                 in_spatial, out_spatial):
+                 in_spatial, out_spatial, winograd=False):
         self.C, self.O, self.G = channels, num_output, group
         self.kernel, self.pad = tuple(kernel), tuple(pad)
         self.stride, self.dilation = tuple(stride), tuple(dilation)
@@ -80,7 +90,13 @@ class ConvEngine:
                        and all(p == 0 for p in self.pad))
         self._ws = {}  # numpy workspaces: worker slot -> {key: (dtype, chunk), buffers}
         self._dw_buf = None  # numpy: the weight-gradient partials, one row per chunk
+        self._kept = None    # numpy Winograd: (the input it was made from, its tiles' V)
         self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
+        # numpy: 5x5, stride 1, one group through Winograd's F(4x4, 5x5) when asked
+        self.winograd = bool(winograd) and (
+            self.ns == 2 and self.G == 1 and self.kernel == (5, 5) and self.stride == (1, 1)
+            and self.dilation == (1, 1) and all(p <= 4 for p in self.pad)
+            and self.C >= NHWC_MIN_CHANNELS)
 
     # -- chunking ----------------------------------------------------------------
     def chunk(self, N, itemsize, budget, min_columns=0):
@@ -94,7 +110,11 @@ class ConvEngine:
         return -(-N // -(-N // n))
 
     # -- public ------------------------------------------------------------------
-    def forward(self, xp, x, w, y, budget, bias=None):
+    def forward(self, xp, x, w, y, budget, bias=None, keep=False):
+        """``keep``: a later ``backward`` on the same ``x`` (unchanged) may reuse what the
+        forward made of it (the Winograd path's transformed input tiles), as MAX pooling's backward uses its forward's mask."""
+        if xp is np and self.winograd:
+            return self._fwd_wino(x, w, y, bias, keep)
         if xp is np and self.ns == 2 and not self.is_1x1:
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._fwd_cn(x, w, y, budget, bias)
@@ -111,6 +131,8 @@ class ConvEngine:
         if xp is np and self.ns == 2 and not self.is_1x1:
             if dw is None and dx is None and db is None:
                 return
+            if self.winograd:
+                return self._bwd_wino(x, w, dy, dw, dx, db)
             if self.C // self.G < NHWC_MIN_CHANNELS:
                 return self._bwd_cn(x, w, dy, dw, dx, budget, db)
             return self._bwd_nhwc(x, w, dy, dw, dx, budget, db)
@@ -351,6 +373,188 @@ class ConvEngine:
                     dpad[:, hs, wsl, g] += d6[i, j]  # one offset never repeats a pixel
         dx[...] = dpad[:, ph:ph + H, pw:pw + W].reshape(n, H, W, C).transpose(0, 3, 1, 2)
 
+    # -- numpy 2-D, 5x5, stride 1: Winograd F(4x4, 5x5) (kernels/winograd.py) -------------
+    # The output in 4x4 tiles, each from an 8x8 input tile: the tile matrix (8, 8, tiles
+    # x channels) is one strided copy of the padded channel-last input (a sixth of
+    # im2col's 25 values per output pixel), transformed by two 8x8 GEMMs; the 64 tile
+    # points' (tiles, C) x (C, O) products are one stacked matmul; two 4x8 GEMMs give
+    # the output tiles.  The backward transforms dy's 4x4 tiles once (A dy A^T): the
+    # weight gradient multiplies them with x's transformed tiles per point (summed over
+    # the chunks in chunk order, then G^T . G), the data gradient is the forward's
+    # adjoint (products with U^T, B . B^T per tile, the overlapping tiles added back).
+    def _wino_chunk(self, N, itemsize):
+        """Images per chunk: the largest tile matrix within WINO_BUFFER_BYTES, evened
+        out over the chunks (as ``chunk``)."""
+        tiles = max(math.prod(-(-s // 4) for s in self.out_spatial),
+                    math.prod(-(-s // 4) for s in self.in_spatial))
+        per_image = 64 * tiles * max(self.C, self.O) * itemsize
+        n = int(min(N, max(1, WINO_BUFFER_BYTES // per_image)))
+        return -(-N // -(-N // n))
+
+    def _wino_padded(self, ws, name, a, pad, shape, n):
+        """``a`` (n, C, H, W) channel-last at offset ``pad`` in a zero-bordered workspace
+        array (step, *shape, C)."""
+        step, C, H, W = ws["key"][1], a.shape[1], a.shape[2], a.shape[3]
+        buf = self._buffer(ws, name, (step,) + tuple(shape) + (C,), a.dtype, zero=True)[:n]
+        buf[:, pad[0]:pad[0] + H, pad[1]:pad[1] + W, :] = a.transpose(0, 2, 3, 1)
+        return buf
+
+    def _wino_tiles(self, ws, name, src, tiles, size, n, at=(0, 0), out=None):
+        """(size, size, n*th*tw*C) copy of the size x size tiles at stride 4 of the
+        channel-last ``src`` (n, Hp, Wp, C), starting at row and column ``at`` (into
+        ``out`` when given)."""
+        (th, tw), C, st = tiles, src.shape[3], src.strides
+        view = as_strided(src[:, at[0]:, at[1]:], (size, size, n, th, tw, C),
+                          (st[1], st[2], st[0], 4 * st[1], 4 * st[2], st[3]), writeable=False)
+        count = n * size * size * th * tw * C
+        buf = self._wino_scratch(ws, name, count, src.dtype) if out is None else out[:count]
+        np.copyto(buf.reshape(size, size, n, th, tw, C), view)
+        return buf.reshape(size, size, -1)
+
+    def _wino_scratch(self, ws, name, count, dtype):
+        """A flat workspace array of at least ``count`` values (the chunk's largest)."""
+        return self._buffer(ws, name, ws["key"][1] * self._wino_cap, dtype)[:count]
+
+    def _wino_input(self, ws, name, src, tiles, n, out=None):
+        """V (64, n*th*tw, C): B^T d B of src's 8x8 tiles (in the tile copy's buffer, or
+        in ``out``)."""
+        x8 = self._wino_tiles(ws, name, src, tiles, 8, n, out=out)
+        z = self._wino_scratch(ws, "wz", x8.size, x8.dtype).reshape(x8.shape)
+        winograd.input_tiles(x8, z, x8)
+        return x8.reshape(64, -1, src.shape[3])
+
+    def _wino_conv(self, ws, src, u, dst, n, bias=None, keep=None):
+        """dst (n, Co, OH, OW) = the 5x5 correlation of the channel-last ``src`` with the
+        transformed weights ``u`` (64, Ci, Co), plus ``bias`` (src's V into ``keep``)."""
+        Co = u.shape[2]
+        OH, OW = dst.shape[2:]
+        th, tw = -(-OH // 4), -(-OW // 4)
+        v = self._wino_input(ws, "wx", src, (th, tw), n, out=keep)
+        T = v.shape[1]
+        m = self._wino_scratch(ws, "wm", 64 * T * Co, v.dtype).reshape(64, T, Co)
+        np.matmul(v, u, out=m)
+        if bias is not None:     # A^T's column of the point 1 is all ones: the bias
+            m[winograd.ONES] += bias    # there reaches every output of the tile
+        z = self._wino_scratch(ws, "wz", 32 * T * Co, v.dtype).reshape(4, 8, T * Co)
+        y4 = self._wino_scratch(ws, "wy", 16 * T * Co, v.dtype).reshape(4, 4, T * Co)
+        winograd.output_tiles(m.reshape(64, T * Co), z, y4)
+        y6 = y4.reshape(4, 4, n, th, tw, Co).transpose(2, 5, 3, 0, 4, 1)
+        if OH == 4 * th and OW == 4 * tw and dst.flags.c_contiguous:
+            dst.reshape(n, Co, th, 4, tw, 4)[...] = y6
+        else:
+            out = self._wino_scratch(ws, "wo", 16 * T * Co, v.dtype).reshape(n, Co, th, 4, tw, 4)
+            out[...] = y6
+            dst[...] = out.reshape(n, Co, 4 * th, 4 * tw)[:, :, :OH, :OW]
+
+    @property
+    def _wino_cap(self):
+        """Values per image of the largest Winograd workspace array."""
+        tiles = max(math.prod(-(-s // 4) for s in self.out_spatial),
+                    math.prod(-(-s // 4) for s in self.in_spatial))
+        return 64 * tiles * max(self.C, self.O)
+
+    # -- what the forward keeps for the weight gradient (forward(..., keep=True)) -------
+    @staticmethod
+    def _identity(x):
+        return (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype)
+
+    def _keep_array(self, keep, shape, dtype):
+        """The array a forward keeps its input's transformed tiles in, when ``keep``
+        and they fit in KEEP_BYTES (the last one reused); drops what was kept."""
+        old, self._kept = self._kept, None
+        if not keep or math.prod(shape) * np.dtype(dtype).itemsize > KEEP_BYTES:
+            return None
+        if old is not None and old[1].shape == tuple(shape) and old[1].dtype == dtype:
+            return old[1]
+        return np.empty(shape, dtype)
+
+    def _kept_from(self, x, kept):
+        if kept is not None:
+            self._kept = (self._identity(x), kept)
+
+    def _kept_for(self, x, shape):
+        """What the last forward kept, if it was made from this ``x`` in this shape."""
+        k = self._kept
+        if k is not None and k[0] == self._identity(x) and k[1].shape == tuple(shape):
+            return k[1]
+        return None
+
+    def _fwd_wino(self, x, w, y, bias=None, keep=False):
+        N = x.shape[0]
+        u = winograd.weights(w)
+        step = self._wino_chunk(N, x.dtype.itemsize)
+        th, tw = (-(-s // 4) for s in self.out_spatial)
+        shape = (4 * th + 4, 4 * tw + 4)
+        per = 64 * th * tw * self.C          # V's values per image
+        kept = self._keep_array(keep, (N * per,), x.dtype)
+
+        def chunk(ws, n0, n):
+            xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, shape, n)
+            self._wino_conv(ws, xh, u, y[n0:n0 + n], n, bias,
+                            None if kept is None else kept[n0 * per:(n0 + n) * per])
+        self._chunks(N, step, x.dtype, chunk)
+        self._kept_from(x, kept)
+
+    def _bwd_wino(self, x, w, dy, dw, dx, db=None):
+        """Both gradients from dy's transformed tiles A dy A^T (64, tiles, O): the weight
+        gradient against x's tiles, the data gradient as the forward's adjoint (each
+        point's product with U^T, then B . B^T per tile, the 8x8 tiles added back where
+        they overlap)."""
+        N, C, O = dy.shape[0], self.C, self.O
+        (H, W), (OH, OW), (ph, pw) = self.in_spatial, self.out_spatial, self.pad
+        th, tw = -(-OH // 4), -(-OW // 4)
+        xshape = (4 * th + 4, 4 * tw + 4)
+        step = self._wino_chunk(N, dy.dtype.itemsize)
+        if dx is not None:
+            u = winograd.weights(w)
+        if dw is not None:   # chunk i's partial dU (64, C, O) in dwp[i]
+            dwp = self._dw_parts(-(-N // step), (64, C, O), np.result_type(dy.dtype, x.dtype))
+            per = 64 * th * tw * C   # V of x from the forward, if made from this x
+            kept = self._kept_for(x, (N * per,))
+
+        def chunk(ws, n0, n):
+            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
+            dyh = self._wino_padded(ws, "wdyh", dy[n0:n0 + n], (0, 0), (4 * th, 4 * tw), n)
+            d4 = self._wino_tiles(ws, "wd4", dyh, (th, tw), 4, n)
+            T = n * th * tw
+            z = self._wino_scratch(ws, "wz", 32 * T * O, dy.dtype)
+            mdy = self._wino_scratch(ws, "wm", 64 * T * O, dy.dtype).reshape(64, T, O)
+            winograd.grad_tiles(d4, z.reshape(8, 4, -1), mdy.reshape(64, -1))
+            if dw is not None:
+                if kept is None:
+                    xh = self._wino_padded(ws, "wxh", x[n0:n0 + n], self.pad, xshape, n)
+                    v = self._wino_input(ws, "wv", xh, (th, tw), n)
+                else:
+                    v = kept[n0 * per:(n0 + n) * per].reshape(64, -1, C)
+                np.matmul(v.transpose(0, 2, 1), mdy, out=dwp[n0 // step])
+            if dx is not None:
+                dv = self._wino_scratch(ws, "wv", 64 * T * C, dy.dtype).reshape(64, T, C)
+                np.matmul(mdy, u.transpose(0, 2, 1), out=dv)
+                z = self._wino_scratch(ws, "wz", 64 * T * C, dy.dtype).reshape(8, 8, -1)
+                dd = self._wino_scratch(ws, "wx", 64 * T * C, dy.dtype).reshape(8, 8, -1)
+                winograd.input_tiles_adjoint(dv.reshape(8, 8, -1), z, dd)
+                dpad = self._buffer(ws, "wdxh", (ws["key"][1],) + xshape + (C,), dy.dtype)[:n]
+                d6 = dpad.reshape(n, th + 1, 4, tw + 1, 4, C)
+                d6[:, th] = 0                     # what the first quarters do not cover
+                d6[:, :th, :, tw] = 0
+                dd8 = dd.reshape(2, 4, 2, 4, n, th, tw, C)
+                for bi, bj in ((0, 0), (0, 1), (1, 0), (1, 1)):   # the tiles' 4x4 quarters
+                    q = dd8[bi, :, bj].transpose(2, 3, 0, 4, 1, 5)
+                    if bi == bj == 0:
+                        d6[:, :th, :, :tw] = q
+                    else:
+                        d6[:, bi:bi + th, :, bj:bj + tw] += q
+                dx[n0:n0 + n] = dpad[:, ph:ph + H, pw:pw + W].transpose(0, 3, 1, 2)
+            return bias
+        results = self._chunks(N, step, dy.dtype, chunk)
+        if db is not None:
+            self._sum_in_order(db, results)
+        if dw is not None:
+            dur = np.zeros(dwp.shape[1:], dwp.dtype)
+            for part in dwp:      # in chunk order, as the serial loop
+                dur += part
+            dw += winograd.weight_grad(dur)
+
     # -- numpy 2-D, few input channels: channel-major columns -----------------------------
     # With 1-3 channels a channel-last copy moves runs of only kw*C values; the
     # classic layout (C*kh*kw, n*OH*OW) (Caffe's rows) copies whole output rows.
@@ -362,9 +566,11 @@ class ConvEngine:
         xpad[:, :, ph:ph + H, pw:pw + W] = x.transpose(1, 0, 2, 3)
         return xpad
 
-    def _cn_im2col(self, ws, x, n):
+    def _cn_im2col(self, ws, x, n, ones=False):
         """col (C*kh*kw, n*OH*OW) of the n images ``x``: kernels/im2col.py's numpy
-        im2col, into this layer's workspace.  Rows whose length in bytes is a multiple
+        im2col, into this layer's workspace; with ``ones`` a last row of ones under it
+        (one group: the bias as one more weight column, its gradient as one more row of
+        the weight gradient's product).  Rows whose length in bytes is a multiple
         of 4 KiB get a cache line of padding after them (a strided view): otherwise
         the GEMMs' loads of successive rows fall on the same cache sets (CIFAR-10
         quick's conv1 chunks of 3 images, rows of 12 KiB: its forward products took
@@ -373,8 +579,12 @@ class ConvEngine:
         xpad = self._cn_padded(ws, x, n)
         step, rows, cols = ws["key"][1], self.C * self.ksize, n * self.P
         ld = _off_4k(step * self.P, x.dtype.itemsize)
-        col = self._buffer(ws, "cn_col", (rows, ld), x.dtype)[:, :cols]
-        return im2col_padded_into(xpad, col, kh, kw, sh, sw, dh, dw, *self.out_spatial)
+        if "cn_col" not in ws:
+            ws["cn_col"] = np.empty((rows + 1, ld), x.dtype)
+            ws["cn_col"][rows] = 1
+        col = ws["cn_col"][:rows + bool(ones), :cols]
+        im2col_padded_into(xpad, col[:rows], kh, kw, sh, sw, dh, dw, *self.out_spatial)
+        return col
 
     def _cn_col2im(self, ws, col, dx, n):
         """dx (n, C, H, W) = col2im(col (C*kh*kw, n*OH*OW)): kernels/im2col.py's."""
@@ -395,9 +605,13 @@ class ConvEngine:
         w3 = w.reshape(G, Og, -1)
         step = self.chunk(N, x.dtype.itemsize, budget, MIN_GEMM_COLUMNS)
         direct = y.flags.c_contiguous
+        ones = bias is not None and G == 1    # the bias in the product (a pass fewer)
+        if ones:
+            w3 = np.concatenate([w3, bias.reshape(1, O, 1).astype(w3.dtype)], axis=2)
+            bias = None
 
         def chunk(ws, n0, n):
-            col = self._cn_im2col(ws, x[n0:n0 + n], n)
+            col = self._cn_im2col(ws, x[n0:n0 + n], n, ones)
             if direct:    # one stacked matmul per group: numpy loops the images in C
                 col4 = col.reshape(G, -1, n, P)
                 y4 = y[n0:n0 + n].reshape(n, G, Og, P)
@@ -421,19 +635,22 @@ class ConvEngine:
         # chunk i's weight-gradient partial in dwp[i]: (G, Og, C/G*kh*kw), or with
         # ``rows`` transposed, (G, C/G*kh*kw, Og)
         rows = self.kernel[1] * (self.C // G) >= CN_DW_ROWS_RUN
+        # one group: the bias gradient as the product's row against a row of ones
+        ones = db is not None and dw is not None and G == 1
         if dw is not None:
-            shape = (G, w3.shape[2], Og) if rows else w3.shape
+            K = w3.shape[2] + ones
+            shape = (G, K, Og) if rows else (G, Og, K)
             dwp = self._dw_parts(-(-N // step), shape, np.result_type(dy.dtype, x.dtype))
         isz = dy.dtype.itemsize
 
         def chunk(ws, n0, n):
-            bias = None if db is None else self._bias_part(dy[n0:n0 + n])
+            bias = None if db is None or ones else self._bias_part(dy[n0:n0 + n])
             if dw is not None and not rows:
                 # one product per image and group, dy (Og, P) in place against the
                 # image's columns, summed over the chunk's images (LeNet's conv1: one
                 # channel, rows of 5 values)
                 d4 = dy[n0:n0 + n].reshape(n, G, Og, P)
-                c4 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n, P)
+                c4 = self._cn_im2col(ws, x[n0:n0 + n], n, ones).reshape(G, -1, n, P)
                 c4 = c4.transpose(0, 2, 3, 1)
                 for g in range(G):
                     np.add.reduce(np.matmul(d4[:, g], c4[g]), axis=0, out=dwp[n0 // step, g])
@@ -453,7 +670,7 @@ class ConvEngine:
                     src = pad
                 dyr = self._buffer(ws, "dyr", (step * P, O), dy.dtype)[:n * P]
                 dyr.reshape(n, P, O)[...] = src.transpose(0, 2, 1)
-                c3 = self._cn_im2col(ws, x[n0:n0 + n], n).reshape(G, -1, n * P)
+                c3 = self._cn_im2col(ws, x[n0:n0 + n], n, ones).reshape(G, -1, n * P)
                 for g in range(G):
                     np.matmul(c3[g], dyr[:, g * Og:(g + 1) * Og], out=dwp[n0 // step, g])
             if dx is not None:
@@ -467,13 +684,17 @@ class ConvEngine:
                 self._cn_col2im(ws, dcol, dx[n0:n0 + n], n)
             return bias
         results = self._chunks(N, step, dy.dtype, chunk)
-        if db is not None:
+        if db is not None and not ones:
             self._sum_in_order(db, results)
         if dw is not None:
             dwr = np.zeros(dwp.shape[1:], dw.dtype)
             for part in dwp:       # in chunk order, as the serial loop
                 dwr += part
-            dw += (dwr.transpose(0, 2, 1) if rows else dwr).reshape(dw.shape)
+            dwr = dwr.transpose(0, 2, 1) if rows else dwr     # (G, Og, K)
+            if ones:
+                db += dwr[0, :, -1]
+                dwr = dwr[:, :, :-1]
+            dw += dwr.reshape(dw.shape)
 
     # -- generic (CuPy, N-D) ------------------------------------------------------------
     def _im2col(self, x):
@@ -484,10 +705,11 @@ class ConvEngine:
         a = (self.kernel, self.pad, self.stride, self.dilation)
         return col2im(col, shape, *a) if self.ns == 2 else col2im_nd(col, shape, *a)
 
-    def forward_generic(self, xp, x, w, y, budget, bias=None):
+    def forward_generic(self, xp, x, w, y, budget, bias=None, keep=False):
         """The reference path every shape and array module can take: im2col from the
         kernels package and one batched GEMM per chunk of images, then the bias over
-        the whole output (``forward`` picks a faster numpy path where one applies)."""
+        the whole output (``forward`` picks a faster numpy path where one applies).
+        It keeps nothing for the backward (``keep`` is accepted as ``forward``'s)."""
         N, G, P, O = x.shape[0], self.G, self.P, self.O
         w3 = w.reshape(G, O // G, -1)
         step = self.chunk(N, x.dtype.itemsize, budget)

@@ -35,7 +35,7 @@ from ..core.blob import Blob
 from ..core.filler import fill
 from .layer import Layer
 from ..proto import caffe_pb2
-from .registry import register_layer
+from .registry import engine_name, register_layer
 
 
 
@@ -186,8 +186,11 @@ class BaseConvolutionLayer(_ConvGeometry):
         e = self.engine
         if (e is None or (e.C, e.O, e.in_spatial, e.out_spatial)
                 != (cin, cout, tuple(sin), tuple(sout))):
+            # engine DEFAULT: 5x5 stride-1 convolutions through Winograd on the CPU
+            # (kernels/winograd.py); engine CAFFE: Caffe's im2col + GEMM everywhere
             self.engine = ConvEngine(cin, cout, self.group, self.kernel, self.pad, self.stride,
-                                     self.dilation, sin, sout)
+                                     self.dilation, sin, sout,
+                                     winograd=engine_name(self.layer_param) != "CAFFE")
         self.engine.tf32 = self.config.tf32
 
     retain_inputs, retain_outputs = None, ()
@@ -217,7 +220,9 @@ class ConvolutionLayer(BaseConvolutionLayer):
             x = self._nd(b.data_for(xp), self.channels, self.in_spatial)
             y = self._nd(t.mutable_data_for(xp), self.num_output, self.out_spatial)
             bias = self.blobs[1].data_for(xp) if self.bias_term else None
-            self.engine.forward(xp, x, w, y, conv_budget(xp), bias=bias)
+            # TRAIN, one bottom: the weight gradient may reuse what the forward made of x
+            self.engine.forward(xp, x, w, y, conv_budget(xp), bias=bias,
+                                keep=self.phase == caffe_pb2.TRAIN and len(bottom) == 1)
 
     def backward_xp(self, xp, top, propagate_down, bottom):
         w = self.blobs[0].data_for(xp)
