@@ -12,6 +12,7 @@ from google.protobuf import text_format
 from minicaffe.core import backend, context
 from minicaffe.engine import offload
 from minicaffe.proto import caffe_pb2
+from test_offload import CHAIN as _CPU_CHAIN
 
 pytestmark = pytest.mark.gpu
 
@@ -150,31 +151,15 @@ def test_recompute_changes_no_number(gpu, monkeypatch, policy, graphs):
     assert tl["summary"]["recompute"] > 0
 
 
-# a chain of recomputable layers: conv2's output made from the data through conv1's,
-# conv1b's and pool1's (offload.through_chain), each made on the way in a place of its
-# own and made again later for its own readers
-CHAIN = """
-name: "chain"
-layer { name: "data" type: "DummyData" top: "data" top: "label"
+# a chain of recomputable layers (test_offload.py's, with filled inputs): conv2's output
+# made from the data through conv1's, conv1b's and pool1's (offload.through_chain), each
+# made on the way in a place of its own and made again later for its own readers
+CHAIN = _CPU_CHAIN.replace(
+    """layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 4 dim: 3 dim: 16 dim: 16 } shape { dim: 4 } } }""",
+    """layer { name: "data" type: "DummyData" top: "data" top: "label"
   dummy_data_param { shape { dim: 16 dim: 3 dim: 32 dim: 32 } shape { dim: 16 }
-    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 3 } } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
-layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
-layer { name: "conv1b" type: "Convolution" bottom: "conv1" top: "conv1b"
-  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
-layer { name: "relu1b" type: "ReLU" bottom: "conv1b" top: "conv1b" }
-layer { name: "pool1" type: "Pooling" bottom: "conv1b" top: "pool1"
-  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
-  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
-layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
-layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
-  pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
-layer { name: "ip" type: "InnerProduct" bottom: "pool2" top: "ip"
-  inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
-"""
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 3 } } }""")
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
