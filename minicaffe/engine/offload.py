@@ -47,7 +47,10 @@ not a branch inside any layer:
   (``RECOMPUTABLE``: convolution, ReLU, pooling, LRN) may be dropped after its last
   forward reader and made again right before its first backward reader instead of
   copied out and back, where the timeline model says that is shorter within the memory
-  (VGG-16's conv1_1: ~3 ms of convolution against ~2 x 60 ms of link);
+  (VGG-16's conv1_1: ~3 ms of convolution against ~2 x 60 ms of link), its recomputed
+  inputs made on the way where that is shorter or keeping them does not fit
+  (``through_chain``), what a recompute takes counted right before its reader's step
+  (``recompute_fits``, ``plan.Buffer.boundary``);
 - **the timeline** (``Timeline``, ``trace_iteration``): CUDA events on the compute and
   both copy streams over one eager forward-backward, for benchmarks/offload.py, with
   ``budget_bound``, the least time any copy schedule could take within a budget.
