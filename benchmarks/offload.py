@@ -6,6 +6,7 @@ offload policy, with PyTorch's ``save_on_cpu(pin_memory=True)`` as the peer, in 
                                  [--policies ALL,CONV] [--vdnn ALL,CONV,DYNAMIC]
                                  [--one-lane ALL,CONV,DYNAMIC]
                                  [--no-recompute ALL,CONV,DYNAMIC]
+                                 [--no-through ALL,CONV,DYNAMIC]
                                  [--no-timeline] [--timeline-steps all|waits]
 
 Each configuration runs in a child process of its own (a clean device: its peak is its
@@ -43,12 +44,13 @@ MODELS = {"vgg16": "models/vgg16/train_val.prototxt",
           "resnet50": "models/resnet50/train_val.prototxt"}
 GiB = float(1 << 30)
 # a child's schedule: lives lengthened (hide_copies), vDNN's lives, one d2h stream
-MODE_LABEL = {"1": "", "0": " vDNN lives", "1L1": " one d2h stream", "1R0": " no recompute"}
+MODE_LABEL = {"1": "", "0": " vDNN lives", "1L1": " one d2h stream", "1R0": " no recompute",
+              "1T0": " no maps made on the way"}
 
 
 # -- one configuration per process ---------------------------------------------------------
 def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, lanes=2,
-                  recompute=True):
+                  recompute=True, through=True):
     from gpu_step import make, synthetic
     from minicaffe.core import backend, context, log
     from minicaffe.engine import offload
@@ -63,6 +65,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, la
     offload.HIDE = hide            # off: the lives of vDNN's points (the schedule before)
     offload.LANES = lanes          # 1: one device->host stream (the schedule of round 2)
     offload.RECOMPUTE = recompute  # off: every offloaded map copied (the schedule before)
+    offload.THROUGH = through      # off: no recompute makes recomputed inputs on the way
     net = synthetic(MODELS[net_name], batch, [3, 224, 224])
     net.offload_param.policy = caffe_pb2.OffloadParameter.Policy.Value(policy)
     net.offload_param.gpu_memory_budget = int(budget)
@@ -99,6 +102,7 @@ def run_minicaffe(net_name, batch, policy, budget, iters, repeats, hide=True, la
         out["kept"] = off.oplan.info.get("kept", 0)
         out["recomputed"] = sum(1 for e in off.oplan.entries if e.recompute is not None)
         out["recomputed_bytes"] = off.oplan.recomputed_bytes
+        out["through"] = sum(1 for v in off.oplan.through.values() if v)
         out.update(moved=off.oplan.moved_bytes, back=off.oplan.returned_bytes,
                    n=len(off.oplan.entries), host=off.oplan.host_bytes,
                    model_ms=off.oplan.info.get("total_s", 0) * 1e3,
@@ -248,7 +252,7 @@ def child(argv):
         net, batch, policy, budget, iters, repeats, hide = argv[1:]
         res = run_minicaffe(net, int(batch), policy, budget, int(iters), int(repeats),
                             hide[0] == "1", 1 if hide.endswith("L1") else 2,
-                            not hide.endswith("R0"))
+                            not hide.endswith("R0"), not hide.endswith("T0"))
     else:
         net, batch, mode, iters, repeats = argv[1:]
         res = run_torch(net, int(batch), mode, int(iters), int(repeats))
@@ -293,6 +297,10 @@ def main():
     ap.add_argument("--no-recompute", default="",
                     help="policies (ALL,CONV,DYNAMIC) also run with every offloaded map "
                          "copied (offload.RECOMPUTE = False), for comparison in the same run")
+    ap.add_argument("--no-through", default="",
+                    help="policies (ALL,CONV,DYNAMIC) also run with no recompute making "
+                         "recomputed inputs on the way (offload.THROUGH = False), for "
+                         "comparison in the same run")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-timeline", action="store_true")
     ap.add_argument("--timeline-steps", default="waits", choices=("all", "waits"))
@@ -323,7 +331,8 @@ def main():
         for policy, budget, label in runs:
             modes = ["1"] + (["0"] if policy in a.vdnn.split(",") else []) + \
                 (["1L1"] if policy in a.one_lane.split(",") else []) + \
-                (["1R0"] if policy in a.no_recompute.split(",") else [])
+                (["1R0"] if policy in a.no_recompute.split(",") else []) + \
+                (["1T0"] if policy in a.no_through.split(",") else [])
             for hide in modes:
                 rows.append((f"minicaffe {label}{MODE_LABEL[hide]}",
                              spawn("minicaffe", name, a.batch, policy, budget, a.iters,
@@ -396,7 +405,9 @@ def print_table(name, batch, rows, bw):
                 line += f"  ({r.get('lanes', 0)} out on the 2nd stream, {r.get('kept', 0)} kept)"
             if r.get("recomputed"):
                 line += (f"  ({r['recomputed']} recomputed, "
-                         f"{r['recomputed_bytes'] / GiB:.2f} GiB)")
+                         f"{r['recomputed_bytes'] / GiB:.2f} GiB"
+                         + (f", {r['through']} through others" if r.get("through") else "")
+                         + ")")
         bb = r.get("budget_bound")
         if bb and bb.get("ms"):
             line += (f"  budget bound {bb['ms']:.1f} ms ({bb['ms'] / r['ms']:.2f}) at "

@@ -106,8 +106,17 @@ def check_plan(op):
         if e.recompute is None:
             continue
         assert e.release is None and e.bwd.start == e.bwd_first and e.fwd.end == e.fwd_end
-        assert offload.recompute_layers(net, e.buf) == e.recompute
+        own = offload.recompute_layers(net, e.buf)
+        assert e.recompute[-len(own):] == own and list(e.recompute) == sorted(e.recompute)
         r = e.bwd_first
+        # the maps made on the way: dropped ones, not in use then, each in a place of
+        # its own live right before step r only (Buffer.boundary)
+        through = op.through.get(id(e), [])
+        assert [t.mem for t in through] == offload.recompute_through(net, e)
+        for t in through:
+            x = by_mem[id(t.mem)]
+            assert x.recompute is not None and not x.bwd.start <= r <= x.bwd.end
+            assert t.boundary and t.start == t.end == r
         for m in offload.recompute_inputs(net, e):
             x = by_mem.get(id(m))
             if x is not None:

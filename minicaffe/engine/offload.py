@@ -47,7 +47,10 @@ not a branch inside any layer:
   (``RECOMPUTABLE``: convolution, ReLU, pooling, LRN) may be dropped after its last
   forward reader and made again right before its first backward reader instead of
   copied out and back, where the timeline model says that is shorter within the memory
-  (VGG-16's conv1_1: ~3 ms of convolution against ~2 x 60 ms of link);
+  (VGG-16's conv1_1: ~3 ms of convolution against ~2 x 60 ms of link), its recomputed
+  inputs made on the way where that is shorter or keeping them does not fit
+  (``through_chain``), what a recompute takes counted right before its reader's step
+  (``recompute_fits``, ``plan.Buffer.boundary``);
 - **the timeline** (``Timeline``, ``trace_iteration``): CUDA events on the compute and
   both copy streams over one eager forward-backward, for benchmarks/offload.py, with
   ``budget_bound``, the least time any copy schedule could take within a budget.
@@ -739,6 +742,12 @@ def _lengthen(plan, entries, times, target, d2h, h2d, scale=1.0, prefetch=True, 
                 e.hold = pick
 
 
+# what keeping, recomputing and lengthening leave free under a budget (at most 1% of
+# it), for what the step allocates outside its plan (the measured peak was 8-13 MiB
+# over the planned one on the H100: docs/offload.md); a plan that needs it for its
+# maps keeps what it has
+BUDGET_MARGIN = 64 << 20
+
 # the ways hide_copies tries: (scale of the times, prefetch, hold, judged by the model)
 HIDE_WAYS = [(1.0, True, True, True), (1.0, True, True, False), (2.0, True, True, False),
              (4.0, True, True, False), (1.0, True, False, False), (1.0, False, True, False)]
@@ -874,6 +883,9 @@ RECOMPUTE = True
 # scale, an in-place ReLU's saved input on the CPU); not Dropout (a new mask), not
 # BatchNorm in training (its running statistics), not data layers
 RECOMPUTABLE = ("Convolution", "ReLU", "Pooling", "LRN")
+# a recompute may make recomputed inputs on the way, in places of their own live only
+# at the recompute (``through_chain``); benchmarks/offload.py turns it off to compare
+THROUGH = True
 
 
 def recompute_layers(net, buf):
@@ -893,14 +905,32 @@ def recompute_layers(net, buf):
     return tuple(layers)
 
 
-def recompute_inputs(net, e):
-    """The data memories the layers that remake ``e`` read (not ``e``'s own)."""
-    out = {}
-    for i in e.recompute:
+def _chain_io(net, layers, own):
+    """(the data memories ``layers`` read that none of them wrote first, those they
+    write other than ``own``), each in order."""
+    made, read = {id(own): own}, {}
+    between = {}
+    for i in layers:
         for b in net.bottom_vecs[i]:
-            if b.data_mem is not e.buf.mem:
-                out[id(b.data_mem)] = b.data_mem
-    return list(out.values())
+            if id(b.data_mem) not in made and id(b.data_mem) not in between:
+                read[id(b.data_mem)] = b.data_mem
+        for t in net.top_vecs[i]:
+            if id(t.data_mem) not in made:
+                between[id(t.data_mem)] = t.data_mem
+    return list(read.values()), list(between.values())
+
+
+def recompute_inputs(net, e):
+    """The data memories the layers that remake ``e`` read (not ``e``'s own, nor the
+    maps those layers make on the way: ``recompute_through``)."""
+    return _chain_io(net, e.recompute, e.buf.mem)[0]
+
+
+def recompute_through(net, e):
+    """The data memories that remaking ``e`` makes on the way (its chain runs their
+    producers first: conv1_1's output when conv1_2's is made from the data), each in a
+    place of its own live only at the recompute (``OffloadPlan.through``)."""
+    return _chain_io(net, e.recompute, e.buf.mem)[1]
 
 
 def redo_workspace(net, e):
@@ -908,6 +938,45 @@ def redo_workspace(net, e):
     gets its own place, live at the recompute only: ``OffloadPlan``)."""
     from .plan import workspace_need
     return sum(workspace_need(net.layers[i], "forward") for i in e.recompute)
+
+
+def redo_bytes(net, e):
+    """Bytes remaking ``e`` takes beside the maps alive then: its producers' cuDNN
+    forward workspaces and the maps it makes on the way (``recompute_through``)."""
+    from .plan import _aligned
+    return redo_workspace(net, e) + sum(_aligned(m.size * m.dtype.itemsize)
+                                        for m in recompute_through(net, e))
+
+
+def boundary_bytes(plan, entries, s):
+    """Bytes of ``plan`` (not split) with ``entries`` alive right before step ``s``'s
+    op, where its recomputes run: every buffer alive at steps s - 1 and s, and those
+    first alive at s that something touches before the op (a copy back starting
+    there, a map made again there) -- not a diff or workspace that step's op is the
+    first to touch (``plan.FIRST_TOUCHED_BY_ITS_STEP``)."""
+    from .plan import FIRST_TOUCHED_BY_ITS_STEP
+    lives = {id(e.buf): e.lives() for e in entries}
+    n = 0
+    for b in plan.buffers:
+        for _, a, z in lives.get(id(b), [(None, b.start, b.end)]):
+            if a < s <= z or (a == s and b.kind not in FIRST_TOUCHED_BY_ITS_STEP):
+                n += b.nbytes
+                break
+    return n
+
+
+def recompute_fits(plan, entries, room):
+    """Whether the lives of ``entries`` (some recomputed) keep within ``room`` bytes of
+    the arena: at every step, and right before each step where maps are made again,
+    with what the recomputes take then (``redo_bytes``)."""
+    net = plan.net
+    if live_bytes_with(plan, entries).max() > room:
+        return False
+    at = collections.defaultdict(int)
+    for x in entries:
+        if x.recompute is not None:
+            at[x.bwd_first] += redo_bytes(net, x)
+    return all(boundary_bytes(plan, entries, s) + n <= room for s, n in at.items())
 
 
 def recompute_lives(net, entries):
@@ -941,7 +1010,34 @@ def recompute_lives(net, entries):
                 x.prefetch, x.on_demand = x.bwd_first, True
             if x.prefetch <= x.hold + 1:
                 return False
+    for e in redo:                 # a map made on the way is a dropped one, not in use then
+        r = e.bwd_first
+        for m in recompute_through(net, e):
+            x = by_mem.get(id(m))
+            if x is None or x.recompute is None or x.bwd_first <= r <= x.bwd_last:
+                return False
     return True
+
+
+def through_chain(net, e, chains, entries):
+    """``e``'s chain (``chains``: entry id -> its own producers) run from the producers
+    of its inputs that are recomputed themselves, until none is left: those maps are
+    made on the way, in places of their own live only at the recompute, instead of
+    living from ``e``'s recompute to their own readers (VGG-16: conv1_2's output made
+    from the data through conv1_1's, which is made again later for conv1_2's
+    backward).  None where no input is recomputed."""
+    by_mem = {id(x.buf.mem): x for x in entries}
+    chain = set(chains[id(e)])
+    while True:
+        more = set()
+        for m in _chain_io(net, sorted(chain), e.buf.mem)[0]:
+            x = by_mem.get(id(m))
+            if x is not None and x is not e and x.recompute is not None and id(x) in chains:
+                more |= set(chains[id(x)])
+        if more <= chain:
+            break
+        chain |= more
+    return tuple(sorted(chain)) if len(chain) > len(chains[id(e)]) else None
 
 
 def choose_recompute(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_BYTES_PER_S,
@@ -954,8 +1050,14 @@ def choose_recompute(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_
     (``simulate``) gets shorter and the planned live bytes, with the recompute's
     workspace at its step, stay within ``target`` (less ``plan.side_bytes``).  VGG-16:
     conv1_1's 3 GiB output comes back by two copies of ~60 ms each or by one 3 ms
-    convolution of the data.  ``force``: every one that can, within ``target``, whatever
-    the model says (the tests' way to recompute much).  Returns how many are
+    convolution of the data.  A map whose producers read a recomputed map may also be
+    made through it (``through_chain``: its producers run first, into a place of its
+    own live only then), where that is shorter or where keeping that input from this
+    recompute to its own readers does not fit (VGG-16 under 12 GiB: conv1_2's output
+    made from the data, with conv1_1's made on the way).  Memory is counted at every
+    step and right before each step that remakes maps (``recompute_fits``).  ``force``:
+    every one that can, within ``target``, whatever the model says, through the
+    longest chain that fits (the tests' way to recompute much).  Returns how many are
     recomputed.  Pure Python."""
     net = plan.net
     first = n_prologue(net)
@@ -985,17 +1087,22 @@ def choose_recompute(plan, entries, times, target, d2h=D2H_BYTES_PER_S, h2d=H2D_
     for e in sorted((e for e in entries if id(e) in chains), key=lambda e: -gain(e)):
         if gain(e) <= 0 and not force:
             break
-        e.recompute = chains[id(e)]
-        if recompute_lives(net, entries):
-            live = live_bytes_with(plan, entries)
-            for x in entries:
-                if x.recompute is not None:
-                    live[x.bwd_first] += redo_workspace(net, x)
-            total = simulate(times, entries, first, d2h, h2d)[0]
-            if live.max() <= room and (total < best - 1e-9 or force):
-                best, kept, n = total, state(), n + 1
+        took = False
+        ways = [chains[id(e)]]
+        if THROUGH:       # (``force``: the longest chains first, for the tests)
+            ways.insert(len(ways) if not force else 0, through_chain(net, e, chains, entries))
+        for chain in ways:
+            if chain is None:
                 continue
-        reset(kept)
+            e.recompute = chain
+            if recompute_lives(net, entries) and recompute_fits(plan, entries, room):
+                total = simulate(times, entries, first, d2h, h2d)[0]
+                if total < best - 1e-9 or force:
+                    best, kept, took = total, state(), True
+            reset(kept)
+            if took and force:
+                break
+        n += took
     reset(kept)
     return n
 
@@ -1026,8 +1133,10 @@ class OffloadPlan:
             self.entries.append(e)
         # a recomputing layer's cuDNN forward workspace: a place of its own, live at the
         # recompute only (its forward step's place is another map's by then)
+        # and the maps it makes on the way (``through_chain``): each a place of its own,
+        # live right before the op of its first reader's step only (``Buffer.boundary``)
         from .plan import Buffer, WorkspaceMemory, workspace_need
-        self.redo_ws = {}
+        self.redo_ws, self.through = {}, {}
         for e in self.entries:
             if e.recompute is None:
                 continue
@@ -1037,8 +1146,14 @@ class OffloadPlan:
                     w = Buffer(WorkspaceMemory(self.net.layers[i], "forward", need),
                                "workspace", f"{self.net.layer_names[i]} (recompute workspace)")
                     w.part, w.start, w.end = "recompute", e.bwd_first, e.bwd_first
+                    w.boundary = True
                     plan.buffers.append(w)
                     self.redo_ws.setdefault(id(e), []).append(w)
+            for m in recompute_through(self.net, e):
+                t = Buffer(m, "data", f"{by_mem[id(m)].names[0]} (made again for {e.name})")
+                t.part, t.start, t.end, t.boundary = "recompute", e.bwd_first, e.bwd_first, True
+                plan.buffers.append(t)
+                self.through.setdefault(id(e), []).append(t)
         plan.place()
         self._releases()
         off = 0
@@ -1077,7 +1192,7 @@ class OffloadPlan:
         """Per step: {'point_fwd', 'wait_out', 'out', 'fetch', 'need', 'recompute'} ->
         entries (the recomputed ones in the order their producers run)."""
         t = collections.defaultdict(lambda: collections.defaultdict(list))
-        for e in sorted(self.entries, key=lambda e: e.recompute[0] if e.recompute else -1):
+        for e in sorted(self.entries, key=lambda e: e.recompute[-1] if e.recompute else -1):
             t[e.first]["point_fwd"].append(e)
             if e.recompute is not None:
                 t[e.bwd_first]["recompute"].append(e)
@@ -1110,10 +1225,13 @@ class OffloadPlan:
         for e in self.entries:
             if e.recompute is not None:
                 ni, _ = step_layer(net, e.bwd_first)
+                through = [t.names[0].split(" (")[0] for t in self.through.get(id(e), ())]
                 out.append(f"  {e.name}: {e.copy_bytes / MiB:.1f} MiB dropped after its "
                            f"forward, recomputed (forward of "
                            f"{'+'.join(repr(net.layer_names[i]) for i in e.recompute)} "
-                           f"again) before '{net.layer_names[ni]}' runs backward, no copy")
+                           f"again) before '{net.layer_names[ni]}' runs backward, no copy"
+                           + (f"; made on the way, in a place of their own: "
+                              f"{', '.join(through)}" if through else ""))
                 continue
             li, _ = step_layer(net, e.d2h_after)
             back = ""
@@ -1131,8 +1249,8 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
     """The OffloadPlan of ``policy`` for ``net``'s training step (a fresh MemoryPlan,
     split).  DYNAMIC needs ``times`` (seconds per step); a budget that even ALL cannot
     meet raises BudgetError.  Unless ``hide`` (default ``HIDE``) is false, then (over
-    ``times`` or ``estimate_times``, within the budget, or within the peak of the plan
-    without it where there is no budget): DYNAMIC keeps on the device what fits
+    ``times`` or ``estimate_times``, within the budget less ``BUDGET_MARGIN``, or within
+    the peak of the plan without it where there is no budget): DYNAMIC keeps on the device what fits
     (``keep_on_device``), maps are recomputed instead of copied where that is shorter
     (``choose_recompute``, unless ``RECOMPUTE`` is false), and the lives of the copied
     ones are lengthened where their copies need it (``hide_copies``).  Pure Python:
@@ -1149,7 +1267,7 @@ def build(net, policy, budget=0, history_sets=1, times=None, hide=None):
     op.info = dict(op.info, lanes=choose_lanes(op.entries, times, first, lazy=True))
     if not (HIDE if hide is None else hide):
         return op
-    limit = max(op.peak, budget or 0)
+    limit = max(op.peak, budget - min(BUDGET_MARGIN, budget // 100) if budget else 0)
     names = [e.name for e in op.entries]
     target = limit
     for _ in range(4):       # the placement may leave gaps the live bytes do not show
@@ -1645,10 +1763,15 @@ class Offloader:
                  for w in ws]
         for w in ws:
             w.mem.bind_device(w.view)
+        through = self.oplan.through.get(id(e), ())
+        for t in through:            # maps made on the way (dropped ones: no contents)
+            t.mem.bind_device(t.view, keep_contents=False)
         try:
             for i in e.recompute:
                 self.forward_again(i)
         finally:
+            for t in through:        # made again later for their own readers
+                t.mem.unbind_device(keep=False)
             for w, old in saved:     # nothing may keep the recompute's view (the arena
                 w.mem.unbind_device()   # must go at a re-plan): the forward's place back
                 if old is not None:

@@ -53,6 +53,11 @@ ALIGN = 256
 CUBLAS_WORKSPACE = 32 << 20
 
 
+# buffer kinds that nothing touches before the op of their first step (the schedule
+# runs no op on them between steps): a boundary buffer may share their place
+FIRST_TOUCHED_BY_ITS_STEP = ("diff", "workspace")
+
+
 def _aligned(n):
     return (int(n) + ALIGN - 1) // ALIGN * ALIGN
 
@@ -100,7 +105,8 @@ class WorkspaceMemory:
 
 class Buffer:
     __slots__ = ("mem", "nbytes", "start", "end", "kind", "names", "offset", "pinned",
-                 "writes", "reads", "bwd_reads", "part", "view", "storage", "layout")
+                 "writes", "reads", "bwd_reads", "part", "view", "storage", "layout",
+                 "boundary")
 
     def __init__(self, mem, kind, name):
         self.mem = mem
@@ -119,13 +125,25 @@ class Buffer:
         self.view = None
         self.storage = None   # FLOAT16/BFLOAT16: held in 2-byte words (reduced_storage)
         self.layout = None    # (N, C, H, W): held channels-last (layout_plan)
+        # live only right before step ``start``'s op, after step ``start - 1``'s (an
+        # offload recompute's workspace and the maps it makes on the way): it shares
+        # memory with what step ``start``'s op alone first writes (``overlaps``)
+        self.boundary = False
 
     def touch(self, step):
         self.start = step if self.start is None else min(self.start, step)
         self.end = step if self.end is None else max(self.end, step)
 
     def overlaps(self, other):
-        return not (self.end < other.start or other.end < self.start)
+        if self.end < other.start or other.end < self.start:
+            return False
+        for a, b in ((self, other), (other, self)):
+            # a buffer alive only before step s's op and a diff or workspace that step
+            # s's op is the first to touch are never alive at once
+            if a.boundary and not b.boundary and b.start == a.start and \
+                    b.part is None and b.kind in FIRST_TOUCHED_BY_ITS_STEP:
+                return False
+        return True
 
 
 def memory_pass(schedule, net, train=True, history_sets=1, share_data=False,
