@@ -140,7 +140,10 @@ def test_recompute_changes_no_number(gpu, monkeypatch, policy, graphs):
     st = s.gpu_step
     redone = {e.name for e in st.offload.oplan.entries if e.recompute is not None}
     print("recomputed:", sorted(redone), "fused pairs:", s.net.fusions)
-    assert "conv1" in redone
+    # ALL offloads every map, so every recomputable one is recomputed; DYNAMIC offloads
+    # only what its budget needs, which depends on the timed steps (in the whole GPU suite
+    # on the H100 it offloaded 'a' alone, not conv1): at least one map is recomputed
+    assert "conv1" in redone if policy == "ALL" else redone
     if graphs:
         assert st.graphs, "nothing was captured"
     for a, b in zip(_weights(ref), _weights(s)):
