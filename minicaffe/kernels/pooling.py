@@ -275,7 +275,7 @@ def _small_uint(limit):
     return np.uint64
 
 
-def _max_fwd_fast(x, P, out=None):
+def _max_fwd_fast(x, P, out=None, mask_out=None):
     """MAX forward on phase planes.  The first maximum in Caffe's scan order is
     found without masked copies: each offset ``k`` (row-major) contributes
     ``(x_k == y) * (K - k)`` to a running integer maximum, so the winner is the
@@ -299,15 +299,23 @@ def _max_fwd_fast(x, P, out=None):
         np.multiply(eq, kdt(K - k), out=tmp)
         np.maximum(rank, tmp, out=rank)
     yc = P.crop(y, out)
-    table = np.full(K + 1, -1, dtype=np.int32)       # rank K - k -> i*W + j
-    for k, (i, j, a, b, s) in enumerate(offs):
-        table[K - k] = i * P.W + j
-    mask = np.take(table, P.crop(rank))
+    # the offset k = K - rank as i*W + j = k + (k // kw) * (W - kw), in int32 arithmetic
+    # (np.take through a table made an intp copy of the ranks and, with ``out``, a copy
+    # of it: 5.3 MB of temporaries for half of CIFAR-10 quick's pool1, which glibc took
+    # from and gave back to the system on every call: page faults and TLB flushes)
+    shape = (P.N, P.C, P.PH, P.PW)
+    mask = np.empty(shape, np.int32) if mask_out is None else mask_out
+    np.subtract(np.int32(K), P.grid(rank)[:, :, :P.PH, :P.PW], out=mask, dtype=np.int32)
+    row = _scratch("row", shape, np.int32)
+    np.floor_divide(mask, np.int32(P.kw), out=row)
+    np.multiply(row, np.int32(P.W - P.kw), out=row)
+    mask += row
     base = ((np.arange(P.PH) * P.sh - P.ph)[:, None] * P.W
             + (np.arange(P.PW) * P.sw - P.pw)[None, :]).astype(np.int32)
     mask += base
-    none = ~(yc > floor)
-    if none.any():
+    none = np.greater(yc, floor, out=_scratch("none", shape, bool))
+    np.logical_not(none, out=none)
+    if none.any():     # rank 0 (no offset equal to y) only here: y is the floor
         np.copyto(mask, np.int32(-1), where=none)
     return yc, mask
 
@@ -409,20 +417,22 @@ def max_pool_forward(x, kernel, stride=1, pad=0, out=None, mask_out=None):
         y, mask = _max_fwd_cupy(x, *g, out=out, mask_out=mask_out)
         return _to(out, y), mask
     pool, parts = _batch_parts(g[0], _work(g))
-    if pool is not None:
+    if pool is not None:   # each part writes its images' y and mask in place (no concat)
         y = _whole(out, (g[0], g[1], g[10], g[11]), x.dtype)
-        masks = _in_parts(pool, parts, lambda a, b: _max_fwd_numpy(
-            x[a:b], _geom(x[a:b].shape, kernel, stride, pad), y[a:b])[1])
-        return _to(out, y), np.concatenate(masks)
+        mask = np.empty(y.shape, np.int32)
+        _in_parts(pool, parts, lambda a, b: _max_fwd_numpy(
+            x[a:b], _geom(x[a:b].shape, kernel, stride, pad), y[a:b], mask[a:b]))
+        return _to(out, y), mask
     return _max_fwd_numpy(x, g, out)
 
 
-def _max_fwd_numpy(x, g, out):
+def _max_fwd_numpy(x, g, out, mask_out=None):
+    """(y, mask); ``mask_out`` (contiguous int32, optional) receives the mask."""
     P = _Phase(*g)
     if P.ok() and _direct(out, (P.N, P.C, P.PH, P.PW), x.dtype):
-        return _max_fwd_fast(x, P, out)
+        return _max_fwd_fast(x, P, out, mask_out)
     y, mask = _max_fwd_general(x, *g)
-    return _to(out, y), mask
+    return _to(out, y), _to(mask_out, mask)
 
 
 def _max_fwd_general(x, *g):
@@ -492,10 +502,14 @@ def _index_backward_dispatch(dy, mask, x_shape, out=None):
 
 def _index_backward_addat(dy, mask, x_shape, out=None):
     N, C, H, W = (int(v) for v in x_shape)
-    idx = np.asarray(mask).astype(np.intp)          # a copy: modified below
-    if idx.shape != dy.shape or idx.ndim != 4 or idx.shape[:2] != (N, C):
-        raise ValueError(f"dy {dy.shape} / mask {idx.shape} do not match x_shape {x_shape}")
-    invalid = idx < 0
+    mask = np.asarray(mask)
+    if mask.shape != dy.shape or mask.ndim != 4 or mask.shape[:2] != (N, C):
+        raise ValueError(f"dy {dy.shape} / mask {mask.shape} do not match x_shape {x_shape}")
+    # per-thread scratch for the intp indices (a fresh 3.3 MB array per call for half of
+    # CIFAR-10 quick's pool1 went back to the system each time, as in _max_fwd_fast)
+    idx = _scratch("addat_idx", mask.shape, np.intp)
+    np.copyto(idx, mask, casting="unsafe")
+    invalid = np.less(idx, 0, out=_scratch("addat_invalid", mask.shape, bool))
     idx += (np.arange(N * C, dtype=np.intp) * (H * W)).reshape(N, C, 1, 1)
     idx, vals = idx.reshape(-1), dy.reshape(-1)
     if invalid.any():                               # -1: nothing selected, nothing routed

@@ -84,6 +84,35 @@ def test_pooling_in_the_kernel_pool_is_bit_identical_to_one_thread(k, stride, pa
         assert serial.dtype == pooled.dtype and np.array_equal(serial, pooled)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_max_pooling_makes_no_mask_sized_temporaries(n):
+    """numpy MAX pooling (CIFAR-10 quick's pool1 shape), on one thread and split over
+    two: after a first call (which makes the per-thread scratch), a forward allocates
+    its result mask and nothing else of that order, a backward into a given ``out``
+    nothing of it (tracemalloc's peak).  Fresh temporaries of several MB per call went
+    back to the system each step with two threads (docs/performance.md)."""
+    import tracemalloc
+    from minicaffe.kernels import pooling
+    x = np.random.RandomState(5).randn(100, 32, 32, 32).astype(np.float32)
+    y = np.empty((100, 32, 16, 16), np.float32)
+    dx = np.empty_like(x)
+    try:
+        threads.set_kernel_threads(n)
+        for _ in range(2):
+            tracemalloc.start()
+            _, mask = pooling.max_pool_forward(x, 3, 2, out=y)
+            forward = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            tracemalloc.start()
+            pooling.max_pool_backward(y, mask, x.shape, out=dx)
+            backward = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    finally:
+        threads.set_kernel_threads(1)
+    assert forward < 1.2 * mask.nbytes, (forward, mask.nbytes)
+    assert backward < 0.2 * mask.nbytes, (backward, mask.nbytes)
+
+
 def test_cifar10_quick_training_steps_with_two_threads_match_one_thread(monkeypatch):
     """The public switch (``set_num_threads``, as ``--threads 2``): the same weights
     after three solver steps of CIFAR-10 quick, convolutions and poolings split."""
