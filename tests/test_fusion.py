@@ -124,7 +124,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def test_the_pass_takes_the_relu_after_batchnorm_and_scale_as_a_third_layer():
+def test_the_pass_takes_the_relu_after_batchnorm_and_scale_as_a_third_layer(
+        monkeypatch):
     layers = _layers(BN_RELU)
     found = [(layers[i].name, kind.type, kind.size)
              for i, kind in find_fusions(layers, lambda i: "CUDNN")]
@@ -140,6 +141,11 @@ def test_the_pass_takes_the_relu_after_batchnorm_and_scale_as_a_third_layer():
                                  '"ReLU" bottom: "conv" top: "conv" loss_weight: 1 }')):
         assert [(layers[i].name, kind.type) for i, kind in
                 find_fusions(_layers(text), lambda i: "CUDNN")] == [("bn", "BatchNorm+Scale")]
+    # MINICAFFE_FUSE_BN_RELU=0: the pair, the ReLU apart
+    monkeypatch.setenv("MINICAFFE_FUSE_BN_RELU", "0")
+    assert [(layers[i].name, kind.type) for i, kind in
+            find_fusions(layers, lambda i: "CUDNN")] == [("bn", "BatchNorm+Scale")]
+    monkeypatch.delenv("MINICAFFE_FUSE_BN_RELU")
     # none with global statistics, nor on Caffe's engine
     stats = BN_RELU.replace('top: "conv" }\nlayer { name: "scale"',
                             'top: "conv" batch_norm_param { use_global_stats: true } }\n'

@@ -149,9 +149,9 @@ def channel_sum(dy, out, partial, s):
 # 1. ``mc_bn16v_sums``: each thread owns V adjacent channels (one 16-byte load of V = 8
 #    2-byte words per row where C allows) and a fixed set of rows of its block's chunk;
 #    it sums groups of U rows in fp32 registers and adds each group into float64; the
-#    block's rows are summed in a fixed order in shared memory and written as the chunk's
+#    block's rows are summed by a tree of fixed shape in shared memory, written as the chunk's
 #    partial; the last block of a column of chunks (an atomic count, reset after use)
-#    sums the chunks in a fixed order (lanes of fixed chunks, then a fixed tree) and
+#    sums the chunks in a fixed order (lanes of fixed chunks, then the lanes in order) and
 #    writes the statistics (forward) or the gradient sums (backward): deterministic;
 # 2. ``mc_bn16v_fwd`` / ``mc_bn16v_bwd``: one element-wise pass, the channel's parameters
 #    in registers, U independent 16-byte loads in flight per thread.
@@ -265,13 +265,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_sums(
 #pragma unroll
   for (int k = 0; k < MC_V; ++k) { sa[k * MC_TPB + tid] = a[k]; sb[k * MC_TPB + tid] = b[k]; }
   __syncthreads();
-  if (ty == 0 && cv < CV) {
-    for (int t = 1; t < by; ++t) {
+  // the block's rows: a tree of fixed shape over ty (row ty + h into row ty)
+  int h = 1;
+  while (h < by) h <<= 1;
+  for (h >>= 1; h > 0; h >>= 1) {
+    if (ty < h && ty + h < by) {
 #pragma unroll
       for (int k = 0; k < MC_V; ++k) {
-        a[k] += sa[k * MC_TPB + t * bx + tx]; b[k] += sb[k * MC_TPB + t * bx + tx];
+        a[k] += sa[k * MC_TPB + tid + h * bx]; b[k] += sb[k * MC_TPB + tid + h * bx];
+        sa[k * MC_TPB + tid] = a[k]; sb[k * MC_TPB + tid] = b[k];
       }
     }
+    __syncthreads();
+  }
+  if (ty == 0 && cv < CV) {
 #pragma unroll
     for (int k = 0; k < MC_V; ++k) {
       p1[(long long)blockIdx.y * C + cv * MC_V + k] = a[k];
@@ -292,11 +299,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_sums(
   for (int base = 0; base < nc; base += per) {
     const int j = base + tid % per, l = tid / per;
     double s1 = 0.0, s2 = 0.0;
-    if (j < nc && l < L) {
-      for (int k = l; k < chunks; k += L) {
-        s1 += __ldcg(p1 + (long long)k * C + c_lo + j);
-        s2 += __ldcg(p2 + (long long)k * C + c_lo + j);
+    if (j < nc && l < L) {      // four running sums of fixed chunks, loads in flight
+      const double* q1 = p1 + c_lo + j;
+      const double* q2 = p2 + c_lo + j;
+      double a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+      int k = l;
+      for (; k + 3 * L < chunks; k += 4 * L) {
+        a0 += __ldcg(q1 + (long long)k * C); a1 += __ldcg(q1 + (long long)(k + L) * C);
+        a2 += __ldcg(q1 + (long long)(k + 2 * L) * C);
+        a3 += __ldcg(q1 + (long long)(k + 3 * L) * C);
+        b0 += __ldcg(q2 + (long long)k * C); b1 += __ldcg(q2 + (long long)(k + L) * C);
+        b2 += __ldcg(q2 + (long long)(k + 2 * L) * C);
+        b3 += __ldcg(q2 + (long long)(k + 3 * L) * C);
       }
+      for (; k < chunks; k += L) {
+        a0 += __ldcg(q1 + (long long)k * C); b0 += __ldcg(q2 + (long long)k * C);
+      }
+      s1 = (a0 + a1) + (a2 + a3); s2 = (b0 + b1) + (b2 + b3);
     }
     __syncthreads();
     sa[tid] = s1; sb[tid] = s2;
@@ -408,9 +427,10 @@ _SMS = 132          # blocks of the sums pass: about two per SM of an H100
 
 def _bn16_geometry(M, C, V):
     """(block (tx, ty), column blocks, chunks of rows, rows per chunk, apply's row blocks)
-    for V channels per thread: 256 threads, at most 64 channel vectors across."""
+    for V channels per thread: 256 threads, at most 8 channel vectors across (a column
+    of blocks covers 64 channels: its last block sums few partials)."""
     cv = C // V
-    tx = min(cv, 64)
+    tx = min(cv, 8)
     ty = max(1, 256 // tx)
     gx = -(-cv // tx)
     chunks = max(1, min(-(-2 * _SMS // gx), -(-M // (ty * 16))))

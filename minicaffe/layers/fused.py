@@ -29,6 +29,7 @@ cuDNN does not run for this shape, a Scale that is not per channel) runs the fir
 layer's own body and the Net runs the others as usual.  The CPU runs every group one
 layer after the other (``FusedPair.forward_cpu``/``backward_cpu`` say so in code).
 """
+from ..core import config
 from ..core.errors import MinicaffeError
 from ..proto import caffe_pb2
 
@@ -181,8 +182,10 @@ def find_fusions(layer_params, engine_of, use_global_stats=None, per_channel=Non
     (``layer_params``: its LayerParameters, after the splits); ``engine_of(i)``: 'CAFFE'
     or 'CUDNN', the engine layer i was (or would be) built with; ``use_global_stats(i)``: whether BatchNorm i normalises with its global
     statistics, ``per_channel(i)``: whether Scale i is a learned per-channel scale of one
-    bottom (defaults: as the parameters and phase say)."""
+    bottom (defaults: as the parameters and phase say).  MINICAFFE_FUSE_BN_RELU=0: no
+    BatchNorm+Scale+ReLU (the pair, then the ReLU apart)."""
     out = []
+    bn_relu = config.env("MINICAFFE_FUSE_BN_RELU")
     i = 0
     while i + 1 < len(layer_params):
         a, b = layer_params[i], layer_params[i + 1]
@@ -212,7 +215,7 @@ def find_fusions(layer_params, engine_of, use_global_stats=None, per_channel=Non
                                 else a.phase == caffe_pb2.TEST)
             if not global_stats:
                 kind = BatchNormScale
-                if i + 2 < len(layer_params) and \
+                if bn_relu and i + 2 < len(layer_params) and \
                         _relu_in_place(layer_params[i + 2], a.top[0]) and \
                         not any(layer_params[i + 2].loss_weight):
                     kind = BatchNormScaleReLU
