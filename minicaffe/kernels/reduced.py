@@ -395,7 +395,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_bwd(
     mc_pack px[MC_U], pd[MC_U];
 #pragma unroll
     for (int j = 0; j < MC_U; ++j)
-      if (r + j * S < M) { px[j].v = x[(r + j * S) * CV + cv]; pd[j].v = dy[(r + j * S) * CV + cv]; }
+      if (r + j * S < M) {
+        px[j].v = x[(r + j * S) * CV + cv];
+        pd[j].v = dy[(r + j * S) * CV + cv];
+      }
 #pragma unroll
     for (int j = 0; j < MC_U; ++j) {
       if (r + j * S < M) {

@@ -180,9 +180,10 @@ def _relu_in_place(lp, name):
 def find_fusions(layer_params, engine_of, use_global_stats=None, per_channel=None):
     """[(first index, fused type covering ``size`` layers)] of a net's layers
     (``layer_params``: its LayerParameters, after the splits); ``engine_of(i)``: 'CAFFE'
-    or 'CUDNN', the engine layer i was (or would be) built with; ``use_global_stats(i)``: whether BatchNorm i normalises with its global
-    statistics, ``per_channel(i)``: whether Scale i is a learned per-channel scale of one
-    bottom (defaults: as the parameters and phase say).  MINICAFFE_FUSE_BN_RELU=0: no
+    or 'CUDNN', the engine layer i was (or would be) built with; ``use_global_stats(i)``:
+    whether BatchNorm i normalises with its global statistics, ``per_channel(i)``: whether
+    Scale i is a learned per-channel scale of one bottom (defaults: as the parameters and
+    phase say).  MINICAFFE_FUSE_BN_RELU=0: no
     BatchNorm+Scale+ReLU (the pair, then the ReLU apart)."""
     out = []
     bn_relu = config.env("MINICAFFE_FUSE_BN_RELU")
