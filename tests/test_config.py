@@ -21,6 +21,7 @@ BAD = {
     "MINICAFFE_CUDNN_WORKSPACE_LIMIT": "lots",
     "MINICAFFE_CHANNELS_LAST": "sideways",
     "MINICAFFE_CONV_GEMM": "sometimes",
+    "MINICAFFE_FUSE_BN_RELU": "halfway",
     "MINICAFFE_CUDNN_LIBRARY": "/no/such/libcudnn.so.9",
     "MINICAFFE_GPU_ALLOCATOR": "magic",
     "MINICAFFE_DECODE_THREADS": "-3",

@@ -304,7 +304,7 @@ def test_batchnorm_applies_the_following_scale_itself(gpu):
         finally:
             options.set_cudnn(old)
         assert [(f.type, f.names) for f in net.fusions] == \
-            ([("BatchNorm+Scale", ("bn", "scale"))] if use else [])
+            ([("BatchNorm+Scale+ReLU", ("bn", "scale", "relu"))] if use else [])
         assert net.layers[-4].type == "BatchNorm"
         # the BatchNorm reads the convolution's output from a blob of its own, whatever
         # the engine (the blob names are the same on every device)

@@ -136,7 +136,8 @@ def fused_types(layers, phase=None):
 
     out = {}
     for i, kind in find_fusions(layers, engine_of, use_global_stats):
-        out[layers[i].name] = out[layers[i + 1].name] = kind.type
+        for layer in layers[i:i + kind.size]:
+            out[layer.name] = kind.type
     return out
 
 

@@ -100,6 +100,9 @@ VARIABLES = {
     "MINICAFFE_CONV_GEMM": (_bool, "1/0, true/false, yes/no, on/off", None,
                             "1x1 convolutions in channels-last as cuBLAS GEMMs: always (1), "
                             "never (0); unset: where timed faster than cuDNN"),
+    "MINICAFFE_FUSE_BN_RELU": (_bool, "1/0, true/false, yes/no, on/off", True,
+                               "the fused type BatchNorm+Scale+ReLU (on by default; 0: "
+                               "BatchNorm+Scale, then the ReLU apart)"),
     "MINICAFFE_CUDNN_LIBRARY": (_file, "the path of an existing libcudnn.so file", None,
                                 "the cuDNN library to load first"),
     "MINICAFFE_GPU_ALLOCATOR": (_allocator, "async or default", "async",

@@ -328,7 +328,7 @@ class MemoryPlan:
         for i, layer in enumerate(net.layers):
             bot, top = net.bottom_vecs[i], net.top_vecs[i]
             f, role = _fusion(net, i)
-            kept = self.train and not (role == 1 and not f.second_backward_runs)
+            kept = self.train and not (role and not f.second_backward_runs)
             st = int(layer.state_bytes(bot, top)) if kept else 0
             self.state_bytes += st
             data = sum(t.data_mem.size * P.ITEMSIZE[self.storage.get(id(t.data_mem), P.FLOAT)]

@@ -168,7 +168,7 @@ def native_storage(net, i):
         fusion_of = getattr(net, "fusion_of", None)
         if not ok and fusion_of is not None:    # the second layer of a pair with a body
             f, role = fusion_of(i)                 # of its own (BatchNorm+Scale)
-            ok = role == 1 and bool(getattr(f, "reduced_body", False))
+            ok = bool(role) and bool(getattr(f, "reduced_body", False))
     else:
         rule = NATIVE.get(lt.type)
         ok = rule is not None and rule(net.net_param.layer[i])

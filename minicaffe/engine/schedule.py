@@ -120,33 +120,40 @@ def compile_iteration(net, iter_size=1):
 
 
 def fusion_pass(schedule, net):
-    """Each fused pair of ``net`` (``Net.fusions``) as one forward op and, where the pair
-    fuses its backward, one backward op."""
+    """Each fused group of ``net`` (``Net.fusions``: a pair, or BatchNorm+Scale+ReLU) as
+    one forward op and, where the group fuses its backward, one backward op."""
     fusions = {f.index: f for f in getattr(net, "fusions", ())}
     if not fusions:
         return schedule
+    ends = {f.index + f.size - 1: f for f in fusions.values()}
     out = []
     ops = schedule.ops
     k = 0
     while k < len(ops):
         op = ops[k]
-        nxt = ops[k + 1] if k + 1 < len(ops) else None
-        if op.kind == "forward" and op.index in fusions and nxt is not None and \
-                nxt.kind == "forward" and nxt.index == op.index + 1:
-            f = fusions[op.index]
-            out.append(Op("forward", op.index, "+".join(f.names), f.type, op.index + 1))
-            k += 2
+        f = fusions.get(op.index)
+        if op.kind == "forward" and f is not None and \
+                _runs(ops[k:k + f.size], "forward", range(op.index, op.index + f.size)):
+            out.append(Op("forward", op.index, "+".join(f.names), f.type,
+                          op.index + f.size - 1))
+            k += f.size
             continue
-        if op.kind == "backward" and op.index - 1 in fusions and nxt is not None and \
-                nxt.kind == "backward" and nxt.index == op.index - 1 and \
-                fusions[op.index - 1].fuses_backward:
-            f = fusions[op.index - 1]
-            out.append(Op("backward", op.index - 1, "+".join(f.names), f.type, op.index))
-            k += 2
+        f = ends.get(op.index)
+        if op.kind == "backward" and f is not None and f.fuses_backward and \
+                _runs(ops[k:k + f.size], "backward", range(op.index, f.index - 1, -1)):
+            out.append(Op("backward", f.index, "+".join(f.names), f.type, op.index))
+            k += f.size
             continue
         out.append(op)
         k += 1
     return Schedule(out, schedule.passes + ["fusion"])
+
+
+def _runs(ops, kind, indices):
+    """True when ``ops`` are ops of ``kind`` on exactly the layers ``indices``, in order."""
+    indices = list(indices)
+    return len(ops) == len(indices) and all(
+        o.kind == kind and o.index == i and o.last < 0 for o, i in zip(ops, indices))
 
 
 def op_steps(net, op):
@@ -195,7 +202,7 @@ def _backward_reads(net, i):
     layer, bot, top = net.layers[i], net.bottom_vecs[i], net.top_vecs[i]
     fusion_of = getattr(net, "fusion_of", None)
     f, role = fusion_of(i) if fusion_of is not None else (None, None)
-    if role == 1 and not f.second_backward_runs:
+    if role and not f.second_backward_runs:
         return (), ()
     rb, rt = retained(layer, bot, top)
     if role == 0 and f.retain_outputs:

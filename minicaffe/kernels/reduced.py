@@ -145,128 +145,364 @@ def channel_sum(dy, out, partial, s):
 
 # -- training batch norm on channels-last 2-byte maps (x, y, dy, dx: [M = N*H*W, C]) -------
 # cuDNN's legacy batch norm is fast on NCHW only (benchmarks/bn_layout.py): these kernels
-# are its channels-last counterpart.  Per-channel sums in float64 over fixed row chunks,
-# then a fixed-order sum of the chunks (deterministic), then one element-wise pass.
-_BN16 = r"""
-extern "C" __global__ void mc_bn16_partial(const unsigned short* x, const unsigned short* dy,
-    long long M, int C, long long rows, const float* mean, const float* inv, double* p1,
-    double* p2, int mode) {
-  __shared__ double sa[8][33], sb[8][33];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int c = blockIdx.x * 32 + tx;
+# are its channels-last counterpart, two passes over the map per direction:
+# 1. ``mc_bn16v_sums``: each thread owns V adjacent channels (one 16-byte load of V = 8
+#    2-byte words per row where C allows) and a fixed set of rows of its block's chunk;
+#    it sums groups of U rows in fp32 registers and adds each group into float64; the
+#    block's rows are summed by a tree of fixed shape in shared memory, written as the chunk's
+#    partial; the last block of a column of chunks (an atomic count, reset after use)
+#    sums the chunks in a fixed order (lanes of fixed chunks, then the lanes in order) and
+#    writes the statistics (forward) or the gradient sums (backward): deterministic;
+# 2. ``mc_bn16v_fwd`` / ``mc_bn16v_bwd``: one element-wise pass, the channel's parameters
+#    in registers, U independent 16-byte loads in flight per thread.
+# ``relu``: the ReLU after the affine batch norm fused in (fused type BatchNorm+Scale+ReLU,
+# layers/fused.py): forward y = max(gamma x_hat + beta, 0) rounded as the ReLU of the stored
+# value would be; backward masks dy where that stored y is not > 0 (a non-finite dy kept,
+# as the ReLU's own backward does), recomputing y from x with the forward's arithmetic.
+_BN16V = r"""
+#if MC_V == 8
+typedef uint4 mc_vec;
+#elif MC_V == 4
+typedef uint2 mc_vec;
+#elif MC_V == 2
+typedef unsigned int mc_vec;
+#else
+typedef unsigned short mc_vec;
+#endif
+#define MC_U (MC_V >= 8 ? 4 : 8)
+#define MC_TPB 256
+union mc_pack { mc_vec v; unsigned short h[MC_V]; };
+
+__device__ __forceinline__ unsigned short mc_store(float v) {
+#if MC_BF16
+  const unsigned int u = __float_as_uint(v);
+  return ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
+       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#else
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+#endif
+}
+#if MC_BF16
+#define MC_PINF 0x7f80u
+#else
+#define MC_PINF 0x7c00u
+#endif
+// the stored word of ReLU(y): kept where y > 0 or NaN (the ReLU's rule), else +0
+__device__ __forceinline__ unsigned short mc_relu16(unsigned short h) {
+  return ((h != 0 && h <= MC_PINF) || (h & 0x7fffu) > MC_PINF) ? h : (unsigned short)0;
+}
+// the ReLU's backward on the stored y (> 0), a non-finite dy kept
+__device__ __forceinline__ float mc_relu_grad(unsigned short h, float d) {
+  return ((h != 0 && h <= MC_PINF) ||
+          (__float_as_uint(d) & 0x7f800000u) == 0x7f800000u) ? d : 0.0f;
+}
+
+// mode 0: sums of x and x^2, then mean, 1/sqrt(var + eps), and for Caffe's running sums
+// the mean and the unbiased variance (o1..o4); mode 1: sums of dy and dy x_hat (o1, o2)
+// and the parameters' gradients (added into, or written over: acc); mode 2: mode 1 with
+// dy masked by the fused ReLU (g, bt: the affine parameters)
+extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_sums(
+    const mc_vec* __restrict__ x, const mc_vec* __restrict__ dy, long long M, int C,
+    long long rows, const float* __restrict__ mean, const float* __restrict__ inv,
+    const float* __restrict__ g, const float* __restrict__ bt, double* p1, double* p2,
+    unsigned int* count, double eps, float* o1, float* o2, float* o3, float* o4,
+    float* dgamma, float* dbeta, int mode, int acc) {
+  __shared__ double sa[MC_V * MC_TPB], sb[MC_V * MC_TPB];
+  __shared__ int last;
+  const int CV = C / MC_V;
+  const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
+  const int nt = bx * by, tid = ty * bx + tx;
+  const int cv = blockIdx.x * bx + tx;
   const long long r0 = (long long)blockIdx.y * rows;
   const long long r1 = min(M, r0 + rows);
-  double a = 0, b = 0;
-  if (c < C) {
-    const float m = mode ? mean[c] : 0.0f, iv = mode ? inv[c] : 0.0f;
-    for (long long r = r0 + ty; r < r1; r += 8) {
-      const float v = mc_load(x[r * C + c]);
-      if (mode == 0) { a += (double)v; b += (double)v * (double)v; }
-      else { const float d = mc_load(dy[r * C + c]); a += (double)d;
-             b += (double)d * (double)((v - m) * iv); }
+  double a[MC_V], b[MC_V];
+#pragma unroll
+  for (int k = 0; k < MC_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
+  if (cv < CV) {
+    float m[MC_V], iv[MC_V], gg[MC_V], be[MC_V];
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) {
+      m[k] = mode ? mean[cv * MC_V + k] : 0.0f;
+      iv[k] = mode ? inv[cv * MC_V + k] : 0.0f;
+      gg[k] = mode == 2 ? g[cv * MC_V + k] : 0.0f;
+      be[k] = mode == 2 ? bt[cv * MC_V + k] : 0.0f;
+    }
+    for (long long r = r0 + ty; r < r1; r += (long long)by * MC_U) {
+      float fa[MC_V], fb[MC_V];
+#pragma unroll
+      for (int k = 0; k < MC_V; ++k) { fa[k] = 0.0f; fb[k] = 0.0f; }
+      mc_pack px[MC_U], pd[MC_U];
+#pragma unroll
+      for (int j = 0; j < MC_U; ++j) {
+        const long long rr = r + (long long)j * by;
+        if (rr < r1) {
+          px[j].v = x[rr * CV + cv];
+          if (mode) pd[j].v = dy[rr * CV + cv];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < MC_U; ++j) {
+        if (r + (long long)j * by < r1) {
+#pragma unroll
+          for (int k = 0; k < MC_V; ++k) {
+            const float v = mc_load(px[j].h[k]);
+            if (mode == 0) { fa[k] += v; fb[k] += v * v; }
+            else {
+              const float xh = (v - m[k]) * iv[k];
+              float d = mc_load(pd[j].h[k]);
+              if (mode == 2) d = mc_relu_grad(mc_store(xh * gg[k] + be[k]), d);
+              fa[k] += d; fb[k] += d * xh;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < MC_V; ++k) { a[k] += (double)fa[k]; b[k] += (double)fb[k]; }
     }
   }
-  sa[ty][tx] = a; sb[ty][tx] = b;
+#pragma unroll
+  for (int k = 0; k < MC_V; ++k) { sa[k * MC_TPB + tid] = a[k]; sb[k * MC_TPB + tid] = b[k]; }
   __syncthreads();
-  if (ty == 0 && c < C) {
-    for (int k = 1; k < 8; ++k) { a += sa[k][tx]; b += sb[k][tx]; }
-    p1[(long long)blockIdx.y * C + c] = a;
-    p2[(long long)blockIdx.y * C + c] = b;
+  // the block's rows: a tree of fixed shape over ty (row ty + h into row ty)
+  int h = 1;
+  while (h < by) h <<= 1;
+  for (h >>= 1; h > 0; h >>= 1) {
+    if (ty < h && ty + h < by) {
+#pragma unroll
+      for (int k = 0; k < MC_V; ++k) {
+        a[k] += sa[k * MC_TPB + tid + h * bx]; b[k] += sb[k * MC_TPB + tid + h * bx];
+        sa[k * MC_TPB + tid] = a[k]; sb[k * MC_TPB + tid] = b[k];
+      }
+    }
+    __syncthreads();
+  }
+  if (ty == 0 && cv < CV) {
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) {
+      p1[(long long)blockIdx.y * C + cv * MC_V + k] = a[k];
+      p2[(long long)blockIdx.y * C + cv * MC_V + k] = b[k];
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // the last block of this column: the chunks' sums per channel in a fixed order
+  const int c_lo = blockIdx.x * bx * MC_V;
+  const int nc = min(C, c_lo + bx * MC_V) - c_lo;
+  const int L = nc >= nt ? 1 : nt / nc, per = nt / L;
+  const int chunks = gridDim.y;
+  for (int base = 0; base < nc; base += per) {
+    const int j = base + tid % per, l = tid / per;
+    double s1 = 0.0, s2 = 0.0;
+    if (j < nc && l < L) {      // four running sums of fixed chunks, loads in flight
+      const double* q1 = p1 + c_lo + j;
+      const double* q2 = p2 + c_lo + j;
+      double a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+      int k = l;
+      for (; k + 3 * L < chunks; k += 4 * L) {
+        a0 += __ldcg(q1 + (long long)k * C); a1 += __ldcg(q1 + (long long)(k + L) * C);
+        a2 += __ldcg(q1 + (long long)(k + 2 * L) * C);
+        a3 += __ldcg(q1 + (long long)(k + 3 * L) * C);
+        b0 += __ldcg(q2 + (long long)k * C); b1 += __ldcg(q2 + (long long)(k + L) * C);
+        b2 += __ldcg(q2 + (long long)(k + 2 * L) * C);
+        b3 += __ldcg(q2 + (long long)(k + 3 * L) * C);
+      }
+      for (; k < chunks; k += L) {
+        a0 += __ldcg(q1 + (long long)k * C); b0 += __ldcg(q2 + (long long)k * C);
+      }
+      s1 = (a0 + a1) + (a2 + a3); s2 = (b0 + b1) + (b2 + b3);
+    }
+    __syncthreads();
+    sa[tid] = s1; sb[tid] = s2;
+    __syncthreads();
+    if (l == 0 && j < nc) {
+      for (int t = 1; t < L; ++t) { s1 += sa[t * per + tid]; s2 += sb[t * per + tid]; }
+      const int c = c_lo + j;
+      if (mode == 0) {
+        const double mu = s1 / (double)M;
+        double var = s2 / (double)M - mu * mu;
+        if (var < 0) var = 0;
+        o1[c] = (float)mu; o2[c] = (float)(1.0 / sqrt(var + eps));
+        o3[c] = (float)mu; o4[c] = (float)(M > 1 ? var * (double)M / (double)(M - 1) : var);
+      } else {
+        o1[c] = (float)s1; o2[c] = (float)s2;
+        if (dgamma) dgamma[c] = (acc ? dgamma[c] : 0.0f) + (float)s2;
+        if (dbeta) dbeta[c] = (acc ? dbeta[c] : 0.0f) + (float)s1;
+      }
+    }
+  }
+  if (tid == 0) count[blockIdx.x] = 0u;
+}
+
+// y = (x - mean) inv g + b [ReLU], rounded once
+extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_fwd(
+    const mc_vec* __restrict__ x, mc_vec* __restrict__ y, long long M, int C,
+    const float* __restrict__ mean, const float* __restrict__ inv,
+    const float* __restrict__ g, const float* __restrict__ bt, int relu) {
+  const int CV = C / MC_V;
+  const int cv = blockIdx.x * blockDim.x + threadIdx.x;
+  if (cv >= CV) return;
+  float m[MC_V], iv[MC_V], gg[MC_V], be[MC_V];
+#pragma unroll
+  for (int k = 0; k < MC_V; ++k) {
+    m[k] = mean[cv * MC_V + k]; iv[k] = inv[cv * MC_V + k];
+    gg[k] = g[cv * MC_V + k]; be[k] = bt[cv * MC_V + k];
+  }
+  const long long S = (long long)gridDim.y * blockDim.y;
+  for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < M; r += S * MC_U) {
+    mc_pack px[MC_U];
+#pragma unroll
+    for (int j = 0; j < MC_U; ++j)
+      if (r + j * S < M) px[j].v = x[(r + j * S) * CV + cv];
+#pragma unroll
+    for (int j = 0; j < MC_U; ++j) {
+      if (r + j * S < M) {
+        mc_pack py;
+#pragma unroll
+        for (int k = 0; k < MC_V; ++k) {
+          const unsigned short h = mc_store((mc_load(px[j].h[k]) - m[k]) * iv[k] * gg[k] + be[k]);
+          py.h[k] = relu ? mc_relu16(h) : h;
+        }
+        y[(r + j * S) * CV + cv] = py.v;
+      }
+    }
   }
 }
-// mode 0: the batch statistics: mean, 1/sqrt(var + eps), and for Caffe's running sums
-// the mean and the unbiased variance; mode 1: the sums of dy and dy * x_hat, and the
-// parameters' gradients (added into, or written over: acc)
-extern "C" __global__ void mc_bn16_final(const double* p1, const double* p2, int chunks,
-    int C, long long M, double eps, float* o1, float* o2, float* o3, float* o4,
-    float* dgamma, float* dbeta, int mode, int acc) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  double a = 0, b = 0;
-  for (int k = 0; k < chunks; ++k) { a += p1[(long long)k * C + c]; b += p2[(long long)k * C + c]; }
-  if (mode == 0) {
-    const double mean = a / (double)M;
-    double var = b / (double)M - mean * mean;
-    if (var < 0) var = 0;
-    o1[c] = (float)mean; o2[c] = (float)(1.0 / sqrt(var + eps));
-    o3[c] = (float)mean; o4[c] = (float)(M > 1 ? var * (double)M / (double)(M - 1) : var);
-  } else {
-    o1[c] = (float)a; o2[c] = (float)b;
-    if (dgamma) dgamma[c] = (acc ? dgamma[c] : 0.0f) + (float)b;
-    if (dbeta) dbeta[c] = (acc ? dbeta[c] : 0.0f) + (float)a;
+
+// dx = g inv (dy - mean(dy) - x_hat mean(dy x_hat)), dy masked by the fused ReLU (relu)
+extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_bwd(
+    const mc_vec* __restrict__ x, const mc_vec* __restrict__ dy, mc_vec* __restrict__ dx,
+    long long M, int C, const float* __restrict__ mean, const float* __restrict__ inv,
+    const float* __restrict__ g, const float* __restrict__ bt, const float* __restrict__ sdy,
+    const float* __restrict__ sdyx, float rm, int relu) {
+  const int CV = C / MC_V;
+  const int cv = blockIdx.x * blockDim.x + threadIdx.x;
+  if (cv >= CV) return;
+  float m[MC_V], iv[MC_V], gg[MC_V], be[MC_V], gi[MC_V], a1[MC_V], a2[MC_V];
+#pragma unroll
+  for (int k = 0; k < MC_V; ++k) {
+    const int c = cv * MC_V + k;
+    m[k] = mean[c]; iv[k] = inv[c]; gg[k] = g[c]; be[k] = relu ? bt[c] : 0.0f;
+    gi[k] = g[c] * inv[c]; a1[k] = rm * sdy[c]; a2[k] = sdyx[c];
+  }
+  const long long S = (long long)gridDim.y * blockDim.y;
+  for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < M; r += S * MC_U) {
+    mc_pack px[MC_U], pd[MC_U];
+#pragma unroll
+    for (int j = 0; j < MC_U; ++j)
+      if (r + j * S < M) {
+        px[j].v = x[(r + j * S) * CV + cv];
+        pd[j].v = dy[(r + j * S) * CV + cv];
+      }
+#pragma unroll
+    for (int j = 0; j < MC_U; ++j) {
+      if (r + j * S < M) {
+        mc_pack po;
+#pragma unroll
+        for (int k = 0; k < MC_V; ++k) {
+          const float xh = (mc_load(px[j].h[k]) - m[k]) * iv[k];
+          float d = mc_load(pd[j].h[k]);
+          if (relu) d = mc_relu_grad(mc_store(xh * gg[k] + be[k]), d);
+          po.h[k] = mc_store(gi[k] * (d - a1[k] - rm * xh * a2[k]));
+        }
+        dx[(r + j * S) * CV + cv] = po.v;
+      }
+    }
   }
 }
 """
 
 
-def _bn16_kernels(s):
-    src = f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n" + _H2F.split(
-        'extern "C"')[0] + _BN16
-    return (raw_kernel(src, "mc_bn16_partial", "float"),
-            raw_kernel(src, "mc_bn16_final", "float"))
+def _bn16_kernels(s, V):
+    src = (f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n#define MC_V {V}\n" + _H2F +
+           _BN16V)
+    return tuple(raw_kernel(src, n, "float") for n in ("mc_bn16v_sums", "mc_bn16v_fwd",
+                                                       "mc_bn16v_bwd"))
 
 
-def _bn16_apply(s, what):
-    t, load, store = _TYPE[s], _LOAD[s], _STORE[s]
-    tag = "bf16" if s == P.BFLOAT16 else "f16"
-    if what == "fwd":
-        return elementwise_kernel(
-            f"{t} x, raw float32 mean, raw float32 inv, raw float32 g, raw float32 b, "
-            "int64 C", f"{t} y",
-            f"const long long c = i % C;\n"
-            f"float v = ({load.format(x='x')} - mean[c]) * inv[c] * g[c] + b[c];\n"
-            + store.format(v="v", out="y"), f"mc_bn16_fwd_{tag}")
-    return elementwise_kernel(
-        f"{t} x, {t} dy, raw float32 mean, raw float32 inv, raw float32 g, raw float32 sdy, "
-        "raw float32 sdyx, float32 rm, int64 C", f"{t} dx",
-        f"const long long c = i % C;\n"
-        f"const float xh = ({load.format(x='x')} - mean[c]) * inv[c];\n"
-        f"float v = g[c] * inv[c] * ({load.format(x='dy')} - rm * sdy[c] - rm * xh * sdyx[c]);\n"
-        + store.format(v="v", out="dx"), f"mc_bn16_bwd_{tag}")
+_SMS = 132          # blocks of the sums pass: about two per SM of an H100
 
 
-def _bn16_grid(M, C):
-    cx = -(-C // 32)
-    chunks = int(max(1, min(-(-M // 64), -(-2048 // cx))))
+def _bn16_geometry(M, C, V):
+    """(block (tx, ty), column blocks, chunks of rows, rows per chunk, apply's row blocks)
+    for V channels per thread: 256 threads, at most 8 channel vectors across (a column
+    of blocks covers 64 channels: its last block sums few partials)."""
+    cv = C // V
+    tx = min(cv, 8)
+    ty = max(1, 256 // tx)
+    gx = -(-cv // tx)
+    chunks = max(1, min(-(-2 * _SMS // gx), -(-M // (ty * 16))))
     rows = -(-M // chunks)
-    return cx, -(-M // rows), rows
+    chunks = -(-M // rows)
+    gy = max(1, min(65535, -(-M // (ty * 8))))
+    return (tx, ty), gx, chunks, rows, gy
 
 
-def bn_partial_size(M, C):
-    return C * _bn16_grid(M, C)[1]
+def _bn16_vector(C, *arrays):
+    """Channels per thread: 8, 4, 2 or 1, the most that divide C with every array's
+    address aligned to the vector."""
+    v = 8
+    while v > 1 and (C % v or any(a.data.ptr % (2 * v) for a in arrays)):
+        v //= 2
+    return v
+
+
+def bn_work_size(M, C):
+    """float64 words of the scratch the channels-last batch norm takes for [M, C] maps
+    (the chunks' partial sums and the columns' counters; zeroed once when made)."""
+    n = max(_bn16_geometry(M, C, v)[2] for v in (1, 2, 4, 8) if C % v == 0)
+    return C + 2 * n * C
+
+
+def _bn16_sums(s, x, dy, M, C, V, work, mean, inv, g, bt, eps, outs, dgamma, dbeta, mode,
+               acc):
+    block, gx, chunks, rows, _ = _bn16_geometry(M, C, V)
+    n = chunks * C
+    count = work[:C].view(np.uint32)
+    p1, p2 = work[C:C + n], work[C + n:C + 2 * n]
+    _bn16_kernels(s, V)[0](
+        (gx, chunks), block,
+        (x.view(np.uint16), dy.view(np.uint16), np.int64(M), np.int32(C), np.int64(rows),
+         mean, inv, g, bt, p1, p2, count, np.float64(eps), *outs, dgamma, dbeta,
+         np.int32(mode), np.int32(int(bool(acc)))))
 
 
 def bn_nhwc_forward(x, y, C, s, gamma, beta, eps, save_mean, save_inv, batch_mean,
-                    batch_var, p1, p2):
+                    batch_var, work, relu=False):
     """Training batch norm of the channels-last 2-byte ``x`` ([M, C] flat) into ``y``:
     the batch statistics (``save_mean``, ``save_inv`` = 1/sqrt(var + eps); ``batch_mean``,
     ``batch_var`` unbiased, what cuDNN's running average with factor 1 gives), then
-    y = (x - mean) * inv * gamma + beta.  ``p1``/``p2``: float64 of ``bn_partial_size``."""
+    y = (x - mean) * inv * gamma + beta (``relu``: then max(., 0), as a ReLU of the stored
+    y).  ``work``: float64 of ``bn_work_size``, zero when first used."""
     M = x.size // C
-    cx, chunks, rows = _bn16_grid(M, C)
-    part, final = _bn16_kernels(s)
-    u = x.view(np.uint16)
-    part((cx, chunks), (32, 8), (u, u, np.int64(M), np.int32(C), np.int64(rows), save_mean,
-                                 save_inv, p1, p2, np.int32(0)))
-    final(((C + 127) // 128,), (128,), (p1, p2, np.int32(chunks), np.int32(C), np.int64(M),
-                                         np.float64(eps), save_mean, save_inv, batch_mean,
-                                         batch_var, p1, p1, np.int32(0), np.int32(0)))
-    _bn16_apply(s, "fwd")(x, save_mean, save_inv, gamma, beta, np.int64(C), y)
+    V = _bn16_vector(C, x, y)
+    block, gx, _, _, gy = _bn16_geometry(M, C, V)
+    _bn16_sums(s, x, x, M, C, V, work, save_mean, save_inv, gamma, beta, eps,
+               (save_mean, save_inv, batch_mean, batch_var), save_mean, save_mean, 0, False)
+    _bn16_kernels(s, V)[1]((gx, gy), block, (x.view(np.uint16), y.view(np.uint16),
+                                             np.int64(M), np.int32(C), save_mean, save_inv,
+                                             gamma, beta, np.int32(int(bool(relu)))))
 
 
 def bn_nhwc_backward(x, dy, dx, C, s, gamma, save_mean, save_inv, dgamma, dbeta, acc,
-                     sums, p1, p2):
+                     sums, work, beta=None, relu=False):
     """Its backward: dgamma (+)= sum dy x_hat, dbeta (+)= sum dy (``acc``: added into),
-    dx = gamma inv (dy - mean(dy) - x_hat mean(dy x_hat)); ``sums``: float32 of 2 C."""
+    dx = gamma inv (dy - mean(dy) - x_hat mean(dy x_hat)); ``sums``: float32 of 2 C;
+    ``relu`` (with the forward's ``beta``): dy masked where the fused ReLU's stored output
+    is not > 0 first."""
     M = x.size // C
-    cx, chunks, rows = _bn16_grid(M, C)
-    part, final = _bn16_kernels(s)
-    part((cx, chunks), (32, 8), (x.view(np.uint16), dy.view(np.uint16), np.int64(M),
-                                 np.int32(C), np.int64(rows), save_mean, save_inv, p1, p2,
-                                 np.int32(1)))
+    V = _bn16_vector(C, x, dy, dx)
+    block, gx, _, _, gy = _bn16_geometry(M, C, V)
     sdy, sdyx = sums[:C], sums[C:2 * C]
-    final(((C + 127) // 128,), (128,), (p1, p2, np.int32(chunks), np.int32(C), np.int64(M),
-                                         np.float64(0), sdy, sdyx, sdy, sdyx, dgamma, dbeta,
-                                         np.int32(1), np.int32(int(bool(acc)))))
-    _bn16_apply(s, "bwd")(x, dy, save_mean, save_inv, gamma, sdy, sdyx,
-                          np.float32(1.0 / M), np.int64(C), dx)
+    bt = beta if relu else gamma
+    _bn16_sums(s, x, dy, M, C, V, work, save_mean, save_inv, gamma, bt, 0.0,
+               (sdy, sdyx, sdy, sdyx), dgamma, dbeta, 2 if relu else 1, acc)
+    _bn16_kernels(s, V)[2]((gx, gy), block, (x.view(np.uint16), dy.view(np.uint16),
+                                             dx.view(np.uint16), np.int64(M), np.int32(C),
+                                             save_mean, save_inv, gamma, bt, sdy, sdyx,
+                                             np.float32(1.0 / M), np.int32(int(bool(relu)))))

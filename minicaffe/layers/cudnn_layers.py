@@ -996,23 +996,30 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
             self._descs16 = (key, xd, cudnn.BNParamDesc(xd, cudnn.BN_SPATIAL))
         return self._descs16[1:]
 
-    def forward_gpu_scale(self, bottom, top, scale):
+    def forward_gpu_scale(self, bottom, top, scale, relu=False):
         """The fused type BatchNorm+Scale (layers/fused.py): training with batch statistics,
         the learned per-channel Scale ``scale`` after us, in place on our top, is applied in
         the same cuDNN call (y = gamma x_hat + beta), as PyTorch's affine batch norm does,
         and our backward gives its parameters' gradients.  False, with nothing done, where
-        this pass cannot (Caffe's kernels for this shape, global statistics)."""
+        this pass cannot (Caffe's kernels for this shape, global statistics).  ``relu``
+        (BatchNorm+Scale+ReLU): also y = max(y, 0) where our channels-last kernels run
+        (2-byte maps held channels-last), and our backward masks dy by y > 0 first; "relu"
+        is returned when they did, True when the ReLU is left to the caller."""
         if not self._use or self.use_global_stats or not scale.per_channel(top):
             return False
-        self._forward_cudnn(bottom, top, scale)
-        return True
+        relu = bool(relu) and r16.layout(bottom[0]) is not None
+        self._forward_cudnn(bottom, top, scale, relu)
+        return "relu" if relu else True
 
     def forward_gpu(self, bottom, top):
         if not self._use:
             return super().forward_gpu(bottom, top)
         self._forward_cudnn(bottom, top, None)
 
-    def _forward_cudnn(self, bottom, top, sc):
+    # the fused ReLU the last training forward applied (our channels-last kernels)
+    _fused_relu = False
+
+    def _forward_cudnn(self, bottom, top, sc, relu=False):
         dt = bottom[0].dtype
         h = cudnn.handle()
         C = self.channels
@@ -1039,11 +1046,11 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         if sc is not None:
             gamma = sc.blobs[0].gpu_data()
             beta = sc.blobs[1].gpu_data() if sc.bias_term else self._zeros
-        self._fused = sc
+        self._fused, self._fused_relu = sc, relu
         if r16.layout(bottom[0]) is not None:     # channels-last 2-byte maps: our kernels
-            p1, p2 = self._bn16_partials(x.size // C, C)
             r16.bn_nhwc_forward(x, y, C, r16.storage(bottom[0]), gamma, beta, self.eps,
-                                self._save_mean, self._save_inv, self._mean, self._var, p1, p2)
+                                self._save_mean, self._save_inv, self._mean, self._var,
+                                self._bn16_work(x.size // C, C), relu=relu)
         else:
             cudnn.call("cudnnBatchNormalizationForwardTraining", h, cudnn.BN_SPATIAL,
                        cudnn.one(dt), cudnn.zero(dt), xd.ptr, _ptr(x), xd.ptr, _ptr(y),
@@ -1054,13 +1061,14 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
                                                       self._var, dt.type(self.moving_average_fraction),
                                                       np.int32(C)))
 
-    def _bn16_partials(self, M, C):
-        """float64 scratch for the channels-last kernels' per-chunk sums (kernels/reduced)."""
-        n = r16.bn_partial_size(M, C)
+    def _bn16_work(self, M, C):
+        """float64 scratch of the channels-last kernels (kernels/reduced.bn_work_size: the
+        chunks' sums and counters the kernels leave at zero), zeroed when made."""
+        n = r16.bn_work_size(M, C)
         p = getattr(self, "_bn16_p", None)
-        if p is None or p.size < 2 * n + C:
-            p = self._bn16_p = backend.gpu_module().empty(2 * n + C, dtype=np.float64)
-        return p[:n], p[n:2 * n]
+        if p is None or p.size < n:
+            p = self._bn16_p = backend.gpu_module().zeros(n, dtype=np.float64)
+        return p
 
     def _bn16_sums(self, C):
         s = getattr(self, "_bn16_s", None)
@@ -1086,10 +1094,13 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         out = dx
         if bottom[0] is top[0]:  # in place: cuDNN writes dx into a shared scratch buffer
             out = scratch("bn_dx", dx.nbytes)[:dx.nbytes].view(dx.dtype).reshape(dx.shape)
-        sc = self._fused
+        sc, relu = self._fused, self._fused_relu
         gamma, dgamma, dbeta, pbeta = self._ones, self._dscale, self._dbias, cudnn.zero(dt)
+        beta = self._zeros
         if sc is not None:      # the Scale after us: its parameters and their gradients
             gamma = sc.blobs[0].gpu_data()
+            if sc.bias_term:
+                beta = sc.blobs[1].gpu_data()
             dgamma = sc.blobs[0].mutable_gpu_diff() if sc.get_param_propagate_down(0) \
                 else self._dscale
             if sc.bias_term and sc.get_param_propagate_down(1):
@@ -1098,10 +1109,10 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         xd, pd = self._descs(bottom[0])
         if r16.layout(bottom[0]) is not None:     # channels-last 2-byte maps: our kernels
             C = self.channels
-            p1, p2 = self._bn16_partials(x.size // C, C)
             r16.bn_nhwc_backward(x, dy, out, C, r16.storage(bottom[0]), gamma,
                                  self._save_mean, self._save_inv, dgamma, dbeta,
-                                 sc is not None, self._bn16_sums(C), p1, p2)
+                                 sc is not None, self._bn16_sums(C),
+                                 self._bn16_work(x.size // C, C), beta=beta, relu=relu)
             if out is not dx:
                 dx[...] = out
             return

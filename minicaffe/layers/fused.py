@@ -14,14 +14,22 @@ A pair is a layer and the layer right after it computing in place on its only to
 - ``BatchNorm+Scale``: a cuDNN BatchNorm training with batch statistics, then a learned
   per-channel Scale: the scale and bias are applied in the same cuDNN call (y = gamma
   x_hat + beta) and its backward gives their gradients; the Scale's bodies are part of it.
+- ``BatchNorm+Scale+ReLU`` (three layers: ResNet's): that pair, then a plain ReLU in place
+  on the same top.  On 2-byte maps held channels-last (engine/precision.py) the batch
+  norm's own kernels apply it, y = max(gamma x_hat + beta, 0), and mask dy by y > 0
+  before the batch norm's backward (kernels/reduced.bn_nhwc_*); elsewhere (fp32, NCHW)
+  the group runs the pair's fused body, then the ReLU's own forward, and backward the
+  ReLU's own backward, then the pair's.
 
-The Net keeps both layers (their names, blobs, parameters and hooks are what pycaffe and
-the log show) and, on the GPU, runs a pair's fused body where the pass ran both layers
-(``Net.fusions``; the log says which pairs at set-up, ``minicaffe memory`` and ``draw``
-show them).  A fused body that cannot take this pass's shapes (a convolution cuDNN does
-not run for this shape, a Scale that is not per channel) runs the first layer's own body
-and the Net runs the second as usual.  The CPU runs every pair one layer after the other.
+The Net keeps every layer (their names, blobs, parameters and hooks are what pycaffe and
+the log show) and, on the GPU, runs a group's fused body where the pass ran all its
+layers (``Net.fusions``; the log says which groups at set-up, ``minicaffe memory`` and
+``draw`` show them).  A fused body that cannot take this pass's shapes (a convolution
+cuDNN does not run for this shape, a Scale that is not per channel) runs the first
+layer's own body and the Net runs the others as usual.  The CPU runs every group one
+layer after the other (``FusedPair.forward_cpu``/``backward_cpu`` say so in code).
 """
+from ..core import config
 from ..core.errors import MinicaffeError
 from ..proto import caffe_pb2
 
@@ -29,8 +37,10 @@ _SUM = caffe_pb2.EltwiseParameter.SUM
 
 
 class FusedPair:
-    """Layers ``first`` and ``second`` (indices ``index`` and ``index + 1`` of a net)."""
+    """Layers ``first`` and ``second`` (indices ``index`` and ``index + 1`` of a net), and
+    for a group of ``size`` 3 ``third`` (``index + 2``)."""
     type = None
+    size = 2
     # the second layer's backward is part of the fused backward (skipped by the Net)
     fuses_backward = False
     # tops of the first layer whose data the fused backward reads beside what the first
@@ -40,13 +50,30 @@ class FusedPair:
     # (its retain declarations and state are not counted by the memory plan)
     second_backward_runs = True
 
-    def __init__(self, index, first, second):
+    def __init__(self, index, *layers):
+        if len(layers) != self.size:
+            raise ValueError(f"{self.type} fuses {self.size} layers, got {len(layers)}")
         self.index = index
-        self.first, self.second = first, second
+        self.layers = tuple(layers)
+        self.first, self.second = layers[0], layers[1]
+        self.third = layers[2] if len(layers) > 2 else None
 
     @property
     def names(self):
-        return self.first.name, self.second.name
+        return tuple(layer.name for layer in self.layers)
+
+    def forward_cpu(self, bottom, top):
+        """The CPU's body: each layer's own forward, one after the other, in place on the
+        group's one top (what the Net runs on the CPU)."""
+        self.first.forward_body(bottom, top)
+        for layer in self.layers[1:]:
+            layer.forward_body(top, top)
+
+    def backward_cpu(self, top, propagate_down, bottom):
+        """The CPU's backward: each layer's own, last first."""
+        for layer in self.layers[:0:-1]:
+            layer.backward(top, [True], top)
+        self.first.backward(top, propagate_down, bottom)
 
     def forward_body(self, bottom, top):
         """GPU: the first layer's forward, with the second's when this pass can fuse them:
@@ -123,18 +150,43 @@ class BatchNormScale(FusedPair):
         return self.first.forward_gpu_scale(bottom, top, self.second)
 
 
+class BatchNormScaleReLU(BatchNormScale):
+    type = "BatchNorm+Scale+ReLU"
+    size = 3
+    # the ReLU's mask where it runs apart (fp32, NCHW): the group's output
+    retain_outputs = (0,)
+    # the pass ran the ReLU as a layer of its own (the batch norm's kernels did not)
+    _relu_apart = False
+
+    def forward_gpu(self, bottom, top):
+        done = self.first.forward_gpu_scale(bottom, top, self.second, relu=True)
+        self._relu_apart = done is True
+        if self._relu_apart:
+            self.third.reshape(top, top)
+            self.third.forward_gpu(top, top)
+        return bool(done)
+
+    def backward(self, top, propagate_down, bottom):
+        if self._relu_apart:
+            self.third.backward(top, [True], top)
+        self.first.backward(top, propagate_down, bottom)
+
+
 def _relu_in_place(lp, name):
     return (lp.type == "ReLU" and lp.relu_param.negative_slope == 0
             and list(lp.bottom) == [name] and list(lp.top) == [name])
 
 
 def find_fusions(layer_params, engine_of, use_global_stats=None, per_channel=None):
-    """[(index, fused type)] of a net's layers (``layer_params``: its LayerParameters, after
-    the splits); ``engine_of(i)``: 'CAFFE' or 'CUDNN', the engine layer i was (or would be)
-    built with; ``use_global_stats(i)``: whether BatchNorm i normalises with its global
-    statistics, ``per_channel(i)``: whether Scale i is a learned per-channel scale of one
-    bottom (defaults: as the parameters and phase say)."""
+    """[(first index, fused type covering ``size`` layers)] of a net's layers
+    (``layer_params``: its LayerParameters, after the splits); ``engine_of(i)``: 'CAFFE'
+    or 'CUDNN', the engine layer i was (or would be) built with; ``use_global_stats(i)``:
+    whether BatchNorm i normalises with its global statistics, ``per_channel(i)``: whether
+    Scale i is a learned per-channel scale of one bottom (defaults: as the parameters and
+    phase say).  MINICAFFE_FUSE_BN_RELU=0: no
+    BatchNorm+Scale+ReLU (the pair, then the ReLU apart)."""
     out = []
+    bn_relu = config.env("MINICAFFE_FUSE_BN_RELU")
     i = 0
     while i + 1 < len(layer_params):
         a, b = layer_params[i], layer_params[i + 1]
@@ -164,9 +216,13 @@ def find_fusions(layer_params, engine_of, use_global_stats=None, per_channel=Non
                                 else a.phase == caffe_pb2.TEST)
             if not global_stats:
                 kind = BatchNormScale
+                if bn_relu and i + 2 < len(layer_params) and \
+                        _relu_in_place(layer_params[i + 2], a.top[0]) and \
+                        not any(layer_params[i + 2].loss_weight):
+                    kind = BatchNormScaleReLU
         if kind is not None:
             out.append((i, kind))
-            i += 2          # a layer belongs to one pair at most
+            i += kind.size      # a layer belongs to one group at most
         else:
             i += 1
     return out

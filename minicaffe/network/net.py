@@ -417,7 +417,8 @@ class Net:
             # a layer whose reduced-type body rounds what it writes (a cuDNN convolution
             # in float16/bfloat16) says so (``rounds_outputs``); the first layer of a pair
             # that ran fused (BatchNorm+Scale...) stores nothing: its pair's output is
-            if i in self._fused_pass:
+            f, role = self.fusion_of(i)
+            if f is not None and f.index in self._fused_pass and role < f.size - 1:
                 return
             if tops[i] and not getattr(self.layers[i], "rounds_outputs", False):
                 xp = context.xp()
@@ -430,7 +431,7 @@ class Net:
 
         def after_backward(i):
             f, role = self.fusion_of(i)
-            if role == 1 and f.fuses_backward and f.index in self._fused_pass:
+            if role and f.fuses_backward and f.index in self._fused_pass:
                 return      # computed inside its pair's backward: nothing stored between
             if bottoms[i] and self.layer_need_backward[i] and \
                     not getattr(self.layers[i], "rounds_outputs", False):
@@ -537,23 +538,24 @@ class Net:
         self.fusions = []
         for i, kind in find_fusions(self.net_param.layer, lambda i: layers[i].engine_name,
                                     lambda i: layers[i].use_global_stats, per_channel):
-            if kind is BatchNormScale and self.layer_need_backward[i + 1] and not (
+            if issubclass(kind, BatchNormScale) and self.layer_need_backward[i + 1] and not (
                     self.layer_need_backward[i] and self.bottom_need_backward[i][0]):
                 continue    # the Scale's gradients come from a BatchNorm backward that runs
-            pair = kind(i, layers[i], layers[i + 1])
+            pair = kind(i, *layers[i:i + kind.size])
             self.fusions.append(pair)
-            log.info("Fused layer type %s: %s and %s", pair.type, *pair.names)
+            log.info("Fused layer type %s: %s and %s", pair.type, ", ".join(pair.names[:-1]),
+                     pair.names[-1])
         self._fusion_at = {f.index: f for f in self.fusions}
         self._fused_pass = set()
 
     def fusion_of(self, i):
-        """(the fused pair layer ``i`` belongs to, 0 for its first layer or 1 for its
-        second), or (None, None)."""
-        f = self._fusion_at.get(i)
-        if f is not None:
-            return f, 0
-        f = self._fusion_at.get(i - 1)
-        return (f, 1) if f is not None else (None, None)
+        """(the fused group layer ``i`` belongs to, its place in it: 0 for the first layer,
+        1 for the second...), or (None, None)."""
+        for role in range(3):
+            f = self._fusion_at.get(i - role)
+            if f is not None:
+                return (f, role) if role < f.size else (None, None)
+        return None, None
 
     def _begin_forward(self, start, end):
         """The pairs a forward over layers [start, end] may fuse (GPU only, both layers in
@@ -561,12 +563,14 @@ class Net:
         self._fused_pass = set()
         if not self.fusions or not context.is_gpu():
             return {}
-        return {i: f for i, f in self._fusion_at.items() if start <= i and i + 1 <= end}
+        return {i: f for i, f in self._fusion_at.items()
+                if start <= i and i + f.size - 1 <= end}
 
     def _forward_layer(self, i, fused, body_only=False):
         """Layer i's forward, or its fused pair's; the weighted loss (0 for ``body_only``)."""
         layer, bottom, top = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
-        if i - 1 in self._fused_pass:
+        f, role = self.fusion_of(i)
+        if role and f.index in self._fused_pass:
             layer.reshape(bottom, top)      # its body ran in its pair's fused call
             return 0.0
         pair = fused.get(i)
@@ -582,7 +586,7 @@ class Net:
     def _backward_layer(self, i):
         f, role = self.fusion_of(i)
         if f is not None and f.index in self._fused_pass:
-            if role == 1 and f.fuses_backward:
+            if role and f.fuses_backward:
                 return                      # part of its pair's fused backward
             if role == 0:
                 f.backward(self.top_vecs[i], self.bottom_need_backward[i], self.bottom_vecs[i])
@@ -694,7 +698,7 @@ class Net:
         write the same values."""
         f, role = self.fusion_of(i)
         if f is not None and f.index in self._fused_pass:
-            if role == 1:
+            if role:
                 return                      # its pair's fused body made it
             f.forward_body(self.bottom_vecs[i], self.top_vecs[i])
             return
