@@ -282,7 +282,6 @@ class TensorDesc(_Desc):
             n, c, h, w = shape
             strides = [c, w * c, 1, h * w * c]     # reversed: W, H, C, N
         self.shape = shape
-        self.nhwc = bool(nhwc)
         self.dtype = dtype if isinstance(dtype, str) else np.dtype(dtype)
         call("cudnnSetTensorNdDescriptor", self.ptr, data_type(dtype), len(shape),
              _ints(shape), _ints(reversed(strides)))
