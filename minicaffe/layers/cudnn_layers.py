@@ -29,6 +29,7 @@ import numpy as np
 from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
 from ..kernels.precision import buffer_dtype, from_reduced, to_reduced
+from ..kernels import pool16
 from ..kernels import reduced as r16
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
@@ -695,9 +696,44 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
                              cudnn.TensorDesc(self.y_desc.shape, dt, nhwc=nhwc), dt)
         return self._descs16[1:]
 
+    def _own16(self, x, y, diff=False):
+        """The reduced type when our channels-last MAX kernels (kernels/pool16.py) pool
+        these buffers: MAX over disjoint windows (stride >= kernel) on 2-byte maps held
+        channels-last (a top of one pixel is the same memory either way); else None
+        (cuDNN pools them).  ``diff``: the backward's buffers (x's data, both diffs)."""
+        if self.method != _Pool.MAX or not pool16.disjoint(self.kernel, self.stride):
+            return None
+        s = r16.storage(x)
+        if s is None:
+            return None
+        bufs = [(x, False), (y, False)] if not diff else [(x, False), (x, True), (y, True)]
+        for b, d in bufs:
+            if r16.storage(b, d) != s or (r16.layout(b, d) is None and
+                                          (b is x or b.count(2) > 1)):
+                return None
+        return s
+
+    def _geo16(self, bottom, top):
+        return (tuple(bottom[0].shape), self.kernel, self.stride, self.pad, top[0].shape[2:])
+
+    @property
+    def last_body(self):
+        """Which body pooled this layer's last forward or backward on a GPU: "mc_nhwc16"
+        (kernels/pool16.py), "cudnn" or "caffe" (None before any)."""
+        return getattr(self, "_last_body", None)
+
     def forward_gpu(self, bottom, top):
         if not self._use:
+            self._last_body = "caffe"
             return super().forward_gpu(bottom, top)
+        s = self._own16(bottom[0], top[0])
+        if s is not None:
+            self._last_body = "mc_nhwc16"
+            shape, k, st, pad, hw = self._geo16(bottom, top)
+            pool16.max_pool_forward(bottom[0].gpu_data(), top[0].mutable_gpu_data(), shape,
+                                    k, st, pad, s, out_hw=hw)
+            return
+        self._last_body = "cudnn"
         xd, yd, dt = self._descs(bottom[0], top[0])
         cudnn.call("cudnnPoolingForward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
                    xd.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), yd.ptr,
@@ -705,9 +741,19 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
 
     def backward_gpu(self, top, propagate_down, bottom):
         if not self._use:
+            self._last_body = "caffe"
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
             return
+        s = self._own16(bottom[0], top[0], diff=True)
+        if s is not None:
+            self._last_body = "mc_nhwc16"
+            shape, k, st, pad, hw = self._geo16(bottom, top)
+            pool16.max_pool_backward(bottom[0].gpu_data(), top[0].gpu_diff(),
+                                     bottom[0].mutable_gpu_diff(), shape, k, st, pad, s,
+                                     out_hw=hw)
+            return
+        self._last_body = "cudnn"
         xd, yd, dt = self._descs(bottom[0], top[0])
         cudnn.call("cudnnPoolingBackward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
                    yd.ptr, _ptr(top[0].gpu_data()), yd.ptr,
