@@ -1,7 +1,7 @@
 """MAX pooling of channels-last 2-byte maps: our kernels (kernels/pool16.py) against
 cuDNN's channels-last pooling (the layer's descriptors), forward and backward, on VGG-16's
-five 2x2/2 pools at batch 64 (or the shapes given), each timed alone: median of 20 runs
-(CUDA events) after 3 warm-ups.  Also checks, once per shape, that both give the same
+five 2x2/2 pools at batch 64, each call timed alone as ten calls replayed from one CUDA
+graph (the device's time; median of 5 replays).  Also checks, once per shape, that both give the same
 bits on random maps, and says where cuDNN sends the gradient of a window holding NaNs.
 
     python benchmarks/pool16.py [--precision bf16|fp16] [--batch 64]
@@ -21,18 +21,25 @@ from minicaffe.kernels import pool16  # noqa: E402
 VGG = [(64, 224), (128, 112), (256, 56), (512, 28), (512, 14)]   # C, H = W of each input
 
 
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = backend.new_event(), backend.new_event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(backend.elapsed_ms(a, b))
-    return float(np.median(ts))
+def timed(fn, reps=10):
+    """ms per call of ``fn`` replayed from a CUDA graph of ``reps`` calls (median of 5
+    replays after one): the device's time, as the training step replays it."""
+    from minicaffe.gpu import graph
+    stream = backend.new_stream()
+    pool = graph.private_pool()
+    with stream:
+        with graph.allocating_from(pool):
+            fn()
+        g = graph.capture(stream, pool, lambda: [fn() for _ in range(reps)])
+        ts = []
+        for _ in range(6):
+            a, b = backend.new_event(), backend.new_event()
+            a.record(stream)
+            g.launch(stream)
+            b.record(stream)
+            b.synchronize()
+            ts.append(backend.elapsed_ms(a, b) / reps)
+    return float(np.median(ts[1:]))
 
 
 def main():
@@ -48,7 +55,7 @@ def main():
     h = cudnn.handle()
     one, zero = cudnn.one(np.float32), cudnn.zero(np.float32)
     pd = cudnn.PoolDesc(cudnn.POOL_MAX, (2, 2), (0, 0), (2, 2))
-    print(f"MAX 2x2/2, channels-last {args.precision}, batch {args.batch}, ms (median of 20)")
+    print(f"MAX 2x2/2, channels-last {args.precision}, batch {args.batch}, ms per call (CUDA graph)")
     print(f"{'input N,C,H,W':>22} {'cuDNN fwd':>10} {'ours fwd':>9} {'cuDNN bwd':>10} "
           f"{'ours bwd':>9}  same bits")
     tot = np.zeros(4)

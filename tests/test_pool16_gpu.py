@@ -126,7 +126,8 @@ def test_a_nan_propagates_as_through_cudnn(kind):
     x[0, 0, :2, :2] = 1.0          # no all -inf window: there cuDNN gives its own floor
     got, _ = _both(x, geo, kind)
     ref = _cudnn(words(nhwc(x), kind), geo[0], 4, 3, 2, 2, 0, kind)
-    g, r = values(got, kind), values(ref, kind)
+    bt = P.buffer_dtype(kind)
+    g, r = values(got.view(bt), kind), values(ref.view(bt), kind)
     assert np.isnan(g).any()
     assert np.array_equal(np.isnan(g), np.isnan(r))
     assert np.array_equal(g[~np.isnan(g)], r[~np.isnan(r)])
@@ -166,8 +167,8 @@ def test_the_layer_pools_as_cudnn_and_caffe_do(prec, monkeypatch):
     assert np.array_equal(nhwc_net.blobs["pool"].data, y)
     ref, mask = K.max_pool_forward(r, 2, 2, 0)
     assert np.array_equal(y, ref)
-    for n in (nchw, nhwc_net):
-        n.backward()
+    for n in (nchw, nhwc_net):      # down to the pooling: the plan may reuse a dead
+        n.backward(end="pool")       # gradient's memory in the layers below
     dy = nchw.blobs["pool"].diff.copy()
     assert np.array_equal(nhwc_net.blobs["pool"].diff, dy)
     dx = nchw.blobs["r"].diff.copy()
@@ -227,8 +228,9 @@ def test_a_vgg_like_chain_matches_the_nchw_plan(prec, monkeypatch):
         assert n.layer_dict["pool3"].last_body == "caffe"
     for name in ("conv1", "pool1", "conv2", "pool2", "conv3", "pool3"):
         _close(nchw.blobs[name].data, nhwc_net.blobs[name].data, 2 * tol, name)
-    for name in ("conv1", "conv2", "conv3"):
-        _close(nchw.blobs[name].diff, nhwc_net.blobs[name].diff, 4 * tol, name + " diff")
+    # (a map's gradient is read where no later op may reuse its memory: conv1's, read by
+    # the last op; the parameters' gradients carry every layer's)
+    _close(nchw.blobs["conv1"].diff, nhwc_net.blobs["conv1"].diff, 4 * tol, "conv1 diff")
     for name in nchw.params:
         for k, (a, b) in enumerate(zip(nchw.params[name], nhwc_net.params[name])):
             _close(a.diff, b.diff, 4 * tol, f"{name}[{k}] diff")

@@ -18,10 +18,12 @@ LeNet's 2x2/2) each input has at most one window, so the backward is a gather:
 The rule (both directions): the window's inputs are scanned row by row as Caffe's
 kernels do (clipped to the image: padding is never selected), compared in fp32; an input
 replaces the running maximum (initially -FLT_MAX) only if it is STRICTLY greater, so ties
-go to the first maximum in window order (Caffe's rule, and the tie test shows cuDNN's
-too); a NaN is selected where none was before, so a window holding a NaN gives that first
-NaN (NaN propagation, as our cuDNN pooling descriptor asks: ``CUDNN_PROPAGATE_NAN``; Caffe's
-own kernel never selects a NaN) and its gradient goes there.  A window with nothing above
+go to the first maximum in window order (Caffe's rule; cuDNN 9's channels-last backward
+sends a tied gradient there too: tests/test_pool16_gpu.py); a NaN is selected where none
+was before, so a window holding a NaN gives that first NaN and its gradient goes there:
+NaN propagation as our cuDNN pooling descriptor asks (``CUDNN_PROPAGATE_NAN``; cuDNN's
+backward, measured on one window, sends the gradient to the first NaN too), where Caffe's
+own kernel never selects a NaN.  A window with nothing above
 -FLT_MAX (all -inf) gives -inf (Caffe's -FLT_MAX in a 2-byte type) and no gradient.  The
 output is the selected input's 2-byte word itself: the forward is exact, bit for bit.
 
@@ -30,6 +32,8 @@ shape, holding N, H, W, C (x, dx) or N, PH, PW, C (y, dy) contiguously; ``shape`
 logical (N, C, H, W).  numpy arrays run a numpy body with the same results (the CPU tests
 and the GPU tests' reference), CuPy arrays the kernels.
 """
+import functools
+
 import numpy as np
 
 from ..core import precision as P
@@ -138,6 +142,10 @@ _VT = {8: "uint4", 4: "uint2", 2: "unsigned int", 1: "unsigned short"}
 _SRC = r"""
 #define V {V}
 typedef {VT} VT;
+typedef {IDX} IDX;     // int where every index fits: 32-bit divisions are cheaper
+#define MC_LOOP(i, n) \
+  for (IDX i = (IDX)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+       i += (IDX)blockDim.x * gridDim.x)
 union MCVec { VT v; unsigned short h[V]; };
 #define MC_NEG_INF {NEG_INF}
 
@@ -153,7 +161,7 @@ __device__ __forceinline__ float mc_f(unsigned short h) {
 
 // the window (p, q) of image nn: per lane, the selected word and its offset i*kw+j (-1)
 __device__ __forceinline__ void mc_select(
-    const VT* __restrict__ x, const long long nn, const int cv, const int H, const int W,
+    const VT* __restrict__ x, const IDX nn, const int cv, const int H, const int W,
     const int CV, const int p, const int q, const int kh, const int kw, const int sh,
     const int sw, const int ph, const int pw, unsigned short* best, int* idx) {
   float m[V];
@@ -166,7 +174,7 @@ __device__ __forceinline__ void mc_select(
   for (int h = hs; h < he; ++h) {
     for (int w = ws; w < we; ++w) {
       MCVec u;
-      u.v = xb[((long long)h * W + w) * CV];
+      u.v = xb[((IDX)h * W + w) * CV];
       const int k = (h - h0) * kw + (w - w0);
 #pragma unroll
       for (int l = 0; l < V; ++l) {
@@ -178,16 +186,16 @@ __device__ __forceinline__ void mc_select(
 }
 
 extern "C" __global__ void mc_max_pool16_fwd(
-    const long long n, const VT* __restrict__ x, VT* __restrict__ y, const int H,
+    const IDX n, const VT* __restrict__ x, VT* __restrict__ y, const int H,
     const int W, const int CV, const int PH, const int PW, const int kh, const int kw,
     const int sh, const int sw, const int ph, const int pw) {
-  CUDA_KERNEL_LOOP(i, n) {
+  MC_LOOP(i, n) {
     const int cv = (int)(i % CV);
-    long long t = i / CV;
+    IDX t = i / CV;
     const int q = (int)(t % PW);
     t /= PW;
     const int p = (int)(t % PH);
-    const long long nn = t / PH;
+    const IDX nn = t / PH;
     unsigned short best[V];
     int idx[V];
     mc_select(x, nn, cv, H, W, CV, p, q, kh, kw, sh, sw, ph, pw, best, idx);
@@ -199,17 +207,17 @@ extern "C" __global__ void mc_max_pool16_fwd(
 }
 
 extern "C" __global__ void mc_max_pool16_bwd(
-    const long long n, const VT* __restrict__ x, const VT* __restrict__ dy,
+    const IDX n, const VT* __restrict__ x, const VT* __restrict__ dy,
     VT* __restrict__ dx, const int H, const int W, const int CV, const int PH,
     const int PW, const int CH, const int CW, const int kh, const int kw, const int sh,
     const int sw, const int ph, const int pw) {
-  CUDA_KERNEL_LOOP(i, n) {
+  MC_LOOP(i, n) {
     const int cv = (int)(i % CV);
-    long long t = i / CV;
+    IDX t = i / CV;
     const int q = (int)(t % CW);
     t /= CW;
     const int p = (int)(t % CH);
-    const long long nn = t / CH;
+    const IDX nn = t / CH;
     unsigned short best[V];
     int idx[V];
     MCVec g;
@@ -226,13 +234,13 @@ extern "C" __global__ void mc_max_pool16_bwd(
     VT* db = dx + nn * H * W * CV + cv;
     for (int h = hs; h < he; ++h) {
       for (int w = ws; w < we; ++w) {
-        // an input of the cell outside the window has k >= kh*kw or a column >= kw:
-        // never an argmax
+        // an input of the cell outside the window (its rows >= kh, columns >= kw):
+        // k = -2, never an argmax
         const int k = (h - h0 < kh && w - w0 < kw) ? (h - h0) * kw + (w - w0) : -2;
         MCVec o;
 #pragma unroll
         for (int l = 0; l < V; ++l) o.h[l] = (idx[l] == k) ? g.h[l] : (unsigned short)0;
-        db[((long long)h * W + w) * CV] = o.v;
+        db[((IDX)h * W + w) * CV] = o.v;
       }
     }
   }
@@ -248,11 +256,20 @@ def _width(C, *arrays):
     return 1
 
 
-def _kernel(storage, v, name):
+@functools.lru_cache(maxsize=None)
+def _kernel(storage, v, wide, name):
+    """The kernel ``name`` for ``storage``, V = ``v`` lanes, 64-bit indices if ``wide``."""
     src = (_SRC.replace("{V}", str(v)).replace("{VT}", _VT[v])
+           .replace("{IDX}", "long long" if wide else "int")
            .replace("{NEG_INF}", hex(_NEG_INF[storage]))
            .replace("{BF16}", "1" if storage == P.BFLOAT16 else "0"))
     return raw_kernel(src, name, "float")
+
+
+def _idx(n, *sizes):
+    """(whether 64-bit indices are needed, the loop count as the kernel's index type)."""
+    wide = max((n,) + sizes) + (1 << 20) * 256 >= 1 << 31
+    return wide, (np.int64(n) if wide else np.int32(n))
 
 
 def _i32(*vals):
@@ -272,8 +289,9 @@ def max_pool_forward(x, y, shape, kernel, stride, pad, storage, out_hw=None):
     xw, yw = _words(x, storage), _words(y, storage)
     v = _width(C, xw, yw)
     n = N * PH * PW * (C // v)
-    launch(_kernel(storage, v, "mc_max_pool16_fwd"), n,
-           (np.int64(n), xw, yw) + _i32(H, W, C // v, PH, PW, kh, kw, sh, sw, ph, pw))
+    wide, nn = _idx(n, xw.size)
+    launch(_kernel(storage, v, wide, "mc_max_pool16_fwd"), n,
+           (nn, xw, yw) + _i32(H, W, C // v, PH, PW, kh, kw, sh, sw, ph, pw))
     return y
 
 
@@ -290,7 +308,8 @@ def max_pool_backward(x, dy, dx, shape, kernel, stride, pad, storage, out_hw=Non
     xw, dyw, dxw = _words(x, storage), _words(dy, storage), _words(dx, storage)
     v = _width(C, xw, dyw, dxw)
     n = N * CH * CW * (C // v)
-    launch(_kernel(storage, v, "mc_max_pool16_bwd"), n,
-           (np.int64(n), xw, dyw, dxw) + _i32(H, W, C // v, PH, PW, CH, CW, kh, kw, sh, sw,
+    wide, nn = _idx(n, xw.size)
+    launch(_kernel(storage, v, wide, "mc_max_pool16_bwd"), n,
+           (nn, xw, dyw, dxw) + _i32(H, W, C // v, PH, PW, CH, CW, kh, kw, sh, sw,
                                                ph, pw))
     return dx
