@@ -1,8 +1,9 @@
 """MAX pooling of channels-last 2-byte maps: our kernels (kernels/pool16.py) against
 cuDNN's channels-last pooling (the layer's descriptors), forward and backward, on VGG-16's
 five 2x2/2 pools at batch 64, each call timed alone as ten calls replayed from one CUDA
-graph (the device's time; median of 5 replays).  Also checks, once per shape, that both give the same
-bits on random maps, and says where cuDNN sends the gradient of a window holding NaNs.
+graph (the device's time; median of 5 replays).  Also checks, once per shape, that both
+give the same bits on random maps, and says where cuDNN sends the gradient of a window
+holding NaNs.
 
     python benchmarks/pool16.py [--precision bf16|fp16] [--batch 64]
 """
@@ -55,7 +56,8 @@ def main():
     h = cudnn.handle()
     one, zero = cudnn.one(np.float32), cudnn.zero(np.float32)
     pd = cudnn.PoolDesc(cudnn.POOL_MAX, (2, 2), (0, 0), (2, 2))
-    print(f"MAX 2x2/2, channels-last {args.precision}, batch {args.batch}, ms per call (CUDA graph)")
+    print(f"MAX 2x2/2, channels-last {args.precision}, batch {args.batch}, "
+          "ms per call (CUDA graph)")
     print(f"{'input N,C,H,W':>22} {'cuDNN fwd':>10} {'ours fwd':>9} {'cuDNN bwd':>10} "
           f"{'ours bwd':>9}  same bits")
     tot = np.zeros(4)

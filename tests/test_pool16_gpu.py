@@ -2,7 +2,8 @@
 (kernels/pool16.py, issue 20), where cuDNN's channels-last backward was slow: the CUDA
 kernels against their numpy body (the CPU tests hold that against Caffe's kernels) and
 against cuDNN's channels-last pooling, bit for bit, ties, NaN and -inf included; the
-layers in a net's channels-last plan against the NCHW plan (cuDNN) of the same net."""
+layers in a net's channels-last plan against the NCHW plan (cuDNN) of the same net.  And
+a first convolution's 3 input channels padded to 8 (kernels/pad16.py)."""
 import numpy as np
 import pytest
 
@@ -231,6 +232,39 @@ def test_a_vgg_like_chain_matches_the_nchw_plan(prec, monkeypatch):
     # (a map's gradient is read where no later op may reuse its memory: conv1's, read by
     # the last op; the parameters' gradients carry every layer's)
     _close(nchw.blobs["conv1"].diff, nhwc_net.blobs["conv1"].diff, 4 * tol, "conv1 diff")
+    for name in nchw.params:
+        for k, (a, b) in enumerate(zip(nchw.params[name], nhwc_net.params[name])):
+            _close(a.diff, b.diff, 4 * tol, f"{name}[{k}] diff")
+    for p in plans:
+        p.release()
+
+
+def test_pad_channels_kernel_is_its_numpy_body():
+    from minicaffe.kernels import pad16
+    cp = backend.gpu_module()
+    x = np.random.RandomState(1).randint(0, 1 << 16, size=5 * 7 * 3).astype(np.uint16)
+    ref = pad16.pad_channels(x, np.empty(5 * 7 * 8, np.uint16), 3, 8)
+    got = pad16.pad_channels(cp.asarray(x), cp.full(5 * 7 * 8, 9, cp.uint16), 3, 8)
+    assert np.array_equal(cp.asnumpy(got), ref)
+
+
+@pytest.mark.parametrize("pad", ["1", "0"])
+def test_a_first_convolution_on_padded_channels_matches_the_nchw_plan(pad, monkeypatch):
+    """VGG-like conv1 (3 input channels) with MINICAFFE_CONV_PAD8=1 (its forward and filter
+    gradient on the input and filter padded to 8 zero channels) and 0 (never): the maps
+    and every parameter gradient against the NCHW plan's."""
+    monkeypatch.setenv("MINICAFFE_CONV_PAD8", pad)
+    nchw, nhwc_net, plans = _nets(VGGISH, "bf16", monkeypatch)
+    assert nhwc_net.layer_dict["conv1"].pads_channels == (pad == "1")
+    assert not nhwc_net.layer_dict["conv2"].pads_channels        # 16 channels
+    assert not nchw.layer_dict["conv1"].pads_channels
+    l1, l2 = float(nchw.forward()["loss"]), float(nhwc_net.forward()["loss"])
+    nchw.backward()
+    nhwc_net.backward()
+    tol = TOL["bf16"]
+    assert abs(l1 - l2) <= tol * abs(l1)
+    for name in ("conv1", "pool1", "conv2"):
+        _close(nchw.blobs[name].data, nhwc_net.blobs[name].data, 2 * tol, name)
     for name in nchw.params:
         for k, (a, b) in enumerate(zip(nchw.params[name], nhwc_net.params[name])):
             _close(a.diff, b.diff, 4 * tol, f"{name}[{k}] diff")

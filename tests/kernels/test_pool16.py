@@ -127,3 +127,14 @@ def test_a_floor_geometry_drops_the_last_window_and_zeroes_its_inputs():
     d = nchw(values(dx, P.BFLOAT16))
     assert not d[:, :, 4].any() and not d[:, :, :, 4].any()
     assert (d[:, :, :4, :4].reshape(1, 4, 2, 2, 2, 2).sum(axis=(3, 5)) == 1).all()
+
+
+def test_pad_channels_appends_zero_channels():
+    from minicaffe.kernels import pad16
+    x = np.arange(1, 2 * 3 * 3 + 1, dtype=np.uint16)           # 6 rows of 3 channels
+    out = np.full(6 * 8, 9, np.uint16)
+    pad16.pad_channels(x, out, 3, 8)
+    o = out.reshape(6, 8)
+    assert np.array_equal(o[:, :3], x.reshape(6, 3)) and not o[:, 3:].any()
+    with pytest.raises(ValueError):
+        pad16.pad_channels(x, out[:40], 3, 8)
