@@ -2,9 +2,8 @@
 numpy kernels on the CPU (network/net.py ``_cpu_relus``; layers/layer.py ``relu_after``):
 the same values and gradients as the two layers apart, at every thread count, and Caffe's
 semantics for partial passes (a forward that ends at the convolution leaves its output
-unrectified)."""
-import os
-
+unrectified).  CIFAR-10 quick's training steps, whose three ReLUs fold (after pool1,
+conv2 and conv3), are compared across thread counts in tests/layers/test_conv_threads.py."""
 import numpy as np
 import pytest
 
@@ -115,23 +114,3 @@ def test_a_pass_that_ends_between_the_layers_runs_them_apart(relu_bodies):
     assert np.array_equal(diffs["conv2"], ref["conv2"])
     assert (diffs["conv2"] == 0).any() and (diffs["conv2"] != 0).any()
 
-
-def test_cifar10_quick_steps_with_folded_relus_match_two_threads(monkeypatch, relu_bodies):
-    """The public switch (``set_num_threads``): CIFAR-10 quick's three ReLUs (after pool1,
-    conv2 and conv3) folded, the same weights on one and two threads."""
-    from minicaffe.synthetic import synthetic_solver
-    monkeypatch.setattr(pooling, "PARALLEL_MIN_WORK", 0)
-    model = os.path.join(os.path.dirname(__file__), "..", "models", "cifar10_quick",
-                         "train_val.prototxt")
-    weights = []
-    try:
-        for n in (1, 2):
-            minicaffe.set_num_threads(n)
-            solver, _ = synthetic_solver(model=model, batch=8)
-            solver.step(2)
-            weights.append([b.data.copy() for l in solver.net.layers for b in l.blobs])
-    finally:
-        minicaffe.set_num_threads(1)
-    assert relu_bodies == {"forward": 0, "backward": 0}
-    for a, b in zip(*weights):
-        assert np.array_equal(a, b)
