@@ -8,7 +8,8 @@ Usage::
 
 Builds the TRAIN net (make one with constant data as benchmarks/cpu_step.py says), sets
 ``--threads`` (the kernel pool, as ``minicaffe ... --threads N``), runs ``--steps`` warm-up
-steps and then ``--repeat`` measured steps, layer by layer, and prints the one whose
+steps and then ``--repeat`` measured steps, layer by layer through the Net
+(``forward_layer``/``backward_layer``: its folded ReLUs as in training), and prints the one whose
 wall time is the median (and every measured step's total), with ``core.threads.run_parts`` replaced
 by a copy that records, for every call made by a layer's forward or backward: its parts,
 its wall time, how long the pool's first thread took to start its first part after the
