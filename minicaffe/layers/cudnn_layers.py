@@ -741,7 +741,12 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape and windows are
     Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
     otherwise.  MAX's backward reads the top data, so a MAX pooling whose top a later
-    layer rewrites in place is built with Caffe's mask-based class (``cudnn_reads_top``)."""
+    layer rewrites in place is built with Caffe's mask-based class (``cudnn_reads_top``).
+    MAX over disjoint windows (stride >= kernel: VGG's 2x2/2) on 2-byte maps held
+    channels-last runs our own kernels instead (kernels/pool16.py: a gather backward that
+    recomputes each window's argmax from x, where cuDNN's took 6.5 ms of VGG-16 b64's bf16
+    step: docs/precision.md; the same bits, ties included); ``last_body`` says which body ran.  They read what cuDNN's read (x in
+    the backward; y is kept as for cuDNN), so the memory plan's figures do not change."""
 
     @classmethod
     def cudnn_refuses(cls, param):
@@ -796,7 +801,8 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
 
     @property
     def reduced_body(self):
-        """cuDNN pools 2-byte buffers (bfloat16, float16) too (engine/precision.py)."""
+        """cuDNN (and, for MAX over disjoint windows channels-last, kernels/pool16.py)
+        pools 2-byte buffers (bfloat16, float16) too (engine/precision.py)."""
         return bool(getattr(self, "_use", False))
 
     def _descs(self, blob, top):
