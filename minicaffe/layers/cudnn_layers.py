@@ -341,6 +341,9 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         cands = self._nhwc.candidates
         for kind, algos in found.items():
             mine = [(PADDED + a, m, ms + t) for a, m, ms in algos]
+            log.info("layer '%s': channels-last %s on %d channels %.3f ms, padded to %d "
+                     "%.3f + %.3f (Find's fastest, the padding pass)", self.layer_param.name,
+                     kind, c, cands[kind][0][2], PAD_TO, mine[0][2] - t, t)
             cands[kind] = mine if force else sorted(cands[kind] + mine, key=lambda a: a[2])
         return p
 
