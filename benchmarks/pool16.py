@@ -76,12 +76,12 @@ def main():
         xd = cudnn.TensorDesc(shape, dt, nhwc=True)
         yd = cudnn.TensorDesc((args.batch, C, PH, PH), dt, nhwc=True)
 
-        def cf():
-            cudnn.call("cudnnPoolingForward", h, pd.ptr, one, xd.ptr, x.data.ptr, zero,
+        def cf():       # the handle on the current (capturing) stream
+            cudnn.call("cudnnPoolingForward", cudnn.handle(), pd.ptr, one, xd.ptr, x.data.ptr, zero,
                        yd.ptr, yc.data.ptr)
 
         def cb():
-            cudnn.call("cudnnPoolingBackward", h, pd.ptr, one, yd.ptr, yc.data.ptr, yd.ptr,
+            cudnn.call("cudnnPoolingBackward", cudnn.handle(), pd.ptr, one, yd.ptr, yc.data.ptr, yd.ptr,
                        dy.data.ptr, xd.ptr, x.data.ptr, zero, xd.ptr, dxc.data.ptr)
 
         def of():

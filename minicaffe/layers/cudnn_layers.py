@@ -148,7 +148,7 @@ class _Layout:
         self.y_desc = cudnn.TensorDesc(yshape, dt, nhwc=True)
         self.w_desc = cudnn.FilterDesc(wshape, dt, nhwc=True)
         self.candidates = None
-        self.pad = None       # the _Layout of the input padded to PAD_TO channels, if any
+        self.pad8 = None      # the _Layout of the input padded to PAD_TO channels, if any
 
 
 class _ChosenOnce:
@@ -277,7 +277,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                          self.layer_param.name, e)
             if self._nhwc is not None and self._pads_input():
                 try:
-                    self._nhwc.pad = self._find_padded(key, xshape, yshape, dt, lim, tc)
+                    self._nhwc.pad8 = self._find_padded(key, xshape, yshape, dt, lim, tc)
                 except cudnn.CudnnError as e:
                     log.info("layer '%s': no channels-last cuDNN convolution on %d padded "
                              "channels (%s)", self.layer_param.name, PAD_TO, e)
@@ -353,16 +353,16 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         input padded with zero channels to PAD_TO (``_find_padded``; the algorithms picked
         for the current workspace)."""
         n = getattr(self, "_nhwc", None)
-        return n is not None and n.pad is not None and hasattr(n, "fwd") and \
+        return n is not None and n.pad8 is not None and hasattr(n, "fwd") and \
             (n.fwd[0] >= PADDED or n.bwd_filter[0] >= PADDED)
 
     def scratch_bytes(self, bottom, top):
         """The padded input's bytes (the shared scratch LAYER_SCRATCH, within one call)
         where this layer has a padded channels-last set, else 0."""
         n = getattr(self, "_nhwc", None)
-        if n is None or n.pad is None:
+        if n is None or n.pad8 is None:
             return 0
-        return int(np.prod(n.pad.x_desc.shape)) * np.dtype(buffer_dtype(self._storage)).itemsize
+        return int(np.prod(n.pad8.x_desc.shape)) * np.dtype(buffer_dtype(self._storage)).itemsize
 
     def _pad_x(self, x16):
         """``x16`` (N, H, W, C channels-last) padded with zero channels to PAD_TO, in the
@@ -444,7 +444,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         for a, c, (x, w, y) in sets:
             descs = {"fwd": (x, w, self.conv_desc, y), "bwd_data": (w, y, self.conv_desc, x),
                      "bwd_filter": (x, y, self.conv_desc, w)}
-            p = getattr(a, "pad", None)
+            p = a.pad8 if a is not self else None
             if p is not None:
                 padded = {"fwd": (p.x_desc, p.w_desc, self.conv_desc, y),
                           "bwd_filter": (p.x_desc, y, self.conv_desc, p.w_desc)}
@@ -569,8 +569,8 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             else:
                 xa, xd, wa, wd, algo = x16, a.x_desc, w16, a.w_desc, a.fwd[0]
                 if algo >= PADDED:      # on the input padded to PAD_TO channels
-                    xa, xd, wa, wd = self._pad_x(x16), a.pad.x_desc, self._w16_padded(), \
-                        a.pad.w_desc
+                    xa, xd, wa, wd = self._pad_x(x16), a.pad8.x_desc, self._w16_padded(), \
+                        a.pad8.w_desc
                     algo -= PADDED
                 cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), xd.ptr, _ptr(xa),
                            wd.ptr, _ptr(wa), self.conv_desc.ptr, algo, wsp, wsn,
@@ -623,7 +623,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                     algo, xa, xd, wd, shape = a.bwd_filter[0], x16, a.x_desc, a.w_desc, dwm.shape
                     if algo >= PADDED:          # on the input padded to PAD_TO channels
                         algo -= PADDED
-                        xa, xd, wd = self._pad_x(x16), a.pad.x_desc, a.pad.w_desc
+                        xa, xd, wd = self._pad_x(x16), a.pad8.x_desc, a.pad8.w_desc
                         shape = (dwm.shape[0], PAD_TO) + dwm.shape[2:]
                     dw16 = self._reduced("dw16", shape)
                     cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt),
