@@ -18,29 +18,9 @@ from minicaffe.core import backend, context  # noqa: E402
 from minicaffe.core import precision as P  # noqa: E402
 from minicaffe.gpu import cudnn  # noqa: E402
 from minicaffe.kernels import pool16  # noqa: E402
+from bn_layout import _graph_ms as timed  # noqa: E402  (this folder: ms per call, graph)
 
 VGG = [(64, 224), (128, 112), (256, 56), (512, 28), (512, 14)]   # C, H = W of each input
-
-
-def timed(fn, reps=10):
-    """ms per call of ``fn`` replayed from a CUDA graph of ``reps`` calls (median of 5
-    replays after one): the device's time, as the training step replays it."""
-    from minicaffe.gpu import graph
-    stream = backend.new_stream()
-    pool = graph.private_pool()
-    with stream:
-        with graph.allocating_from(pool):
-            fn()
-        g = graph.capture(stream, pool, lambda: [fn() for _ in range(reps)])
-        ts = []
-        for _ in range(6):
-            a, b = backend.new_event(), backend.new_event()
-            a.record(stream)
-            g.launch(stream)
-            b.record(stream)
-            b.synchronize()
-            ts.append(backend.elapsed_ms(a, b) / reps)
-    return float(np.median(ts[1:]))
 
 
 def main():
@@ -103,6 +83,7 @@ def main():
     xd = cudnn.TensorDesc((1, 8, 2, 2), dt, nhwc=True)
     yd = cudnn.TensorDesc((1, 8, 1, 1), dt, nhwc=True)
     yc, dxc, dx = cp.empty_like(dy), cp.empty_like(x), cp.empty_like(x)
+    h = cudnn.handle()      # again: the captures above left the handle on their stream
     cudnn.call("cudnnPoolingForward", h, pd.ptr, one, xd.ptr, x.data.ptr, zero, yd.ptr,
                yc.data.ptr)
     cudnn.call("cudnnPoolingBackward", h, pd.ptr, one, yd.ptr, yc.data.ptr, yd.ptr,

@@ -216,27 +216,33 @@ def test_a_vgg_like_chain_matches_the_nchw_plan(prec, monkeypatch):
     pools it in both plans) against the NCHW plan, within the channels-last tests'
     tolerances."""
     nchw, nhwc_net, plans = _nets(VGGISH, prec, monkeypatch)
-    l1, l2 = float(nchw.forward()["loss"]), float(nhwc_net.forward()["loss"])
-    nchw.backward()
-    nhwc_net.backward()
-    tol = TOL[prec]
-    assert abs(l1 - l2) <= tol * abs(l1)
+    _step_against_nchw(nchw, nhwc_net, TOL[prec],
+                       ("conv1", "pool1", "conv2", "pool2", "conv3", "pool3"))
     assert nhwc_net.blobs["pool3"].shape == (8, 24, 4, 4)
     for name in ("pool1", "pool2"):
         assert nhwc_net.layer_dict[name].last_body == "mc_nhwc16", name
         assert nchw.layer_dict[name].last_body == "cudnn", name
     for n in (nchw, nhwc_net):
         assert n.layer_dict["pool3"].last_body == "caffe"
-    for name in ("conv1", "pool1", "conv2", "pool2", "conv3", "pool3"):
+    for p in plans:
+        p.release()
+
+
+def _step_against_nchw(nchw, nhwc_net, tol, maps):
+    """A forward and a backward of both nets: the loss, ``maps``' data, conv1's gradient
+    (read by the last op: no later op may have reused its memory) and every parameter's
+    gradient of the channels-last plan against the NCHW plan's, within the channels-last
+    tests' tolerances (``tol``, twice it for maps, four times for gradients)."""
+    l1, l2 = float(nchw.forward()["loss"]), float(nhwc_net.forward()["loss"])
+    nchw.backward()
+    nhwc_net.backward()
+    assert abs(l1 - l2) <= tol * abs(l1)
+    for name in maps:
         _close(nchw.blobs[name].data, nhwc_net.blobs[name].data, 2 * tol, name)
-    # (a map's gradient is read where no later op may reuse its memory: conv1's, read by
-    # the last op; the parameters' gradients carry every layer's)
     _close(nchw.blobs["conv1"].diff, nhwc_net.blobs["conv1"].diff, 4 * tol, "conv1 diff")
     for name in nchw.params:
         for k, (a, b) in enumerate(zip(nchw.params[name], nhwc_net.params[name])):
             _close(a.diff, b.diff, 4 * tol, f"{name}[{k}] diff")
-    for p in plans:
-        p.release()
 
 
 def test_pad_channels_kernel_is_its_numpy_body():
@@ -258,15 +264,6 @@ def test_a_first_convolution_on_padded_channels_matches_the_nchw_plan(pad, monke
     assert nhwc_net.layer_dict["conv1"].pads_channels == (pad == "1")
     assert not nhwc_net.layer_dict["conv2"].pads_channels        # 16 channels
     assert not nchw.layer_dict["conv1"].pads_channels
-    l1, l2 = float(nchw.forward()["loss"]), float(nhwc_net.forward()["loss"])
-    nchw.backward()
-    nhwc_net.backward()
-    tol = TOL["bf16"]
-    assert abs(l1 - l2) <= tol * abs(l1)
-    for name in ("conv1", "pool1", "conv2"):
-        _close(nchw.blobs[name].data, nhwc_net.blobs[name].data, 2 * tol, name)
-    for name in nchw.params:
-        for k, (a, b) in enumerate(zip(nchw.params[name], nhwc_net.params[name])):
-            _close(a.diff, b.diff, 4 * tol, f"{name}[{k}] diff")
+    _step_against_nchw(nchw, nhwc_net, TOL["bf16"], ("conv1", "pool1", "conv2"))
     for p in plans:
         p.release()

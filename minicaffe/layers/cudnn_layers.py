@@ -323,14 +323,8 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         dw8 = cp.empty_like(w8)
         d = p.x_desc, p.w_desc, self.conv_desc, p.y_desc
         buf = _search_workspace(d, lim)
-        k = key + ("NHWC", PAD_TO)
-        found = {
-            "fwd": cudnn.find_algorithms(
-                "fwd", k, (d[0].ptr, _ptr(x8), d[1].ptr, _ptr(w8), d[2].ptr, d[3].ptr,
-                           _ptr(y)), buf, lim, tc),
-            "bwd_filter": cudnn.find_algorithms(
-                "bwd_filter", k, (d[0].ptr, _ptr(x8), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
-                                  _ptr(dw8)), buf, lim, tc)}
+        found = self._find(key + ("NHWC", PAD_TO), d, x8, w8, y, dw8, buf, lim, tc,
+                           kinds=("fwd", "bwd_filter"))
         del buf
         ck = (context.device_id(), tuple(xshape), str(self._storage))
         if ck not in _PAD_TIMES:
@@ -386,17 +380,12 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         return buf
 
     @staticmethod
-    def _find(key, d, x, w, y, dw, ws, lim, tc):
-        return {
-            "fwd": cudnn.find_algorithms(
-                "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
-                ws, lim, tc),
-            "bwd_data": cudnn.find_algorithms(
-                "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr,
-                                  _ptr(x)), ws, lim, tc),
-            "bwd_filter": cudnn.find_algorithms(
-                "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
-                                    _ptr(dw)), ws, lim, tc)}
+    def _find(key, d, x, w, y, dw, ws, lim, tc, kinds=("fwd", "bwd_data", "bwd_filter")):
+        args = {"fwd": (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
+                "bwd_data": (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr, _ptr(x)),
+                "bwd_filter": (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
+                               _ptr(dw))}
+        return {k: cudnn.find_algorithms(k, key, args[k], ws, lim, tc) for k in kinds}
 
     # -- 1x1 convolutions as GEMMs (channels-last): Y[NHW, K] = X[NHW, C] W^T --------------
     def _gemm_shape(self):
