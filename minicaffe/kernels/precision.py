@@ -8,7 +8,13 @@ rounding of a blob to its storage type on either device.
   uint16 words: CuPy has no bfloat16 dtype), round to nearest even;
 - ``from_reduced(h, out, storage, bias, relu, accumulate)``: a reduced buffer -> fp32
   ``out`` (N, C, ...), with a per-channel bias added, a ReLU, or added into ``out``,
-  rounded to the storage type's values in the same pass where asked.
+  rounded to the storage type's values in the same pass where asked;
+- ``to_reduced_t(x, out, storage)`` / ``from_reduced_t(h, out, storage, accumulate)``:
+  the same casts of a batch of transposed matrices, (B, P, Q) -> (B, Q, P) (a
+  channels-last convolution's KCRS <-> KRSC weights, NCHW <-> NHWC maps).
+
+On C-contiguous arrays the casts run kernels/vec16.py's vector bodies (the same bits as
+the generic ElementwiseKernels here, which serve strided views).
 
 The cuDNN convolution in a reduced type (layers/cudnn_layers.py) casts its input, its
 weights and its gradients with these around cuDNN's half/bfloat16 calls.
@@ -16,6 +22,7 @@ weights and its gradients with these around cuDNN's half/bfloat16 calls.
 import numpy as np
 
 from ..core import precision as P
+from . import vec16
 from ._backend import elementwise_kernel
 
 _BF16_OF = """
@@ -70,6 +77,9 @@ def _k(storage, what):
                               "mc_from_f16")
 
 
+to_reduced_t, from_reduced_t = vec16.to_reduced_t, vec16.from_reduced_t
+
+
 def buffer_dtype(storage):
     """The CuPy dtype a reduced buffer is held in (bfloat16: its uint16 words)."""
     return np.uint16 if storage == P.BFLOAT16 else np.float16
@@ -86,6 +96,9 @@ def round_storage(xp, a, storage):
 
 
 def to_reduced(x, out, storage):
+    if vec16.applies(storage, (out,), (x,)):
+        vec16.to_reduced(x, out, storage)
+        return out
     _k(storage, "to")(x, out)
     return out
 
@@ -97,6 +110,9 @@ def from_reduced(h, out, storage, bias=None, relu=False, accumulate=False, round
     hw = int(np.prod(out.shape[2:])) if out.ndim > 2 else 1
     mode = (1 if bias is not None else 0) | (2 if relu else 0) | (4 if accumulate else 0) | \
         (8 if rounded else 0)
+    if vec16.applies(storage, (h,), (out,), (bias,)):
+        vec16.from_reduced(h, out, storage, bias, c, hw, mode)
+        return out
     b = bias if bias is not None else out     # unread without mode & 1
     _k(storage, "from")(h, b, c, hw, mode, out)
     return out

@@ -4,7 +4,10 @@ plan holds feature maps and their diffs in bfloat16 or float16, engine/precision
 CuPy has no bfloat16 dtype: a BFLOAT16 buffer is an array of uint16 words (the high
 half of an fp32 word), a FLOAT16 one an array of float16.  Every kernel here loads its
 2-byte inputs into fp32 registers, computes in fp32 and stores rounded to nearest even
-(NVIDIA Caffe's and PyTorch's autocast's rule: 16-bit storage, fp32 math):
+(NVIDIA Caffe's and PyTorch's autocast's rule: 16-bit storage, fp32 math).  On
+C-contiguous arrays the ReLU, add and bias_act bodies are kernels/vec16.py's (8 elements
+per thread through 16-byte accesses); strided views take the generic ElementwiseKernels
+below, which give the same bits:
 
 - ``storage(blob, diff=False)``: FLOAT16/BFLOAT16 when the blob's device side is held in
   2-byte words now (``SyncedMemory.storage``), else None;
@@ -21,6 +24,7 @@ half of an fp32 word), a FLOAT16 one an array of float16.  Every kernel here loa
 import numpy as np
 
 from ..core import precision as P
+from . import vec16
 from ._backend import elementwise_kernel, raw_kernel
 from .reduce import _SRC as _SUM_SRC, _splits
 
@@ -79,10 +83,14 @@ def _kernel(s, what):
 
 
 def relu_forward(x, y, s):
+    if vec16.applies(s, (x, y)):
+        return vec16.relu_forward(x, y, s)
     _kernel(s, "relu_f")(x, y)
 
 
 def relu_backward(x, dy, dx, s):
+    if vec16.applies(s, (x, dy, dx)):
+        return vec16.relu_backward(x, dy, dx, s)
     _kernel(s, "relu_b")(x, dy, dx)
 
 
@@ -94,6 +102,9 @@ def bias_act(y, s, bias=None, relu=False, nhwc=False):
     c = y.shape[1] if y.ndim > 1 else 1
     hw = 1 if nhwc else (int(np.prod(y.shape[2:])) if y.ndim > 2 else 1)
     mode = (1 if bias is not None else 0) | (2 if relu else 0)
+    if vec16.applies(s, (y,), params=(bias,)):
+        vec16.bias_act(y, s, bias, c, hw, mode)
+        return y
     _kernel(s, "bias_act")(bias if bias is not None else _dummy(), c, hw, mode, y)
     return y
 
@@ -110,6 +121,8 @@ def _dummy():
 
 def add(a, b, out, s, relu=False):
     """out = a + b (then max(., 0) with ``relu``), rounded once."""
+    if vec16.applies(s, (a, b, out)):
+        return vec16.add(a, b, out, s, relu)
     _kernel(s, "add")(a, b, np.int32(bool(relu)), out)
 
 

@@ -28,7 +28,8 @@ import numpy as np
 
 from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
-from ..kernels.precision import buffer_dtype, from_reduced, to_reduced
+from ..kernels.precision import (buffer_dtype, from_reduced, from_reduced_t, to_reduced,
+                                 to_reduced_t)
 from ..kernels import reduced as r16
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
@@ -431,9 +432,9 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         bt = np.dtype(buffer_dtype(self._storage))
         if buf is None or buf.size != w.size or buf.dtype != bt:
             buf = self._w16_buf = backend.gpu_module().empty(w.size, dtype=bt)
-        if w.ndim == 4:
+        if w.ndim == 4 and w.shape[2] * w.shape[3] > 1:     # 1 x 1: KCRS is KRSC
             k, c, r, t = w.shape
-            to_reduced(w.transpose(0, 2, 3, 1), buf.reshape(k, r, t, c), self._storage)
+            to_reduced_t(w.reshape(k, c, r * t), buf.reshape(k, r * t, c), self._storage)
         else:
             to_reduced(w, buf.reshape(w.shape), self._storage)
         return buf
@@ -509,10 +510,13 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                                a.x_desc.ptr, _ptr(x16), a.y_desc.ptr, _ptr(dy16),
                                self.conv_desc.ptr, a.bwd_filter[0], wsp, wsn, cudnn.zero(dt),
                                a.w_desc.ptr, _ptr(dw16))
-                    if nhwc and dwm.ndim == 4:     # K, R, S, C -> the master's K, C, R, S
-                        kk, cc, r, q = dwm.shape
-                        dw16 = dw16.reshape(kk, r, q, cc).transpose(0, 3, 1, 2)
-                    from_reduced(dw16, dwm, self._storage, accumulate=True)
+                    kk, cc = dwm.shape[:2]
+                    rs = dwm.size // max(kk * cc, 1)
+                    if nhwc and dwm.ndim == 4 and rs > 1:  # K, R, S, C -> K, C, R, S
+                        from_reduced_t(dw16.reshape(kk, rs, cc), dwm.reshape(kk, cc, rs),
+                                       self._storage, accumulate=True)
+                    else:
+                        from_reduced(dw16, dwm, self._storage, accumulate=True)
             if propagate_down[i]:
                 dx = b.mutable_gpu_diff()
                 direct = r16.storage(b, diff=True) == self._storage

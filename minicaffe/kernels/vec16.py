@@ -1,0 +1,384 @@
+"""Vectorised element-wise kernels and casts on 2-byte buffers (issue 20: bf16/fp16 at the
+memory's bandwidth), the bodies behind kernels/reduced.py's ReLU, add and bias_act and
+kernels/precision.py's casts when their arrays are C-contiguous.
+
+Each kernel moves V = 8, 4, 2 or 1 elements per thread and step (at V = 8 one 16-byte
+load or store of 2-byte words, two of fp32 words) in a grid-stride loop over the whole
+vectors, then the n % V last elements: one launch.  V is the most every array's address
+allows (a view at an odd offset takes less).  Per element the arithmetic is the generic
+kernels' (the ElementwiseKernels of kernels/reduced.py and kernels/precision.py, kept for
+strided views): the same fp32 operations in the same order under the same --fmad=false,
+the same rounding (bf16: to nearest even by bits, a NaN made quiet; fp16: cvt.rn.f16.f32
+and cvt.f32.f16, what CuPy's float16 conversions run), hence the same bits
+(tests/test_reduced_kernels_gpu.py checks them against those kernels).
+
+- ``relu_forward``, ``relu_backward``, ``add``, ``bias_act``, ``to_reduced``,
+  ``from_reduced``: the contiguous bodies (``applies`` says when they take the arrays);
+- ``to_reduced_t(x, out, s)``: ``x`` float32 (B, P, Q) -> ``out`` (B, Q, P) in the 2-byte
+  type (the KCRS -> KRSC weight cast of a channels-last convolution, NCHW <-> NHWC maps);
+  ``from_reduced_t(h, out, s, accumulate)``: its way back, into (or added into) fp32.
+  Both through 32 x 32 tiles in shared memory: reads and writes coalesced.
+"""
+import functools
+
+import numpy as np
+
+from ..core import precision as P
+from ._backend import raw_kernel
+
+_SRC = r"""
+#if MC_V == 8
+typedef uint4 mc_hv;
+struct __align__(16) mc_fv { float4 a, b; };
+#elif MC_V == 4
+typedef uint2 mc_hv;
+typedef float4 mc_fv;
+#elif MC_V == 2
+typedef unsigned int mc_hv;
+typedef float2 mc_fv;
+#else
+typedef unsigned short mc_hv;
+typedef float mc_fv;
+#endif
+union mc_h { mc_hv v; unsigned short w[MC_V]; };
+union mc_f { mc_fv v; float f[MC_V]; };
+
+__device__ __forceinline__ float mc_ld(unsigned short h) {
+#if MC_BF16
+  return __uint_as_float(((unsigned int)h) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+__device__ __forceinline__ unsigned short mc_st(float v) {
+#if MC_BF16
+  const unsigned int u = __float_as_uint(v);
+  return ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
+       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#else
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+#endif
+}
+// v rounded to the 2-byte type's values, kept in fp32 (precision.py's _ROUND_V_*)
+__device__ __forceinline__ float mc_round(float v) {
+#if MC_BF16
+  const unsigned int u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) <= 0x7f800000u)
+    v = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+#else
+  const float ax = fabsf(v);
+  if (ax < 6.103515625e-05f) v = rintf(v * 16777216.0f) * 5.9604644775390625e-08f;
+  else if (ax <= 3.402823466e+38f) {
+    const unsigned int u = __float_as_uint(v);
+    const float r = __uint_as_float((u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u);
+    v = fabsf(r) > 65504.0f ? copysignf(__int_as_float(0x7f800000), v) : r;
+  }
+#endif
+  return v;
+}
+
+// the per-element operations (the generic kernels' bodies)
+__device__ __forceinline__ unsigned short mc_relu_f(unsigned short x) {
+  const float v = mc_ld(x);
+  return (v > 0.0f || v != v) ? x : (unsigned short)0;
+}
+__device__ __forceinline__ unsigned short mc_relu_b(unsigned short x, unsigned short dy) {
+  const float d = mc_ld(dy);
+  return (mc_ld(x) > 0.0f || !isfinite(d)) ? dy : (unsigned short)0;
+}
+__device__ __forceinline__ unsigned short mc_add(unsigned short a, unsigned short b,
+                                                 int relu) {
+  float v = mc_ld(a) + mc_ld(b);
+  if (relu && !(v > 0.0f)) v = 0.0f;
+  return mc_st(v);
+}
+__device__ __forceinline__ unsigned short mc_bias_act(unsigned short y, const float* b,
+                                                      long long ch, int mode) {
+  float v = mc_ld(y);
+  if (mode & 1) v += b[ch];
+  if (mode & 2) v = v > 0.0f ? v : 0.0f;
+  return mc_st(v);
+}
+__device__ __forceinline__ void mc_from(unsigned short h, float& y, const float* b,
+                                        long long ch, int mode) {
+  float v = mc_ld(h);
+  if (mode & 1) v += b[ch];
+  if (mode & 2) v = v > 0.0f ? v : 0.0f;
+  if (mode & 8) v = mc_round(v);
+  if (mode & 4) y += v; else y = v;
+}
+
+// the channel (i / hw) % c of flat index i and i's place in its plane; 32-bit division
+// where the sizes allow
+__device__ __forceinline__ void mc_chan(long long i, long long hw, long long c,
+                                        long long& r, long long& ch) {
+  if (i < 2147483648LL && hw < 2147483648LL && c < 2147483648LL) {
+    const unsigned int q = (unsigned int)i / (unsigned int)hw;
+    r = (long long)((unsigned int)i - q * (unsigned int)hw);
+    ch = (long long)(q % (unsigned int)c);
+  } else {
+    const long long q = i / hw;
+    r = i - q * hw;
+    ch = q % c;
+  }
+}
+__device__ __forceinline__ void mc_chan_next(long long hw, long long c, long long& r,
+                                             long long& ch) {
+  if (++r == hw) { r = 0; if (++ch == c) ch = 0; }
+}
+
+#define MC_VECTORS(v) \
+  const long long nv_ = n / MC_V, st_ = (long long)gridDim.x * blockDim.x; \
+  for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < nv_; v += st_)
+#define MC_TAIL(t) \
+  for (long long t = nv_ * MC_V + (long long)blockIdx.x * blockDim.x + threadIdx.x; \
+       t < n; t += st_)
+
+extern "C" __global__ void mc_v16_relu_f(const mc_hv* x, mc_hv* y, long long n) {
+  MC_VECTORS(v) {
+    mc_h a, o;
+    a.v = x[v];
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) o.w[k] = mc_relu_f(a.w[k]);
+    y[v] = o.v;
+  }
+  MC_TAIL(t) ((unsigned short*)y)[t] = mc_relu_f(((const unsigned short*)x)[t]);
+}
+
+extern "C" __global__ void mc_v16_relu_b(const mc_hv* x, const mc_hv* dy, mc_hv* dx,
+                                         long long n) {
+  MC_VECTORS(v) {
+    mc_h a, d, o;
+    a.v = x[v];
+    d.v = dy[v];
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) o.w[k] = mc_relu_b(a.w[k], d.w[k]);
+    dx[v] = o.v;
+  }
+  MC_TAIL(t) ((unsigned short*)dx)[t] = mc_relu_b(((const unsigned short*)x)[t],
+                                                  ((const unsigned short*)dy)[t]);
+}
+
+extern "C" __global__ void mc_v16_add(const mc_hv* a, const mc_hv* b, mc_hv* y, long long n,
+                                      int relu) {
+  MC_VECTORS(v) {
+    mc_h p, q, o;
+    p.v = a[v];
+    q.v = b[v];
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) o.w[k] = mc_add(p.w[k], q.w[k], relu);
+    y[v] = o.v;
+  }
+  MC_TAIL(t) ((unsigned short*)y)[t] = mc_add(((const unsigned short*)a)[t],
+                                              ((const unsigned short*)b)[t], relu);
+}
+
+extern "C" __global__ void mc_v16_bias_act(mc_hv* y, const float* b, long long n, long long c,
+                                           long long hw, int mode) {
+  MC_VECTORS(v) {
+    long long r = 0, ch = 0;
+    if (mode & 1) mc_chan(v * MC_V, hw, c, r, ch);
+    mc_h p;
+    p.v = y[v];
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) {
+      p.w[k] = mc_bias_act(p.w[k], b, ch, mode);
+      if (mode & 1) mc_chan_next(hw, c, r, ch);
+    }
+    y[v] = p.v;
+  }
+  MC_TAIL(t) {
+    long long r = 0, ch = 0;
+    if (mode & 1) mc_chan(t, hw, c, r, ch);
+    ((unsigned short*)y)[t] = mc_bias_act(((unsigned short*)y)[t], b, ch, mode);
+  }
+}
+
+extern "C" __global__ void mc_v16_to(const mc_fv* x, mc_hv* y, long long n) {
+  MC_VECTORS(v) {
+    mc_f a;
+    mc_h o;
+    a.v = x[v];
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) o.w[k] = mc_st(a.f[k]);
+    y[v] = o.v;
+  }
+  MC_TAIL(t) ((unsigned short*)y)[t] = mc_st(((const float*)x)[t]);
+}
+
+extern "C" __global__ void mc_v16_from(const mc_hv* h, mc_fv* y, const float* b, long long n,
+                                       long long c, long long hw, int mode) {
+  MC_VECTORS(v) {
+    long long r = 0, ch = 0;
+    if (mode & 1) mc_chan(v * MC_V, hw, c, r, ch);
+    mc_h p;
+    mc_f o;
+    p.v = h[v];
+    if (mode & 4) o.v = y[v];
+#pragma unroll
+    for (int k = 0; k < MC_V; ++k) {
+      mc_from(p.w[k], o.f[k], b, ch, mode);
+      if (mode & 1) mc_chan_next(hw, c, r, ch);
+    }
+    y[v] = o.v;
+  }
+  MC_TAIL(t) {
+    long long r = 0, ch = 0;
+    if (mode & 1) mc_chan(t, hw, c, r, ch);
+    mc_from(((const unsigned short*)h)[t], ((float*)y)[t], b, ch, mode);
+  }
+}
+
+// batched transposes through 32 x 32 tiles: x (B, P, Q) -> y (B, Q, P)
+extern "C" __global__ void mc_t16_to(const float* __restrict__ x,
+                                     unsigned short* __restrict__ y, int B, int P, int Q) {
+  __shared__ float t[32][33];
+  const int q0 = blockIdx.x * 32, p0 = blockIdx.y * 32, tx = threadIdx.x;
+  const long long PQ = (long long)P * Q;
+  for (long long b = blockIdx.z; b < B; b += gridDim.z) {
+    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+      const int p = p0 + j, q = q0 + tx;
+      if (p < P && q < Q) t[j][tx] = x[b * PQ + (long long)p * Q + q];
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+      const int q = q0 + j, p = p0 + tx;
+      if (p < P && q < Q) y[b * PQ + (long long)q * P + p] = mc_st(t[tx][j]);
+    }
+    __syncthreads();
+  }
+}
+
+extern "C" __global__ void mc_t16_from(const unsigned short* __restrict__ h,
+                                       float* __restrict__ y, int B, int P, int Q, int acc) {
+  __shared__ float t[32][33];
+  const int q0 = blockIdx.x * 32, p0 = blockIdx.y * 32, tx = threadIdx.x;
+  const long long PQ = (long long)P * Q;
+  for (long long b = blockIdx.z; b < B; b += gridDim.z) {
+    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+      const int p = p0 + j, q = q0 + tx;
+      if (p < P && q < Q) t[j][tx] = mc_ld(h[b * PQ + (long long)p * Q + q]);
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+      const int q = q0 + j, p = p0 + tx;
+      if (p < P && q < Q) {
+        float& o = y[b * PQ + (long long)q * P + p];
+        if (acc) o += t[tx][j]; else o = t[tx][j];
+      }
+    }
+    __syncthreads();
+  }
+}
+"""
+
+_THREADS = 256
+_MAX_BLOCKS = 2048          # about 16 resident blocks' worth per SM of an H100: grid-stride
+
+
+@functools.lru_cache(maxsize=None)
+def _fn(s, v, name):
+    src = f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n#define MC_V {v}\n" + _SRC
+    return raw_kernel(src, name, "float")
+
+
+def applies(s, halves, floats=(), params=()):
+    """True when the vector bodies take these arrays: every one C-contiguous, the 2-byte
+    ones (``halves``) of ``s``'s buffer dtype, the fp32 ones (``floats``, and ``params``:
+    per-channel values, None for none) float32, and the halves and floats of one size."""
+    n = halves[0].size
+    bt = P.buffer_dtype(s)
+    return all(a.flags.c_contiguous and a.size == n and a.dtype == bt for a in halves) and \
+        all(a.flags.c_contiguous and a.size == n and a.dtype == np.float32 for a in floats) \
+        and all(a is None or (a.flags.c_contiguous and a.dtype == np.float32) for a in params)
+
+
+def _width(*arrays):
+    """Elements per thread: 8, 4, 2 or 1, the most every address is aligned for (16 bytes
+    at most per access)."""
+    v = 8
+    while v > 1 and any(a.data.ptr % min(16, v * a.itemsize) for a in arrays):
+        v //= 2
+    return v
+
+
+def _launch(s, name, n, arrays, args):
+    if n == 0:
+        return
+    v = _width(*arrays)
+    blocks = max(1, min(_MAX_BLOCKS, -(-max(n // v, 1) // _THREADS)))
+    _fn(s, v, name)((blocks,), (_THREADS,), args)
+
+
+def _words(a):
+    return a.view(np.uint16) if a.dtype != np.uint16 else a
+
+
+def relu_forward(x, y, s):
+    _launch(s, "mc_v16_relu_f", x.size, (x, y), (_words(x), _words(y), np.int64(x.size)))
+
+
+def relu_backward(x, dy, dx, s):
+    _launch(s, "mc_v16_relu_b", x.size, (x, dy, dx),
+            (_words(x), _words(dy), _words(dx), np.int64(x.size)))
+
+
+def add(a, b, out, s, relu=False):
+    _launch(s, "mc_v16_add", a.size, (a, b, out),
+            (_words(a), _words(b), _words(out), np.int64(a.size), np.int32(bool(relu))))
+
+
+def bias_act(y, s, bias, c, hw, mode):
+    """In place: y = [max](y + bias[(i / hw) % c], 0) by ``mode`` (1: bias, 2: ReLU)."""
+    _launch(s, "mc_v16_bias_act", y.size, (y,),
+            (_words(y), bias if bias is not None else y, np.int64(y.size), np.int64(c),
+             np.int64(hw), np.int32(mode)))
+
+
+def to_reduced(x, out, s):
+    _launch(s, "mc_v16_to", x.size, (x, out), (x, _words(out), np.int64(x.size)))
+
+
+def from_reduced(h, out, s, bias, c, hw, mode):
+    """out (float32) from the 2-byte ``h``: + bias[(i / hw) % c] (mode 1), ReLU (2),
+    rounded to the type's values (8), added into ``out`` (4)."""
+    _launch(s, "mc_v16_from", h.size, (h, out),
+            (_words(h), out, bias if bias is not None else out, np.int64(h.size),
+             np.int64(c), np.int64(hw), np.int32(mode)))
+
+
+def _tiles(B, Pn, Q):
+    return (-(-Q // 32), -(-Pn // 32), max(1, min(B, 65535))), (32, 8)
+
+
+def to_reduced_t(x, out, s):
+    """``out`` (B, Q, P), 2-byte, = the float32 ``x`` (B, P, Q) transposed, rounded."""
+    B, Pn, Q = x.shape
+    if x.size == 0:
+        return out
+    if not (applies(s, (out,), (x,)) and out.shape == (B, Q, Pn)):
+        raise ValueError(f"to_reduced_t: contiguous (B, P, Q) -> (B, Q, P), got {x.shape} "
+                         f"-> {out.shape}")
+    grid, block = _tiles(B, Pn, Q)
+    _fn(s, 1, "mc_t16_to")(grid, block, (x, _words(out), np.int32(B), np.int32(Pn),
+                                         np.int32(Q)))
+    return out
+
+
+def from_reduced_t(h, out, s, accumulate=False):
+    """``out`` (B, Q, P), float32, = (or += with ``accumulate``) the 2-byte ``h`` (B, P, Q)
+    transposed (exact: every 2-byte value is an fp32 one)."""
+    B, Pn, Q = h.shape
+    if h.size == 0:
+        return out
+    if not (applies(s, (h,), (out,)) and out.shape == (B, Q, Pn)):
+        raise ValueError(f"from_reduced_t: contiguous (B, P, Q) -> (B, Q, P), got {h.shape} "
+                         f"-> {out.shape}")
+    grid, block = _tiles(B, Pn, Q)
+    _fn(s, 1, "mc_t16_from")(grid, block, (_words(h), out, np.int32(B), np.int32(Pn),
+                                           np.int32(Q), np.int32(bool(accumulate))))
+    return out
