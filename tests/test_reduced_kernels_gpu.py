@@ -215,9 +215,11 @@ def _bf16_of(a):
 
 
 def _bf16_add(a, b, relu):
+    """The GPU's fp32 add (a NaN result is the canonical 0x7fffffff) and the ReLU, rounded."""
     f = lambda w: (w.astype(np.uint32) << 16).view(np.float32)      # noqa: E731
     with np.errstate(invalid="ignore", over="ignore"):
         v = f(a) + f(b)
+        v[np.isnan(v)] = np.array([0x7FFFFFFF], np.uint32).view(np.float32)[0]
         if relu:
             v = np.where(v > 0, v, np.float32(0))
     return _bf16_of(v)

@@ -17,7 +17,8 @@ and cvt.f32.f16, what CuPy's float16 conversions run), hence the same bits
 - ``to_reduced_t(x, out, s)``: ``x`` float32 (B, P, Q) -> ``out`` (B, Q, P) in the 2-byte
   type (the KCRS -> KRSC weight cast of a channels-last convolution, NCHW <-> NHWC maps);
   ``from_reduced_t(h, out, s, accumulate)``: its way back, into (or added into) fp32.
-  Both through 32 x 32 tiles in shared memory: reads and writes coalesced.
+  Both through tiles in shared memory (a short axis, a weight's R*S, whole in each):
+  reads and writes in runs of consecutive addresses.
 """
 import functools
 
@@ -233,43 +234,54 @@ extern "C" __global__ void mc_v16_from(const mc_hv* h, mc_fv* y, const float* b,
   }
 }
 
-// batched transposes through 32 x 32 tiles: x (B, P, Q) -> y (B, Q, P)
-extern "C" __global__ void mc_t16_to(const float* __restrict__ x,
-                                     unsigned short* __restrict__ y, int B, int P, int Q) {
-  __shared__ float t[32][33];
-  const int q0 = blockIdx.x * 32, p0 = blockIdx.y * 32, tx = threadIdx.x;
+// batched transposes x (B, P, Q) -> y (B, Q, P) through a tile of Lp x Lq elements in
+// shared memory, rows of an odd pitch (Lp (Lq | 1) <= MC_TILE; a short axis whole: a KCRS
+// weight's RS, a KRSC one's): read in x's order, written in y's, both in runs of
+// consecutive addresses, no bank conflicts
+#define MC_TILE 4160
+extern "C" __global__ void __launch_bounds__(256) mc_t16_to(
+    const float* __restrict__ x, unsigned short* __restrict__ y, int B, int P, int Q, int Lp,
+    int Lq) {
+  __shared__ float t[MC_TILE];
+  const int p0 = blockIdx.y * Lp, q0 = blockIdx.x * Lq;
+  const int np = min(Lp, P - p0), nq = min(Lq, Q - q0), m = np * nq, pitch = nq | 1;
   const long long PQ = (long long)P * Q;
   for (long long b = blockIdx.z; b < B; b += gridDim.z) {
-    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
-      const int p = p0 + j, q = q0 + tx;
-      if (p < P && q < Q) t[j][tx] = x[b * PQ + (long long)p * Q + q];
+    const float* xb = x + b * PQ + (long long)p0 * Q + q0;
+    for (int e = threadIdx.x; e < m; e += blockDim.x) {
+      const int p = e / nq, q = e - p * nq;
+      t[p * pitch + q] = xb[(long long)p * Q + q];
     }
     __syncthreads();
-    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
-      const int q = q0 + j, p = p0 + tx;
-      if (p < P && q < Q) y[b * PQ + (long long)q * P + p] = mc_st(t[tx][j]);
+    unsigned short* yb = y + b * PQ + (long long)q0 * P + p0;
+    for (int e = threadIdx.x; e < m; e += blockDim.x) {
+      const int q = e / np, p = e - q * np;
+      yb[(long long)q * P + p] = mc_st(t[p * pitch + q]);
     }
     __syncthreads();
   }
 }
 
-extern "C" __global__ void mc_t16_from(const unsigned short* __restrict__ h,
-                                       float* __restrict__ y, int B, int P, int Q, int acc) {
-  __shared__ float t[32][33];
-  const int q0 = blockIdx.x * 32, p0 = blockIdx.y * 32, tx = threadIdx.x;
+// h (B, P, Q) 2-byte -> y (B, Q, P) fp32: y = v, or y += v (acc)
+extern "C" __global__ void __launch_bounds__(256) mc_t16_from(
+    const unsigned short* __restrict__ h, float* __restrict__ y, int B, int P, int Q, int Lp,
+    int Lq, int acc) {
+  __shared__ float t[MC_TILE];
+  const int p0 = blockIdx.y * Lp, q0 = blockIdx.x * Lq;
+  const int np = min(Lp, P - p0), nq = min(Lq, Q - q0), m = np * nq, pitch = nq | 1;
   const long long PQ = (long long)P * Q;
   for (long long b = blockIdx.z; b < B; b += gridDim.z) {
-    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
-      const int p = p0 + j, q = q0 + tx;
-      if (p < P && q < Q) t[j][tx] = mc_ld(h[b * PQ + (long long)p * Q + q]);
+    const unsigned short* hb = h + b * PQ + (long long)p0 * Q + q0;
+    for (int e = threadIdx.x; e < m; e += blockDim.x) {
+      const int p = e / nq, q = e - p * nq;
+      t[p * pitch + q] = mc_ld(hb[(long long)p * Q + q]);
     }
     __syncthreads();
-    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
-      const int q = q0 + j, p = p0 + tx;
-      if (p < P && q < Q) {
-        float& o = y[b * PQ + (long long)q * P + p];
-        if (acc) o += t[tx][j]; else o = t[tx][j];
-      }
+    float* yb = y + b * PQ + (long long)q0 * P + p0;
+    for (int e = threadIdx.x; e < m; e += blockDim.x) {
+      const int q = e / np, p = e - q * np;
+      float& o = yb[(long long)q * P + p];
+      if (acc) o += t[p * pitch + q]; else o = t[p * pitch + q];
     }
     __syncthreads();
   }
@@ -351,8 +363,20 @@ def from_reduced(h, out, s, bias, c, hw, mode):
              np.int64(c), np.int64(hw), np.int32(mode)))
 
 
+_TILE = 4160                # floats of the transposes' shared tile (MC_TILE)
+
+
 def _tiles(B, Pn, Q):
-    return (-(-Q // 32), -(-Pn // 32), max(1, min(B, 65535))), (32, 8)
+    """(grid, block, (Lp, Lq)): a short axis (<= 64) whole in each tile, else 64 x 64;
+    Lp (Lq | 1) <= _TILE."""
+    if Q <= 64:
+        lp, lq = min(Pn, _TILE // (Q | 1)), Q
+    elif Pn <= 64:
+        lp, lq = Pn, min(Q, _TILE // Pn - 1)
+    else:
+        lp = lq = 64
+    return (-(-Q // lq), -(-Pn // lp), max(1, min(B, 65535))), (256,), \
+        (np.int32(lp), np.int32(lq))
 
 
 def to_reduced_t(x, out, s):
@@ -363,9 +387,9 @@ def to_reduced_t(x, out, s):
     if not (applies(s, (out,), (x,)) and out.shape == (B, Q, Pn)):
         raise ValueError(f"to_reduced_t: contiguous (B, P, Q) -> (B, Q, P), got {x.shape} "
                          f"-> {out.shape}")
-    grid, block = _tiles(B, Pn, Q)
+    grid, block, tile = _tiles(B, Pn, Q)
     _fn(s, 1, "mc_t16_to")(grid, block, (x, _words(out), np.int32(B), np.int32(Pn),
-                                         np.int32(Q)))
+                                         np.int32(Q), *tile))
     return out
 
 
@@ -378,7 +402,7 @@ def from_reduced_t(h, out, s, accumulate=False):
     if not (applies(s, (h,), (out,)) and out.shape == (B, Q, Pn)):
         raise ValueError(f"from_reduced_t: contiguous (B, P, Q) -> (B, Q, P), got {h.shape} "
                          f"-> {out.shape}")
-    grid, block = _tiles(B, Pn, Q)
+    grid, block, tile = _tiles(B, Pn, Q)
     _fn(s, 1, "mc_t16_from")(grid, block, (_words(h), out, np.int32(B), np.int32(Pn),
-                                           np.int32(Q), np.int32(bool(accumulate))))
+                                           np.int32(Q), *tile, np.int32(bool(accumulate))))
     return out
