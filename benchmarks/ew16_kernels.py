@@ -29,7 +29,7 @@ def main(argv=None):
     cp = backend.gpu_module()
     s = P.BFLOAT16 if a.type == "bf16" else P.FLOAT16
     dt = kp.buffer_dtype(s)
-    gen = reduced._kernel          # the generic bodies
+    gen = reduced.generic_kernel    # the generic bodies
     rs = np.random.RandomState(1701)
 
     def h16(shape):
@@ -65,20 +65,20 @@ def main(argv=None):
     # the casts: fc6's weights (VGG-16), a 3 x 3 conv's, transposed and back (accumulated)
     w = cp.asarray(rs.standard_normal(4096 * 25088).astype(np.float32))
     hw = cp.empty(w.size, dtype=dt)
-    row("to_reduced fc6 4096x25088", 6 * w.size, lambda: kp._k(s, "to")(w, hw),
+    row("to_reduced fc6 4096x25088", 6 * w.size, lambda: kp.generic_kernel(s, "to")(w, hw),
         lambda: vec16.to_reduced(w, hw, s))
     row("from_reduced acc fc6 4096x25088", 10 * w.size,
-        lambda: kp._k(s, "from")(hw, w, 1, 1, np.int32(4), w),
+        lambda: kp.generic_kernel(s, "from")(hw, w, 1, 1, np.int32(4), w),
         lambda: vec16.from_reduced(hw, w, s, None, 1, 1, 4))
     for k, c, r in ((512, 512, 3), (256, 256, 3), (64, 3, 7), (128, 64, 3)):
         w = cp.asarray(rs.standard_normal((k, c, r, r)).astype(np.float32))
         h = cp.empty((k, r, r, c), dtype=dt)
         tag = f"{k}x{c}x{r}x{r}"
         row(f"to_reduced KCRS->KRSC {tag}", 6 * w.size,
-            lambda: kp._k(s, "to")(w.transpose(0, 2, 3, 1), h),
+            lambda: kp.generic_kernel(s, "to")(w.transpose(0, 2, 3, 1), h),
             lambda: kp.to_reduced_t(w.reshape(k, c, r * r), h.reshape(k, r * r, c), s))
         row(f"from_reduced acc KRSC->KCRS {tag}", 10 * w.size,
-            lambda: kp._k(s, "from")(h.transpose(0, 3, 1, 2), w, 1, 1, np.int32(4), w),
+            lambda: kp.generic_kernel(s, "from")(h.transpose(0, 3, 1, 2), w, 1, 1, np.int32(4), w),
             lambda: kp.from_reduced_t(h.reshape(k, r * r, c), w.reshape(k, c, r * r), s,
                                       accumulate=True))
     return 0

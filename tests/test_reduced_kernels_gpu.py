@@ -1,10 +1,11 @@
 """The vectorised 2-byte kernels (kernels/vec16.py, issue 20) give the generic
-ElementwiseKernels' bits: ReLU forward/backward, add (+ReLU), bias_act (NCHW and NHWC),
-the casts fp32 <-> bf16/fp16 with from_reduced's modes, and the transposed casts, on sizes
-that take the 8-wide path, the tail, misaligned views (4, 2, 1 wide) and several rounds of
-the grid-stride loop, with NaN, inf, subnormal and signed-zero words.  The generic bodies
-run on strided views of the same values (they take no vector path); bf16 is also checked
-against a numpy model of its rounding."""
+ElementwiseKernels' bits (``generic_kernel``: main's bodies, run on the same contiguous
+arrays): ReLU forward/backward, add (+ReLU), bias_act (NCHW and NHWC), the casts fp32 <->
+bf16/fp16 with from_reduced's modes, and the transposed casts, on sizes that take the 8-wide
+path, the tail, misaligned views (4, 2, 1 wide) and several rounds of the grid-stride loop,
+with NaN, inf, subnormal and signed-zero words.  Strided views take the generic bodies
+(checked on words that are no fp32 subnormals).  bf16's cast is also checked against a
+numpy model of its rounding."""
 import numpy as np
 import pytest
 
@@ -78,29 +79,62 @@ def _w(host, s):
     return host.view(_dtype(s))
 
 
+def _normal(w, s):
+    """``w`` with bf16's subnormal words (fp32 subnormals once widened) made +-1."""
+    if s == P.BFLOAT16:
+        u = w.view(np.uint16).copy()
+        sub = ((u & 0x7F80) == 0) & ((u & 0x7F) != 0)
+        u[sub] = (u[sub] & 0x8000) | 0x3F80
+        return u.view(w.dtype)
+    return w
+
+
 @pytest.mark.parametrize("s", TYPES)
 @pytest.mark.parametrize("n,off", SIZES)
 def test_relu_and_add_match_the_generic_kernels(s, n, off):
     x, d = _w(_words(n, 1), s), _w(_words(n, 2), s)
     dt = _dtype(s)
-    y = _dev(np.zeros(n, dt), off)
+    gen = reduced.generic_kernel
+    y, yg = _dev(np.zeros(n, dt), off), _dev(np.zeros(n, dt))
     reduced.relu_forward(_dev(x, off), y, s)
-    yg = _strided(np.zeros(n, dt))
-    reduced.relu_forward(_strided(x), yg, s)
+    gen(s, "relu_f")(_dev(x), yg)
     _same(y, yg)
-    dx = _dev(np.zeros(n, dt), off)
+    dx, dxg = _dev(np.zeros(n, dt), off), _dev(np.zeros(n, dt))
     reduced.relu_backward(_dev(x, off), _dev(d, off), dx, s)
-    dxg = _strided(np.zeros(n, dt))
-    reduced.relu_backward(_strided(x), _strided(d), dxg, s)
+    gen(s, "relu_b")(_dev(x), _dev(d), dxg)
     _same(dx, dxg)
     for relu in (False, True):
-        o = _dev(np.zeros(n, dt), off)
+        o, og = _dev(np.zeros(n, dt), off), _dev(np.zeros(n, dt))
         reduced.add(_dev(x, off), _dev(d, off), o, s, relu=relu)
-        og = _strided(np.zeros(n, dt))
-        reduced.add(_strided(x), _strided(d), og, s, relu=relu)
+        gen(s, "add")(_dev(x), _dev(d), np.int32(relu), og)
         _same(o, og)
-        if s == P.BFLOAT16:
-            _same(o, _bf16_add(x, d, relu))
+
+
+@pytest.mark.parametrize("s", TYPES)
+def test_strided_views_take_the_generic_bodies(s):
+    n = 8 * 1000 + 3
+    x, d = _normal(_w(_words(n, 1), s), s), _normal(_w(_words(n, 2), s), s)
+    dt = _dtype(s)
+    for call in (lambda a, b, o: reduced.relu_forward(a, o, s),
+                 lambda a, b, o: reduced.relu_backward(a, b, o, s),
+                 lambda a, b, o: reduced.add(a, b, o, s, relu=True),
+                 lambda a, b, o: reduced.bias_act(o, s, bias=cp.ones(1, np.float32),
+                                                  relu=True)):
+        o, og = _dev(x.copy()), _strided(x.copy())
+        call(_dev(x), _dev(d), o)
+        call(_strided(x), _strided(d), og)
+        _same(o, og)
+    h, hg = _dev(np.zeros(n, dt)), _strided(np.zeros(n, dt))
+    xf = _floats(n, 3)
+    kp.to_reduced(_dev(xf), h, s)
+    kp.to_reduced(_strided(xf), hg, s)
+    _same(h, hg)
+    yf = np.abs(_floats(n, 4))
+    yf[~np.isfinite(yf) | (yf < 1e-30)] = 1.0
+    y, yg = _dev(yf), _strided(yf)
+    kp.from_reduced(_dev(x), y, s, accumulate=True)
+    kp.from_reduced(_strided(x), yg, s, accumulate=True)
+    _same(y, yg)
 
 
 def test_relu_forward_in_place():
@@ -108,8 +142,8 @@ def test_relu_forward_in_place():
     x = _words(8 * 1000 + 3, 3)
     a = _dev(x)
     reduced.relu_forward(a, a, s)
-    g = _strided(x)
-    reduced.relu_forward(_strided(x), g, s)
+    g = _dev(np.zeros_like(x))
+    reduced.generic_kernel(s, "relu_f")(_dev(x), g)
     _same(a, g)
 
 
@@ -122,14 +156,14 @@ def test_relu_forward_in_place():
 def test_bias_act_matches_the_generic_kernel(s, shape, nhwc, off, bias, relu):
     n = int(np.prod(shape))
     y0 = _w(_words(n, 4), s)
-    c = shape[-1] if nhwc else shape[1]
+    c = shape[1] if len(shape) > 1 else 1       # (N, C, ...), held channels-last with nhwc
     b = cp.asarray(_floats(c, 5)) if bias else None
     y = _dev(y0, off).reshape(shape)
     reduced.bias_act(y, s, bias=b, relu=relu, nhwc=nhwc)
-    g = _strided(y0).reshape(shape)
-    if g.flags.c_contiguous:
-        pytest.skip("cupy copied the strided view")
-    reduced.bias_act(g, s, bias=b, relu=relu, nhwc=nhwc)
+    g = _dev(y0).reshape(shape)
+    hw = 1 if nhwc else int(np.prod(shape[2:]))
+    reduced.generic_kernel(s, "bias_act")(b if bias else cp.zeros(1, np.float32), c, hw,
+                                          np.int32(int(bias) | (2 if relu else 0)), g)
     _same(y, g)
 
 
@@ -140,8 +174,8 @@ def test_casts_match_the_generic_kernels(s, n, off):
     dt = _dtype(s)
     h = _dev(np.zeros(n, dt), off)
     kp.to_reduced(_dev(x, off), h, s)
-    hg = _strided(np.zeros(n, dt))
-    kp.to_reduced(_strided(x), hg, s)
+    hg = _dev(np.zeros(n, dt))
+    kp.generic_kernel(s, "to")(_dev(x), hg)
     _same(h, hg)
     if s == P.BFLOAT16:
         _same(h, _bf16_of(x))
@@ -151,8 +185,9 @@ def test_casts_match_the_generic_kernels(s, n, off):
         for rounded in (False, True):
             y = _dev(y0, off)
             kp.from_reduced(_dev(words, off), y, s, accumulate=acc, rounded=rounded)
-            yg = _strided(y0)
-            kp.from_reduced(_strided(words), yg, s, accumulate=acc, rounded=rounded)
+            yg = _dev(y0)
+            mode = (4 if acc else 0) | (8 if rounded else 0)
+            kp.generic_kernel(s, "from")(_dev(words), yg, 1, 1, np.int32(mode), yg)
             _same(y, yg)
 
 
@@ -169,10 +204,11 @@ def test_from_reduced_bias_relu_rounded_matches_the_generic_kernel(s, shape, off
             y = _dev(y0, off).reshape(shape)
             kp.from_reduced(_dev(words, off).reshape(shape), y, s, bias=b, relu=relu,
                             rounded=rounded)
-            yg = _strided(y0).reshape(shape)
-            hg = _strided(words).reshape(shape)
-            assert not (yg.flags.c_contiguous or hg.flags.c_contiguous)
-            kp.from_reduced(hg, yg, s, bias=b, relu=relu, rounded=rounded)
+            yg = _dev(y0).reshape(shape)
+            hw = int(np.prod(shape[2:]))
+            mode = 1 | (2 if relu else 0) | (8 if rounded else 0)
+            kp.generic_kernel(s, "from")(_dev(words).reshape(shape), b, shape[1], hw,
+                                         np.int32(mode), yg)
             _same(y, yg)
 
 
@@ -212,14 +248,3 @@ def _bf16_of(a):
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
     r[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
     return r
-
-
-def _bf16_add(a, b, relu):
-    """The GPU's fp32 add (a NaN result is the canonical 0x7fffffff) and the ReLU, rounded."""
-    f = lambda w: (w.astype(np.uint32) << 16).view(np.float32)      # noqa: E731
-    with np.errstate(invalid="ignore", over="ignore"):
-        v = f(a) + f(b)
-        v[np.isnan(v)] = np.array([0x7FFFFFFF], np.uint32).view(np.float32)[0]
-        if relu:
-            v = np.where(v > 0, v, np.float32(0))
-    return _bf16_of(v)

@@ -56,7 +56,9 @@ else if (ax <= 3.402823466e+38f) {
 }"""
 
 
-def _k(storage, what):
+def generic_kernel(storage, what):
+    """The one-element-per-thread ElementwiseKernel of ``what`` (round, to, from): any
+    strides, the bodies for strided views and the reference of vec16's."""
     if what == "round":
         if storage == P.BFLOAT16:
             return elementwise_kernel("", "float32 a", _ROUND_BF16, "mc_round_bf16")
@@ -91,7 +93,7 @@ def round_storage(xp, a, storage):
         return a
     if xp is np:
         return P.round_to(np, a, storage)
-    _k(storage, "round")(a)
+    generic_kernel(storage, "round")(a)
     return a
 
 
@@ -99,7 +101,7 @@ def to_reduced(x, out, storage):
     if vec16.applies(storage, (out,), (x,)):
         vec16.to_reduced(x, out, storage)
         return out
-    _k(storage, "to")(x, out)
+    generic_kernel(storage, "to")(x, out)
     return out
 
 
@@ -114,5 +116,5 @@ def from_reduced(h, out, storage, bias=None, relu=False, accumulate=False, round
         vec16.from_reduced(h, out, storage, bias, c, hw, mode)
         return out
     b = bias if bias is not None else out     # unread without mode & 1
-    _k(storage, "from")(h, b, c, hw, mode, out)
+    generic_kernel(storage, "from")(h, b, c, hw, mode, out)
     return out

@@ -52,7 +52,9 @@ def storage(blob, diff=False):
     return getattr(m, "storage", None)
 
 
-def _kernel(s, what):
+def generic_kernel(s, what):
+    """The one-element-per-thread ElementwiseKernel of ``what`` (relu_f, relu_b, bias_act,
+    add): any strides, the bodies for strided views and the reference of vec16's."""
     t, load, store, zero = _TYPE[s], _LOAD[s], _STORE[s], _ZERO[s]
     tag = "bf16" if s == P.BFLOAT16 else "f16"
     if what == "relu_f":
@@ -85,13 +87,13 @@ def _kernel(s, what):
 def relu_forward(x, y, s):
     if vec16.applies(s, (x, y)):
         return vec16.relu_forward(x, y, s)
-    _kernel(s, "relu_f")(x, y)
+    generic_kernel(s, "relu_f")(x, y)
 
 
 def relu_backward(x, dy, dx, s):
     if vec16.applies(s, (x, dy, dx)):
         return vec16.relu_backward(x, dy, dx, s)
-    _kernel(s, "relu_b")(x, dy, dx)
+    generic_kernel(s, "relu_b")(x, dy, dx)
 
 
 def bias_act(y, s, bias=None, relu=False, nhwc=False):
@@ -105,7 +107,7 @@ def bias_act(y, s, bias=None, relu=False, nhwc=False):
     if vec16.applies(s, (y,), params=(bias,)):
         vec16.bias_act(y, s, bias, c, hw, mode)
         return y
-    _kernel(s, "bias_act")(bias if bias is not None else _dummy(), c, hw, mode, y)
+    generic_kernel(s, "bias_act")(bias if bias is not None else _dummy(), c, hw, mode, y)
     return y
 
 
@@ -123,7 +125,7 @@ def add(a, b, out, s, relu=False):
     """out = a + b (then max(., 0) with ``relu``), rounded once."""
     if vec16.applies(s, (a, b, out)):
         return vec16.add(a, b, out, s, relu)
-    _kernel(s, "add")(a, b, np.int32(bool(relu)), out)
+    generic_kernel(s, "add")(a, b, np.int32(bool(relu)), out)
 
 
 _H2F = r"""

@@ -82,33 +82,63 @@ __device__ __forceinline__ float mc_round(float v) {
   return v;
 }
 
+// v > 0: as written (MC_CMP* 0: what the compiler makes of it under CuPy's -ftz=true), or
+// pinned: 1 the flush-to-zero compare (a subnormal is not > 0), 2 IEEE's (it is)
+#ifndef MC_CMP
+#define MC_CMP 0
+#endif
+#ifndef MC_CMP_RELU
+#define MC_CMP_RELU MC_CMP
+#endif
+#ifndef MC_CMP_ACT
+#define MC_CMP_ACT MC_CMP
+#endif
+#ifndef MC_CMP_ADD
+#define MC_CMP_ADD MC_CMP
+#endif
+template <int K> __device__ __forceinline__ bool mc_pos(float v) {
+  if (K == 1) {
+    unsigned int r;
+    asm("{\n .reg .pred p;\n setp.gt.ftz.f32 p, %1, 0f00000000;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(r) : "f"(v));
+    return r != 0u;
+  }
+  if (K == 2) {
+    unsigned int r;
+    asm("{\n .reg .pred p;\n setp.gt.f32 p, %1, 0f00000000;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(r) : "f"(v));
+    return r != 0u;
+  }
+  return v > 0.0f;
+}
+
 // the per-element operations (the generic kernels' bodies)
 __device__ __forceinline__ unsigned short mc_relu_f(unsigned short x) {
   const float v = mc_ld(x);
-  return (v > 0.0f || v != v) ? x : (unsigned short)0;
+  return (mc_pos<MC_CMP_RELU>(v) || v != v) ? x : (unsigned short)0;
 }
 __device__ __forceinline__ unsigned short mc_relu_b(unsigned short x, unsigned short dy) {
   const float d = mc_ld(dy);
-  return (mc_ld(x) > 0.0f || !isfinite(d)) ? dy : (unsigned short)0;
+  return (mc_pos<MC_CMP_RELU>(mc_ld(x)) || !isfinite(d)) ? dy : (unsigned short)0;
 }
 __device__ __forceinline__ unsigned short mc_add(unsigned short a, unsigned short b,
                                                  int relu) {
   float v = mc_ld(a) + mc_ld(b);
-  if (relu && !(v > 0.0f)) v = 0.0f;
+  if (relu && !mc_pos<MC_CMP_ADD>(v)) v = 0.0f;
   return mc_st(v);
 }
 __device__ __forceinline__ unsigned short mc_bias_act(unsigned short y, const float* b,
                                                       long long ch, int mode) {
   float v = mc_ld(y);
   if (mode & 1) v += b[ch];
-  if (mode & 2) v = v > 0.0f ? v : 0.0f;
+  if (mode & 2) v = mc_pos<MC_CMP_ACT>(v) ? v : 0.0f;
   return mc_st(v);
 }
 __device__ __forceinline__ void mc_from(unsigned short h, float& y, const float* b,
                                         long long ch, int mode) {
   float v = mc_ld(h);
   if (mode & 1) v += b[ch];
-  if (mode & 2) v = v > 0.0f ? v : 0.0f;
+  if (mode & 2) v = mc_pos<MC_CMP_ACT>(v) ? v : 0.0f;
   if (mode & 8) v = mc_round(v);
   if (mode & 4) y += v; else y = v;
 }
@@ -234,11 +264,23 @@ extern "C" __global__ void mc_v16_from(const mc_hv* h, mc_fv* y, const float* b,
   }
 }
 
-// batched transposes x (B, P, Q) -> y (B, Q, P) through a tile of Lp x Lq elements in
-// shared memory, rows of an odd pitch (Lp (Lq | 1) <= MC_TILE; a short axis whole: a KCRS
-// weight's RS, a KRSC one's): read in x's order, written in y's, both in runs of
-// consecutive addresses, no bank conflicts
-#define MC_TILE 4160
+// batched transposes x (B, P, Q) -> y (B, Q, P) through a tile of Lp x Lq <= 1024 elements
+// in shared memory, rows of an odd pitch (Lp (Lq | 1) <= MC_TILE; a short axis whole: a
+// KCRS weight's RS, a KRSC one's): 256 threads, 4 elements each (loads in flight), read in
+// x's order, written in y's, both in runs of consecutive addresses, no bank conflicts
+#define MC_TILE 1056
+#define MC_TILE_LOOP(P_, Q_, N_, BODY)                                             \
+  {                                                                                 \
+    int P_ = threadIdx.x / N_, Q_ = threadIdx.x - P_ * N_;                          \
+    const int dp_ = blockDim.x / N_, dq_ = blockDim.x - dp_ * N_;                   \
+    _Pragma("unroll")                                                               \
+    for (int k_ = 0; k_ < 4; ++k_) {                                                \
+      if (threadIdx.x + k_ * blockDim.x < m) { BODY; }                              \
+      P_ += dp_; Q_ += dq_;                                                         \
+      if (Q_ >= N_) { Q_ -= N_; ++P_; }                                             \
+    }                                                                               \
+  }
+
 extern "C" __global__ void __launch_bounds__(256) mc_t16_to(
     const float* __restrict__ x, unsigned short* __restrict__ y, int B, int P, int Q, int Lp,
     int Lq) {
@@ -248,16 +290,10 @@ extern "C" __global__ void __launch_bounds__(256) mc_t16_to(
   const long long PQ = (long long)P * Q;
   for (long long b = blockIdx.z; b < B; b += gridDim.z) {
     const float* xb = x + b * PQ + (long long)p0 * Q + q0;
-    for (int e = threadIdx.x; e < m; e += blockDim.x) {
-      const int p = e / nq, q = e - p * nq;
-      t[p * pitch + q] = xb[(long long)p * Q + q];
-    }
+    MC_TILE_LOOP(p, q, nq, t[p * pitch + q] = xb[(long long)p * Q + q])
     __syncthreads();
     unsigned short* yb = y + b * PQ + (long long)q0 * P + p0;
-    for (int e = threadIdx.x; e < m; e += blockDim.x) {
-      const int q = e / np, p = e - q * np;
-      yb[(long long)q * P + p] = mc_st(t[p * pitch + q]);
-    }
+    MC_TILE_LOOP(q, p, np, yb[(long long)q * P + p] = mc_st(t[p * pitch + q]))
     __syncthreads();
   }
 }
@@ -272,17 +308,13 @@ extern "C" __global__ void __launch_bounds__(256) mc_t16_from(
   const long long PQ = (long long)P * Q;
   for (long long b = blockIdx.z; b < B; b += gridDim.z) {
     const unsigned short* hb = h + b * PQ + (long long)p0 * Q + q0;
-    for (int e = threadIdx.x; e < m; e += blockDim.x) {
-      const int p = e / nq, q = e - p * nq;
-      t[p * pitch + q] = mc_ld(hb[(long long)p * Q + q]);
-    }
+    MC_TILE_LOOP(p, q, nq, t[p * pitch + q] = mc_ld(hb[(long long)p * Q + q]))
     __syncthreads();
     float* yb = y + b * PQ + (long long)q0 * P + p0;
-    for (int e = threadIdx.x; e < m; e += blockDim.x) {
-      const int q = e / np, p = e - q * np;
+    MC_TILE_LOOP(q, p, np, {
       float& o = yb[(long long)q * P + p];
       if (acc) o += t[p * pitch + q]; else o = t[p * pitch + q];
-    }
+    })
     __syncthreads();
   }
 }
@@ -363,18 +395,19 @@ def from_reduced(h, out, s, bias, c, hw, mode):
              np.int64(c), np.int64(hw), np.int32(mode)))
 
 
-_TILE = 4160                # floats of the transposes' shared tile (MC_TILE)
+_TILE = 1024                # elements of a transpose's tile (4 per thread of 256); with
+                            # the odd pitch at most MC_TILE = 1056 floats of shared memory
 
 
 def _tiles(B, Pn, Q):
-    """(grid, block, (Lp, Lq)): a short axis (<= 64) whole in each tile, else 64 x 64;
-    Lp (Lq | 1) <= _TILE."""
-    if Q <= 64:
+    """(grid, block, (Lp, Lq)): a short axis (<= 32) whole in each tile, else 32 x 32;
+    Lp Lq <= _TILE and Lp (Lq | 1) <= 1056."""
+    if Q <= 32:
         lp, lq = min(Pn, _TILE // (Q | 1)), Q
-    elif Pn <= 64:
+    elif Pn <= 32:
         lp, lq = Pn, min(Q, _TILE // Pn - 1)
     else:
-        lp = lq = 64
+        lp = lq = 32
     return (-(-Q // lq), -(-Pn // lp), max(1, min(B, 65535))), (256,), \
         (np.int32(lp), np.int32(lq))
 
