@@ -4,8 +4,10 @@ arrays): ReLU forward/backward, add (+ReLU), bias_act (NCHW and NHWC), the casts
 bf16/fp16 with from_reduced's modes, and the transposed casts, on sizes that take the 8-wide
 path, the tail, misaligned views (4, 2, 1 wide) and several rounds of the grid-stride loop,
 with NaN, inf, subnormal and signed-zero words.  Strided views take the generic bodies
-(checked on words that are no fp32 subnormals).  bf16's cast is also checked against a
-numpy model of its rounding."""
+(checked on words that are no fp32 subnormals: under CuPy's -ftz=true, whether a written
+"v > 0" flushes a subnormal differs between compilations of one generic body,
+benchmarks/ew16_bits.py).  bf16's cast is also checked against a numpy model of its
+rounding."""
 import numpy as np
 import pytest
 
