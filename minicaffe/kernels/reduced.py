@@ -188,17 +188,6 @@ typedef unsigned short mc_vec;
 #define MC_TPB 256
 union mc_pack { mc_vec v; unsigned short h[MC_V]; };
 
-__device__ __forceinline__ unsigned short mc_store(float v) {
-#if MC_BF16
-  const unsigned int u = __float_as_uint(v);
-  return ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
-       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-#else
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
-#endif
-}
 #if MC_BF16
 #define MC_PINF 0x7f80u
 #else
@@ -267,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_sums(
             else {
               const float xh = (v - m[k]) * iv[k];
               float d = mc_load(pd[j].h[k]);
-              if (mode == 2) d = mc_relu_grad(mc_store(xh * gg[k] + be[k]), d);
+              if (mode == 2) d = mc_relu_grad(mc_st(xh * gg[k] + be[k]), d);
               fa[k] += d; fb[k] += d * xh;
             }
           }
@@ -380,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_fwd(
         mc_pack py;
 #pragma unroll
         for (int k = 0; k < MC_V; ++k) {
-          const unsigned short h = mc_store((mc_load(px[j].h[k]) - m[k]) * iv[k] * gg[k] + be[k]);
+          const unsigned short h = mc_st((mc_load(px[j].h[k]) - m[k]) * iv[k] * gg[k] + be[k]);
           py.h[k] = relu ? mc_relu16(h) : h;
         }
         y[(r + j * S) * CV + cv] = py.v;
@@ -422,8 +411,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_bwd(
         for (int k = 0; k < MC_V; ++k) {
           const float xh = (mc_load(px[j].h[k]) - m[k]) * iv[k];
           float d = mc_load(pd[j].h[k]);
-          if (relu) d = mc_relu_grad(mc_store(xh * gg[k] + be[k]), d);
-          po.h[k] = mc_store(gi[k] * (d - a1[k] - rm * xh * a2[k]));
+          if (relu) d = mc_relu_grad(mc_st(xh * gg[k] + be[k]), d);
+          po.h[k] = mc_st(gi[k] * (d - a1[k] - rm * xh * a2[k]));
         }
         dx[(r + j * S) * CV + cv] = po.v;
       }
@@ -435,7 +424,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_bwd(
 
 def _bn16_kernels(s, V):
     src = (f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n#define MC_V {V}\n" + _H2F +
-           _BN16V)
+           vec16.ST16 + _BN16V)
     return tuple(raw_kernel(src, n, "float") for n in ("mc_bn16v_sums", "mc_bn16v_fwd",
                                                        "mc_bn16v_bwd"))
 

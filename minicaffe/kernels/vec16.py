@@ -27,6 +27,21 @@ import numpy as np
 from ..core import precision as P
 from ._backend import raw_kernel
 
+# fp32 -> the 2-byte word, to nearest even (bf16 by bits, a NaN made quiet; fp16 by the
+# hardware's cvt.rn): with MC_BF16 defined, for any kernel source (reduced.py's batch norm)
+ST16 = r"""__device__ __forceinline__ unsigned short mc_st(float v) {
+#if MC_BF16
+  const unsigned int u = __float_as_uint(v);
+  return ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
+       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#else
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+#endif
+}
+"""
+
 _SRC = r"""
 #if MC_V == 8
 typedef uint4 mc_hv;
@@ -53,18 +68,7 @@ __device__ __forceinline__ float mc_ld(unsigned short h) {
   return f;
 #endif
 }
-__device__ __forceinline__ unsigned short mc_st(float v) {
-#if MC_BF16
-  const unsigned int u = __float_as_uint(v);
-  return ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
-       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-#else
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
-#endif
-}
-// v rounded to the 2-byte type's values, kept in fp32 (precision.py's _ROUND_V_*)
+""" + ST16 + r"""// v rounded to the 2-byte type's values, kept in fp32 (precision.py's _ROUND_V_*)
 __device__ __forceinline__ float mc_round(float v) {
 #if MC_BF16
   const unsigned int u = __float_as_uint(v);
@@ -417,30 +421,28 @@ def _tiles(B, Pn, Q):
         (np.int32(lp), np.int32(lq))
 
 
-def to_reduced_t(x, out, s):
-    """``out`` (B, Q, P), 2-byte, = the float32 ``x`` (B, P, Q) transposed, rounded."""
-    B, Pn, Q = x.shape
-    if x.size == 0:
+def _transpose(s, name, src, out, halves, floats, extra=()):
+    B, Pn, Q = src.shape
+    if src.size == 0:
         return out
-    if not (applies(s, (out,), (x,)) and out.shape == (B, Q, Pn)):
-        raise ValueError(f"to_reduced_t: contiguous (B, P, Q) -> (B, Q, P), got {x.shape} "
+    if not (applies(s, halves, floats) and out.shape == (B, Q, Pn)):
+        raise ValueError(f"{name}: contiguous (B, P, Q) -> (B, Q, P), got {src.shape} "
                          f"-> {out.shape}")
     grid, block, tile = _tiles(B, Pn, Q)
-    _fn(s, 1, "mc_t16_to")(grid, block, (x, _words(out), np.int32(B), np.int32(Pn),
-                                         np.int32(Q), *tile))
+    _fn(s, 1, "mc_t16_" + name.split("_")[0])(
+        grid, block, (_words(src) if src.dtype != np.float32 else src,
+                      _words(out) if out.dtype != np.float32 else out,
+                      np.int32(B), np.int32(Pn), np.int32(Q), *tile, *extra))
     return out
+
+
+def to_reduced_t(x, out, s):
+    """``out`` (B, Q, P), 2-byte, = the float32 ``x`` (B, P, Q) transposed, rounded."""
+    return _transpose(s, "to_reduced_t", x, out, (out,), (x,))
 
 
 def from_reduced_t(h, out, s, accumulate=False):
     """``out`` (B, Q, P), float32, = (or += with ``accumulate``) the 2-byte ``h`` (B, P, Q)
     transposed (exact: every 2-byte value is an fp32 one)."""
-    B, Pn, Q = h.shape
-    if h.size == 0:
-        return out
-    if not (applies(s, (h,), (out,)) and out.shape == (B, Q, Pn)):
-        raise ValueError(f"from_reduced_t: contiguous (B, P, Q) -> (B, Q, P), got {h.shape} "
-                         f"-> {out.shape}")
-    grid, block, tile = _tiles(B, Pn, Q)
-    _fn(s, 1, "mc_t16_from")(grid, block, (_words(h), out, np.int32(B), np.int32(Pn),
-                                           np.int32(Q), *tile, np.int32(bool(accumulate))))
-    return out
+    return _transpose(s, "from_reduced_t", h, out, (h,), (out,),
+                      (np.int32(bool(accumulate)),))
