@@ -326,6 +326,17 @@ def _convert(src, dst, src_type, dst_type, src_layout=None, dst_layout=None):
     channels-last (the other NCHW): transposed on the way."""
     from ..core import backend
     xp = np if isinstance(src, np.ndarray) else backend.gpu_module()
+    if src_layout != dst_layout and xp is not np and src_type != dst_type and \
+            src.flags.c_contiguous and dst.flags.c_contiguous:
+        from ..kernels.precision import from_reduced_t, to_reduced_t
+        n, c, h, w = src_layout or dst_layout        # (N, P, Q) -> (N, Q, P), one pass
+        p, q = (h * w, c) if src_layout is not None else (c, h * w)
+        src, dst = src.reshape(n, p, q), dst.reshape(n, q, p)
+        if dst_type == P.FLOAT:
+            from_reduced_t(src, dst, src_type)
+        else:
+            to_reduced_t(src, dst, dst_type)
+        return
     if src_layout != dst_layout:
         n, c, h, w = src_layout or dst_layout
         if src_layout is not None:      # NHWC -> NCHW

@@ -8,7 +8,13 @@ rounding of a blob to its storage type on either device.
   uint16 words: CuPy has no bfloat16 dtype), round to nearest even;
 - ``from_reduced(h, out, storage, bias, relu, accumulate)``: a reduced buffer -> fp32
   ``out`` (N, C, ...), with a per-channel bias added, a ReLU, or added into ``out``,
-  rounded to the storage type's values in the same pass where asked.
+  rounded to the storage type's values in the same pass where asked;
+- ``to_reduced_t(x, out, storage)`` / ``from_reduced_t(h, out, storage, accumulate)``:
+  the same casts of a batch of transposed matrices, (B, P, Q) -> (B, Q, P) (a
+  channels-last convolution's KCRS <-> KRSC weights, NCHW <-> NHWC maps).
+
+On C-contiguous arrays the casts run kernels/vec16.py's vector bodies (the same bits as
+the generic ElementwiseKernels here, which serve strided views).
 
 The cuDNN convolution in a reduced type (layers/cudnn_layers.py) casts its input, its
 weights and its gradients with these around cuDNN's half/bfloat16 calls.
@@ -16,6 +22,7 @@ weights and its gradients with these around cuDNN's half/bfloat16 calls.
 import numpy as np
 
 from ..core import precision as P
+from . import vec16
 from ._backend import elementwise_kernel
 
 _BF16_OF = """
@@ -49,7 +56,9 @@ else if (ax <= 3.402823466e+38f) {
 }"""
 
 
-def _k(storage, what):
+def generic_kernel(storage, what):
+    """The one-element-per-thread ElementwiseKernel of ``what`` (round, to, from): any
+    strides, the bodies for strided views and the reference of vec16's."""
     if what == "round":
         if storage == P.BFLOAT16:
             return elementwise_kernel("", "float32 a", _ROUND_BF16, "mc_round_bf16")
@@ -70,6 +79,9 @@ def _k(storage, what):
                               "mc_from_f16")
 
 
+to_reduced_t, from_reduced_t = vec16.to_reduced_t, vec16.from_reduced_t
+
+
 def buffer_dtype(storage):
     """The CuPy dtype a reduced buffer is held in (bfloat16: its uint16 words)."""
     return np.uint16 if storage == P.BFLOAT16 else np.float16
@@ -81,12 +93,15 @@ def round_storage(xp, a, storage):
         return a
     if xp is np:
         return P.round_to(np, a, storage)
-    _k(storage, "round")(a)
+    generic_kernel(storage, "round")(a)
     return a
 
 
 def to_reduced(x, out, storage):
-    _k(storage, "to")(x, out)
+    if vec16.applies(storage, (out,), (x,)):
+        vec16.to_reduced(x, out, storage)
+        return out
+    generic_kernel(storage, "to")(x, out)
     return out
 
 
@@ -97,6 +112,9 @@ def from_reduced(h, out, storage, bias=None, relu=False, accumulate=False, round
     hw = int(np.prod(out.shape[2:])) if out.ndim > 2 else 1
     mode = (1 if bias is not None else 0) | (2 if relu else 0) | (4 if accumulate else 0) | \
         (8 if rounded else 0)
+    if vec16.applies(storage, (h,), (out,), (bias,)):
+        vec16.from_reduced(h, out, storage, bias, c, hw, mode)
+        return out
     b = bias if bias is not None else out     # unread without mode & 1
-    _k(storage, "from")(h, b, c, hw, mode, out)
+    generic_kernel(storage, "from")(h, b, c, hw, mode, out)
     return out

@@ -4,7 +4,10 @@ plan holds feature maps and their diffs in bfloat16 or float16, engine/precision
 CuPy has no bfloat16 dtype: a BFLOAT16 buffer is an array of uint16 words (the high
 half of an fp32 word), a FLOAT16 one an array of float16.  Every kernel here loads its
 2-byte inputs into fp32 registers, computes in fp32 and stores rounded to nearest even
-(NVIDIA Caffe's and PyTorch's autocast's rule: 16-bit storage, fp32 math):
+(NVIDIA Caffe's and PyTorch's autocast's rule: 16-bit storage, fp32 math).  On
+C-contiguous arrays the ReLU, add and bias_act bodies are kernels/vec16.py's (8 elements
+per thread through 16-byte accesses); strided views take the generic ElementwiseKernels
+below, which give the same bits:
 
 - ``storage(blob, diff=False)``: FLOAT16/BFLOAT16 when the blob's device side is held in
   2-byte words now (``SyncedMemory.storage``), else None;
@@ -21,6 +24,7 @@ half of an fp32 word), a FLOAT16 one an array of float16.  Every kernel here loa
 import numpy as np
 
 from ..core import precision as P
+from . import vec16
 from ._backend import elementwise_kernel, raw_kernel
 from .reduce import _SRC as _SUM_SRC, _splits
 
@@ -48,7 +52,9 @@ def storage(blob, diff=False):
     return getattr(m, "storage", None)
 
 
-def _kernel(s, what):
+def generic_kernel(s, what):
+    """The one-element-per-thread ElementwiseKernel of ``what`` (relu_f, relu_b, bias_act,
+    add): any strides, the bodies for strided views and the reference of vec16's."""
     t, load, store, zero = _TYPE[s], _LOAD[s], _STORE[s], _ZERO[s]
     tag = "bf16" if s == P.BFLOAT16 else "f16"
     if what == "relu_f":
@@ -79,11 +85,15 @@ def _kernel(s, what):
 
 
 def relu_forward(x, y, s):
-    _kernel(s, "relu_f")(x, y)
+    if vec16.applies(s, (x, y)):
+        return vec16.relu_forward(x, y, s)
+    generic_kernel(s, "relu_f")(x, y)
 
 
 def relu_backward(x, dy, dx, s):
-    _kernel(s, "relu_b")(x, dy, dx)
+    if vec16.applies(s, (x, dy, dx)):
+        return vec16.relu_backward(x, dy, dx, s)
+    generic_kernel(s, "relu_b")(x, dy, dx)
 
 
 def bias_act(y, s, bias=None, relu=False, nhwc=False):
@@ -94,7 +104,10 @@ def bias_act(y, s, bias=None, relu=False, nhwc=False):
     c = y.shape[1] if y.ndim > 1 else 1
     hw = 1 if nhwc else (int(np.prod(y.shape[2:])) if y.ndim > 2 else 1)
     mode = (1 if bias is not None else 0) | (2 if relu else 0)
-    _kernel(s, "bias_act")(bias if bias is not None else _dummy(), c, hw, mode, y)
+    if vec16.applies(s, (y,), params=(bias,)):
+        vec16.bias_act(y, s, bias, c, hw, mode)
+        return y
+    generic_kernel(s, "bias_act")(bias if bias is not None else _dummy(), c, hw, mode, y)
     return y
 
 
@@ -110,7 +123,9 @@ def _dummy():
 
 def add(a, b, out, s, relu=False):
     """out = a + b (then max(., 0) with ``relu``), rounded once."""
-    _kernel(s, "add")(a, b, np.int32(bool(relu)), out)
+    if vec16.applies(s, (a, b, out)):
+        return vec16.add(a, b, out, s, relu)
+    generic_kernel(s, "add")(a, b, np.int32(bool(relu)), out)
 
 
 _H2F = r"""
@@ -173,17 +188,6 @@ typedef unsigned short mc_vec;
 #define MC_TPB 256
 union mc_pack { mc_vec v; unsigned short h[MC_V]; };
 
-__device__ __forceinline__ unsigned short mc_store(float v) {
-#if MC_BF16
-  const unsigned int u = __float_as_uint(v);
-  return ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
-       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-#else
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
-#endif
-}
 #if MC_BF16
 #define MC_PINF 0x7f80u
 #else
@@ -252,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_sums(
             else {
               const float xh = (v - m[k]) * iv[k];
               float d = mc_load(pd[j].h[k]);
-              if (mode == 2) d = mc_relu_grad(mc_store(xh * gg[k] + be[k]), d);
+              if (mode == 2) d = mc_relu_grad(mc_st(xh * gg[k] + be[k]), d);
               fa[k] += d; fb[k] += d * xh;
             }
           }
@@ -365,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_fwd(
         mc_pack py;
 #pragma unroll
         for (int k = 0; k < MC_V; ++k) {
-          const unsigned short h = mc_store((mc_load(px[j].h[k]) - m[k]) * iv[k] * gg[k] + be[k]);
+          const unsigned short h = mc_st((mc_load(px[j].h[k]) - m[k]) * iv[k] * gg[k] + be[k]);
           py.h[k] = relu ? mc_relu16(h) : h;
         }
         y[(r + j * S) * CV + cv] = py.v;
@@ -407,8 +411,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_bwd(
         for (int k = 0; k < MC_V; ++k) {
           const float xh = (mc_load(px[j].h[k]) - m[k]) * iv[k];
           float d = mc_load(pd[j].h[k]);
-          if (relu) d = mc_relu_grad(mc_store(xh * gg[k] + be[k]), d);
-          po.h[k] = mc_store(gi[k] * (d - a1[k] - rm * xh * a2[k]));
+          if (relu) d = mc_relu_grad(mc_st(xh * gg[k] + be[k]), d);
+          po.h[k] = mc_st(gi[k] * (d - a1[k] - rm * xh * a2[k]));
         }
         dx[(r + j * S) * CV + cv] = po.v;
       }
@@ -420,7 +424,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mc_bn16v_bwd(
 
 def _bn16_kernels(s, V):
     src = (f"#define MC_BF16 {1 if s == P.BFLOAT16 else 0}\n#define MC_V {V}\n" + _H2F +
-           _BN16V)
+           vec16.ST16 + _BN16V)
     return tuple(raw_kernel(src, n, "float") for n in ("mc_bn16v_sums", "mc_bn16v_fwd",
                                                        "mc_bn16v_bwd"))
 

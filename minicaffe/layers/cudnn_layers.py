@@ -28,7 +28,8 @@ import numpy as np
 
 from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
-from ..kernels.precision import buffer_dtype, from_reduced, to_reduced
+from ..kernels.precision import (buffer_dtype, from_reduced, from_reduced_t, to_reduced,
+                                 to_reduced_t)
 from ..kernels import pad16, pool16
 from ..kernels import reduced as r16
 from ..kernels.reduce import channel_sum, partial_size
@@ -531,9 +532,9 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         bt = np.dtype(buffer_dtype(self._storage))
         if buf is None or buf.size != w.size or buf.dtype != bt:
             buf = self._w16_buf = backend.gpu_module().empty(w.size, dtype=bt)
-        if w.ndim == 4:
+        if w.ndim == 4 and w.shape[2] * w.shape[3] > 1:     # 1 x 1: KCRS is KRSC
             k, c, r, t = w.shape
-            to_reduced(w.transpose(0, 2, 3, 1), buf.reshape(k, r, t, c), self._storage)
+            to_reduced_t(w.reshape(k, c, r * t), buf.reshape(k, r * t, c), self._storage)
         else:
             to_reduced(w, buf.reshape(w.shape), self._storage)
         return buf
@@ -619,10 +620,18 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                                xd.ptr, _ptr(xa), a.y_desc.ptr, _ptr(dy16),
                                self.conv_desc.ptr, algo, wsp, wsn, cudnn.zero(dt),
                                wd.ptr, _ptr(dw16))
-                    if nhwc and dwm.ndim == 4:     # K, R, S, C -> the master's K, C, R, S
-                        kk, cc, r, q = dwm.shape
-                        dw16 = dw16.reshape(kk, r, q, shape[1])[..., :cc].transpose(0, 3, 1, 2)
-                    from_reduced(dw16, dwm, self._storage, accumulate=True)
+                    kk, cc = dwm.shape[:2]
+                    rs = dwm.size // max(kk * cc, 1)
+                    if shape[1] != cc:   # padded: K, R, S, PAD_TO -> K, C, R, S (a view)
+                        r, q = dwm.shape[2:]
+                        from_reduced(dw16.reshape(kk, r, q, shape[1])[..., :cc]
+                                     .transpose(0, 3, 1, 2), dwm, self._storage,
+                                     accumulate=True)
+                    elif nhwc and dwm.ndim == 4 and rs > 1:  # K, R, S, C -> K, C, R, S
+                        from_reduced_t(dw16.reshape(kk, rs, cc), dwm.reshape(kk, cc, rs),
+                                       self._storage, accumulate=True)
+                    else:
+                        from_reduced(dw16, dwm, self._storage, accumulate=True)
             if propagate_down[i]:
                 dx = b.mutable_gpu_diff()
                 direct = r16.storage(b, diff=True) == self._storage
