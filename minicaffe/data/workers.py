@@ -46,7 +46,7 @@ START_TIMEOUT = 60.0      # seconds for a worker to start and map the ring
 _ALIGN = 4096
 
 
-def _shm_dir():
+def shm_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
         else tempfile.gettempdir()
 
@@ -68,7 +68,7 @@ class SlotRing:
         self.data_bytes, self.slot_bytes, self.nbytes = _layout(n_slots, batch, shape, dtype)
         self.owner = path is None
         if self.owner:
-            path = os.path.join(_shm_dir(), f"minicaffe-{os.getpid()}-{secrets.token_hex(6)}")
+            path = os.path.join(shm_dir(), f"minicaffe-{os.getpid()}-{secrets.token_hex(6)}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, self.nbytes)
@@ -264,7 +264,7 @@ _main_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _main_hidden():
+def main_hidden():
     """Start spawned children without re-importing the user's ``__main__`` (its script
     is not re-executed, guarded by ``if __name__ == "__main__"`` or not)."""
     with _main_lock:
@@ -277,7 +277,7 @@ def _main_hidden():
                 sys.modules["__main__"] = main
 
 
-def _death(proc):
+def death_cause(proc):
     code = proc.exitcode
     if code is not None and code < 0:
         try:
@@ -304,7 +304,7 @@ class WorkerPool:
                 parent, child = ctx.Pipe(duplex=True)
                 p = ctx.Process(target=_worker_main, args=(child, kind, source, ring.spec()),
                                 name=f"minicaffe-data-{i}", daemon=True)
-                with _main_hidden():
+                with main_hidden():
                     p.start()
                 child.close()
                 self.procs.append(p)
@@ -314,7 +314,7 @@ class WorkerPool:
                 while not c.poll(0.05):
                     if not p.is_alive():
                         raise MinicaffeError(f"{describe}: data worker {i} did not start "
-                                             f"({_death(p)})")
+                                             f"({death_cause(p)})")
                     if time.monotonic() > deadline:
                         raise MinicaffeError(f"{describe}: data worker {i} did not start "
                                              f"within {START_TIMEOUT:.0f} s")
@@ -382,7 +382,7 @@ class WorkerPool:
                         where = next(s[w][1] for s in self.pending.values() if w in s)
                         raise MinicaffeError(
                             f"{where}: data worker {w} (pid {self.procs[w].pid}) died "
-                            f"({_death(self.procs[w])}) while reading this record or the ones "
+                            f"({death_cause(self.procs[w])}) while reading this record or the ones "
                             "after it; training stops")
         self.pending.pop(slot, None)
         errors = self.errors.pop(slot, {})
