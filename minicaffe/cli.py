@@ -627,6 +627,10 @@ def time(flags):
     net = Net(flags.model, phase, level=flags.level, stages=_stages(flags),
               config=flags.run_config)
     gpu = context.is_gpu()
+    if flags.replicas > 1:
+        pool = _time_pool(net, flags)
+        if pool is not None:
+            return _time_replicas(net, pool, flags)
     sync = backend.synchronize if gpu else (lambda: None)
     clock = _time.perf_counter
     log.info("Performing Forward")
@@ -674,6 +678,48 @@ def time(flags):
     log.result("Average Forward pass: %s ms.", _g(fwd_total / 1000 / its))
     log.result("Average Backward pass: %s ms.", _g(bwd_total / 1000 / its))
     log.result("Average Forward-Backward: %s ms.", _g(np.float32(total_ms) / its))
+    log.result("Total Time: %s ms.", _g(np.float32(total_ms)))
+    log.info("*** Benchmark ends ***")
+    return 0
+
+
+def _time_pool(net, flags):
+    """The replicas of ``time --replicas N`` (engine/replicas.py), or None (one line says
+    why: a GPU, or a net that cannot be split)."""
+    from .engine import replicas
+    n = flags.replicas
+    why = "CPU mode only; ignored on a GPU" if context.is_gpu() else None
+    if why is None:
+        reason = replicas.refusal(net)
+        why = None if reason is None else f"not split: {reason}; timed in one process"
+    if why is not None:
+        log.warning("--replicas %d: %s", n, why)
+        return None
+    return replicas.ReplicaPool(net, n, flags.run_config)
+
+
+def _time_replicas(net, pool, flags):
+    """``time --replicas N``: the forward-backward of the whole batch through the
+    replicas (no per-layer times: the layers run in the workers)."""
+    clock = _time.perf_counter
+    try:
+        net.clear_param_diffs()
+        log.info("Initial loss: %s", _g(pool.forward_backward()))
+        log.info("*** Benchmark begins ***")
+        log.info("Testing for %d iterations.", flags.iterations)
+        total_start = clock()
+        for j in range(flags.iterations):
+            t0 = clock()
+            net.clear_param_diffs()
+            pool.forward_backward()
+            log.info("Iteration: %d forward-backward time: %s ms.", j + 1,
+                     _g(np.float32((clock() - t0) * 1e3)))
+        total_ms = (clock() - total_start) * 1e3
+    finally:
+        pool.close()
+    log.info("(no per-layer times: the layers run in the %d replica processes)", pool.n)
+    log.result("Average Forward-Backward (%d replicas): %s ms.", pool.n,
+               _g(np.float32(total_ms) / flags.iterations))
     log.result("Total Time: %s ms.", _g(np.float32(total_ms)))
     log.info("*** Benchmark ends ***")
     return 0
