@@ -6,6 +6,7 @@ trains in one process; a killed worker ends the run in one line with no process 
 shared-memory file left."""
 import multiprocessing
 import os
+import re
 import signal
 
 import numpy as np
@@ -17,7 +18,8 @@ from minicaffe.core.config import RunConfig
 from minicaffe.core.errors import ConfigError, MinicaffeError
 from minicaffe.proto import caffe_pb2
 from minicaffe.solvers import get_solver
-from test_cli import _error_line, _messages, _setup, _weights
+from test_cli import LONG_SOLVER, _Proc, _error_line, _messages, _setup, _weights
+from test_solver_nets import CONST_NET
 
 NET = """
 name: "small"
@@ -143,6 +145,37 @@ def test_a_killed_replica_ends_the_run_in_one_line_and_leaves_nothing():
     finally:
         s.close()
     assert not multiprocessing.active_children()
+    assert not _shm() - before
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_stop_the_replicas(tmp_path, sig):
+    """The signal goes to the whole process group (a terminal's Ctrl-C, systemd's stop):
+    the workers ignore it, the training process stops after the iteration and stops
+    them; nothing is left."""
+    before = _shm()
+    _setup(tmp_path, net=CONST_NET, solver=LONG_SOLVER)
+    proc = _Proc(tmp_path, "--replicas", "2")
+    i = proc.wait_for(r"CPU replicas: 2 worker processes")
+    pids = [int(x) for x in re.search(r"pids ([\d, ]+)\)", proc.lines[i]).group(1).split(",")]
+    proc.wait_for(r"Iteration \d+ \(")
+    for pid in pids + [proc.p.pid]:     # as to a process group (not pytest's own)
+        os.kill(pid, getattr(signal, sig))
+    rc = proc.finish()
+    assert rc == (128 + signal.SIGTERM if sig == "SIGTERM" else 0), proc.lines[-5:]
+    msgs = [l.split("] ", 1)[-1] for l in proc.lines]
+    assert any(m.startswith(f"Stopped by {sig} at iteration ") for m in msgs), msgs[-5:]
+    assert not any("Traceback" in l or "replica" in l and "died" in l for l in proc.lines)
+    assert not [p for p in pids if _alive(p)]
     assert not _shm() - before
 
 

@@ -48,6 +48,7 @@ import os
 import secrets
 import signal
 import time
+import weakref
 from multiprocessing import connection
 
 import numpy as np
@@ -302,6 +303,8 @@ class ReplicaPool:
                 child.close()
                 self.procs.append(p)
                 self.conns.append(parent)
+            # a pool dropped without close() (a solver garbage-collected) still stops them
+            self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
             deadline = time.monotonic() + START_TIMEOUT
             for k, (p, c) in enumerate(zip(self.procs, self.conns)):
                 while not c.poll(0.05):
@@ -487,28 +490,42 @@ class ReplicaPool:
             return
         self.closed = True
         self._unlink()
-        for c in self.conns:
-            try:
-                c.send_bytes(b"Q")
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        _stop(self.procs, self.conns, timeout)
+
+
+def _stop(procs, conns, timeout=2.0):
+    """Ask each worker to end, then terminate (and kill) those still alive, and reap them."""
+    for c in conns:
+        try:
+            c.send_bytes(b"Q")
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
+        except ValueError:       # closed already
+            continue
+    for p in procs:
+        try:
             if p.is_alive():
                 p.terminate()
                 p.join(1.0)
             if p.is_alive():
                 p.kill()
                 p.join(1.0)
-        for c in self.conns:
-            c.close()
-        for p in self.procs:
-            try:
-                p.close()
-            except ValueError:
-                pass
+        except ValueError:
+            continue
+    for c in conns:
+        c.close()
+    for p in procs:
+        try:
+            p.close()
+        except ValueError:
+            pass
 
 
 # -- the worker process -------------------------------------------------------------------

@@ -366,9 +366,10 @@ class Solver:
         SGD family where it applies (``uses_gpu_step``), else the eager executor of the
         schedule, layer by layer in this thread's mode."""
         from ..engine.executor import Executor
+        replicas = self._replica_pool()     # None on a GPU (said once)
         if self.uses_gpu_step:
             return Executor(self, self._gpu_step())
-        return Executor(self, replicas=self._replica_pool())
+        return Executor(self, replicas=replicas)
 
     # -- CPU replicas (engine/replicas.py) -----------------------------------------------------
     def _replica_pool(self):
