@@ -86,9 +86,10 @@ def test_two_replicas_train_as_one_process(batch, solver_type):
     assert not multiprocessing.active_children()  # close() joined them
 
 
-def test_normalization_none_sums_the_slices():
+@pytest.mark.parametrize("replicas", [2, 5])     # 3+4; 1+1+2+1+2
+def test_normalization_none_sums_the_slices(replicas):
     loss = "loss_param { normalization: NONE }"
-    _same(_train(1, batch=7, loss=loss), _train(2, batch=7, loss=loss))
+    _same(_train(1, batch=7, loss=loss), _train(replicas, batch=7, loss=loss))
 
 
 def test_the_same_bits_run_to_run():

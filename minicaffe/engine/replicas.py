@@ -30,9 +30,10 @@ Contract:
 - ``forward_backward()``: one pass: the main process runs the data layers (prefetch
   included) and copies their tops into the shared input; one byte wakes each worker,
   which runs forward and backward on its slice and answers with one byte; the gradients
-  are added into the main net's diffs in replica order (weighted by slice/batch for
-  losses normalised by the batch, 1 for NONE: the same bits for the same ``n`` run to
-  run, not the bits of one process), and the loss and the other outputs of the train net
+  (one row per replica) are summed by one BLAS product, weighted by slice/batch for
+  losses normalised by the batch (1 for NONE), and added into the main net's diffs: the
+  same bits for the same ``n`` run to run (each element summed in the kernel's fixed
+  order), not the bits of one process; the loss and the other outputs of the train net
   combined the same way (per-sample outputs concatenated).  Returns the pass's loss.
   Nothing is pickled per step.
 - A worker that fails (an exception, a signal, kill -9) ends the pass with a
@@ -263,7 +264,10 @@ class ReplicaPool:
             self.out_offsets.append(o)
             o += c * (big if per_sample else 1)
         n_results = o
-        per = [(lay.add(total * 4), lay.add(8 * n_results)) for _ in self.slices]
+        # the gradients one after the other, one row each (``grads``: n x total, summed
+        # in one product), then the results
+        g_off = lay.add(self.n * total * 4)
+        per = [(g_off + k * total * 4, lay.add(8 * n_results)) for k in range(self.n)]
         self.path = os.path.join(shm_dir(), f"minicaffe-replicas-{os.getpid()}-"
                                             f"{secrets.token_hex(6)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -279,7 +283,7 @@ class ReplicaPool:
         self.weights = _view(buf, w_off, total)
         self.inputs = [(net.blob_by_name(name), _view(buf, off, int(np.prod(shape))).reshape(
             shape)) for name, shape, off in self.input_specs]
-        self.grads = [_view(buf, g, total) for g, _ in per]
+        self.grads = _view(buf, g_off, self.n * total).reshape(self.n, total)
         self.results = [_view(buf, r, n_results, np.float64) for _, r in per]
         self._tmp = np.empty(total, np.float32)
         self._attach_weights()
@@ -417,12 +421,11 @@ class ReplicaPool:
             raise
         diff = fb.diff.mutable_cpu_data()
         weights = self._weights("loss")
-        for w, g in zip(weights, self.grads):
-            if w == 1:
-                diff += g
-            else:
-                np.multiply(g, w, out=self._tmp)
-                diff += self._tmp
+        # sum_k w_k g_k as one BLAS product (each element's sum in the kernel's fixed
+        # order: the same bits for the same n run to run), added into the diffs (iter_size
+        # passes accumulate there)
+        np.dot(np.array(weights, np.float32), self.grads, out=self._tmp)
+        diff += self._tmp
         loss = 0.0
         for w, r in zip(weights, self.results):
             loss += float(w) * float(r[0])
