@@ -59,6 +59,29 @@ def _layout(n_slots, batch, shape, dtype):
     return data_bytes, slot_bytes, n_slots * slot_bytes
 
 
+def map_shared_file(nbytes, path=None, prefix="minicaffe"):
+    """(path, mmap) of a new shared-memory file of ``nbytes`` (``path`` None: created in
+    /dev/shm, or the temporary directory, readable by this user only) or of the existing
+    file ``path``.  The caller unlinks a new one once every process has mapped it."""
+    new = path is None
+    if new:
+        path = os.path.join(shm_dir(), f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    else:
+        fd = os.open(path, os.O_RDWR)
+    try:
+        if new:
+            os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        if new:
+            os.unlink(path)
+        raise
+    os.close(fd)
+    return path, mm
+
+
 class SlotRing:
     """``n_slots`` batch slots in one shared-memory file (see the module docstring)."""
 
@@ -67,25 +90,7 @@ class SlotRing:
         self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
         self.data_bytes, self.slot_bytes, self.nbytes = _layout(n_slots, batch, shape, dtype)
         self.owner = path is None
-        if self.owner:
-            path = os.path.join(shm_dir(), f"minicaffe-{os.getpid()}-{secrets.token_hex(6)}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, self.nbytes)
-                self._mm = mmap.mmap(fd, self.nbytes)
-            except BaseException:
-                os.close(fd)
-                os.unlink(path)
-                raise
-        else:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self._mm = mmap.mmap(fd, self.nbytes)
-            except BaseException:
-                os.close(fd)
-                raise
-        os.close(fd)
-        self.path = path
+        self.path, self._mm = map_shared_file(self.nbytes, path)
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
 
     def spec(self):
@@ -287,6 +292,55 @@ def death_cause(proc):
     return f"exit status {code}"
 
 
+def first_messages(procs, conns, who, recv=lambda c: c.recv(), timeout=START_TIMEOUT):
+    """Each started worker's first message (``recv(conn)``), in order; a MinicaffeError
+    '``who(i)`` did not start (why)' when worker i dies first or is later than ``timeout``
+    seconds in all."""
+    deadline = time.monotonic() + timeout
+    out = []
+    for i, (p, c) in enumerate(zip(procs, conns)):
+        while not c.poll(0.05):
+            if not p.is_alive():
+                raise MinicaffeError(f"{who(i)} did not start ({death_cause(p)})")
+            if time.monotonic() > deadline:
+                raise MinicaffeError(f"{who(i)} did not start within {timeout:.0f} s")
+        out.append(recv(c))
+    return out
+
+
+def stop_workers(procs, conns, goodbye, timeout=2.0):
+    """Stop and reap worker processes: ``goodbye(conn)`` asks each to end, those still
+    alive after ``timeout`` seconds are terminated (then killed); no child is left."""
+    for c in conns:
+        try:
+            goodbye(c)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.join(max(0.0, deadline - time.monotonic()))
+        except ValueError:       # closed already
+            continue
+    for p in procs:
+        try:
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        except ValueError:
+            continue
+    for c in conns:
+        c.close()
+    for p in procs:
+        try:
+            p.close()
+        except ValueError:
+            pass
+
+
 class WorkerPool:
     def __init__(self, n, kind, source, ring, describe="data layer"):
         self.kind, self.ring, self.describe = kind, ring, describe
@@ -309,16 +363,9 @@ class WorkerPool:
                 child.close()
                 self.procs.append(p)
                 self.conns.append(parent)
-            deadline = time.monotonic() + START_TIMEOUT
-            for i, (p, c) in enumerate(zip(self.procs, self.conns)):
-                while not c.poll(0.05):
-                    if not p.is_alive():
-                        raise MinicaffeError(f"{describe}: data worker {i} did not start "
-                                             f"({death_cause(p)})")
-                    if time.monotonic() > deadline:
-                        raise MinicaffeError(f"{describe}: data worker {i} did not start "
-                                             f"within {START_TIMEOUT:.0f} s")
-                tag, detail = c.recv()
+            hellos = first_messages(self.procs, self.conns,
+                                    lambda i: f"{describe}: data worker {i}")
+            for i, (tag, detail) in enumerate(hellos):
                 if tag != "ready":
                     raise MinicaffeError(f"{describe}: data worker {i} could not open the "
                                          f"source: {detail}")
@@ -406,28 +453,7 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
-        for c in self.conns:
-            try:
-                c.send(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
-        for c in self.conns:
-            c.close()
-        for p in self.procs:
-            try:
-                p.close()
-            except ValueError:
-                pass
+        stop_workers(self.procs, self.conns, lambda c: c.send(None), timeout)
 
 
 class WorkerFeed:

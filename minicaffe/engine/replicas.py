@@ -43,12 +43,9 @@ Contract:
   and reaps them; ``pids`` names them.
 """
 import contextlib
-import mmap
 import multiprocessing
 import os
-import secrets
 import signal
-import time
 import weakref
 from multiprocessing import connection
 
@@ -56,7 +53,8 @@ import numpy as np
 
 from ..core import log
 from ..core.errors import MinicaffeError
-from ..data.workers import death_cause, main_hidden, shm_dir
+from ..data.workers import (death_cause, first_messages, main_hidden, map_shared_file,
+                            stop_workers)
 
 START_TIMEOUT = 120.0     # seconds for a worker to start, build its net and map the file
 _ALIGN = 4096
@@ -268,17 +266,7 @@ class ReplicaPool:
         # in one product), then the results
         g_off = lay.add(self.n * total * 4)
         per = [(g_off + k * total * 4, lay.add(8 * n_results)) for k in range(self.n)]
-        self.path = os.path.join(shm_dir(), f"minicaffe-replicas-{os.getpid()}-"
-                                            f"{secrets.token_hex(6)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, lay.size)
-            self._mm = mmap.mmap(fd, lay.size)
-        except BaseException:
-            os.close(fd)
-            self._unlink()
-            raise
-        os.close(fd)
+        self.path, self._mm = map_shared_file(lay.size, prefix="minicaffe-replicas")
         buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.weights = _view(buf, w_off, total)
         self.inputs = [(net.blob_by_name(name), _view(buf, off, int(np.prod(shape))).reshape(
@@ -308,19 +296,13 @@ class ReplicaPool:
                 self.procs.append(p)
                 self.conns.append(parent)
             # a pool dropped without close() (a solver garbage-collected) still stops them
-            self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
-            deadline = time.monotonic() + START_TIMEOUT
-            for k, (p, c) in enumerate(zip(self.procs, self.conns)):
-                while not c.poll(0.05):
-                    if not p.is_alive():
-                        raise MinicaffeError(f"replica {k} (pid {p.pid}) did not start "
-                                             f"({death_cause(p)})")
-                    if time.monotonic() > deadline:
-                        raise MinicaffeError(f"replica {k} (pid {p.pid}) did not start "
-                                             f"within {START_TIMEOUT:.0f} s")
-                msg = c.recv_bytes()
+            self._finalizer = weakref.finalize(self, stop_workers, self.procs, self.conns,
+                                               _goodbye)
+            hellos = first_messages(self.procs, self.conns, self._who,
+                                    lambda c: c.recv_bytes(), START_TIMEOUT)
+            for k, msg in enumerate(hellos):
                 if msg != b"R":
-                    raise MinicaffeError(f"replica {k} (pid {p.pid}) could not build its net: "
+                    raise MinicaffeError(f"{self._who(k)} could not build its net: "
                                          f"{msg[1:].decode(errors='replace')}")
         except BaseException:
             self.close()
@@ -470,12 +452,12 @@ class ReplicaPool:
                 if msg == b"K":
                     pending.discard(k)
                 elif msg is not None and msg[:1] == b"E":
-                    raise MinicaffeError(f"replica {k} (pid {p.pid}) failed: "
+                    raise MinicaffeError(f"{self._who(k)} failed: "
                                          f"{msg[1:].decode(errors='replace')}")
                 else:
                     p.join(1.0)
-                    raise MinicaffeError(f"replica {k} (pid {p.pid}) died "
-                                         f"({death_cause(p)}); training stops")
+                    raise MinicaffeError(f"{self._who(k)} died ({death_cause(p)}); "
+                                         "training stops")
 
     # -- the end --------------------------------------------------------------------------
     def _unlink(self):
@@ -496,39 +478,14 @@ class ReplicaPool:
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-        _stop(self.procs, self.conns, timeout)
+        stop_workers(self.procs, self.conns, _goodbye, timeout)
+
+    def _who(self, k):
+        return f"replica {k} (pid {self.procs[k].pid})"
 
 
-def _stop(procs, conns, timeout=2.0):
-    """Ask each worker to end, then terminate (and kill) those still alive, and reap them."""
-    for c in conns:
-        try:
-            c.send_bytes(b"Q")
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.join(max(0.0, deadline - time.monotonic()))
-        except ValueError:       # closed already
-            continue
-    for p in procs:
-        try:
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
-        except ValueError:
-            continue
-    for c in conns:
-        c.close()
-    for p in procs:
-        try:
-            p.close()
-        except ValueError:
-            pass
+def _goodbye(conn):
+    conn.send_bytes(b"Q")
 
 
 # -- the worker process -------------------------------------------------------------------
@@ -574,11 +531,7 @@ def _worker_net(spec):
     context.set_mode_cpu()
     if spec["seed"] is not None:
         context.set_random_seed(spec["seed"])
-    fd = os.open(spec["path"], os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, spec["size"])
-    finally:
-        os.close(fd)
+    _, mm = map_shared_file(spec["size"], spec["path"])
     buf = np.frombuffer(mm, dtype=np.uint8)
     a, b = spec["slice"]
     p = caffe_pb2.NetParameter.FromString(spec["net"])
