@@ -180,6 +180,30 @@ def test_sigterm_and_ctrl_c_stop_the_replicas(tmp_path, sig):
     assert not _shm() - before
 
 
+def test_no_room_in_dev_shm_is_one_line(monkeypatch):
+    """A container's /dev/shm too small for the replicas' file: one line, not a SIGBUS."""
+    import errno
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = _shm()
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed", display=0,
+                                   snapshot_after_train=False,
+                                   solver_mode=caffe_pb2.SolverParameter.CPU)
+    text_format.Parse(NET % dict(batch=8, loss="", extra="", ip_in="pool"), sp.net_param)
+    s = get_solver(sp, config=RunConfig(cpu_replicas=2))
+    try:
+        with pytest.raises(MinicaffeError, match=r"no room for [\d.]+ MiB of shared memory "
+                                                 r"\(No space left on device\).*--shm-size"):
+            s.step(1)
+    finally:
+        s.close()
+    assert not _shm() - before and not multiprocessing.active_children()
+
+
 def test_run_config_refuses_a_bad_count():
     for bad in (0, -2, "many", 1.5, True):
         with pytest.raises(ConfigError, match="expected a whole number of worker processes"):
@@ -217,6 +241,14 @@ def test_train_with_replicas_gives_the_weights_of_one_process(cli, tmp_path):
     assert one.keys() == two.keys()
     for k in one:
         np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-6)
+    # resumed from iteration 5 with replicas: the uninterrupted replicas run's bits
+    os.remove(tmp_path / "snap" / "dummy_iter_10.caffemodel")
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--replicas", "2",
+                       "--snapshot", "snap/dummy_iter_5.solverstate")
+    assert rc == 0, err
+    resumed = _weights(tmp_path / "snap" / "dummy_iter_10.caffemodel")
+    for k in two:
+        assert np.array_equal(resumed[k], two[k]), k
     assert not multiprocessing.active_children()
 
 

@@ -25,6 +25,7 @@ Contract:
 """
 import collections
 import contextlib
+import errno
 import mmap
 import multiprocessing
 import os
@@ -59,6 +60,22 @@ def _layout(n_slots, batch, shape, dtype):
     return data_bytes, slot_bytes, n_slots * slot_bytes
 
 
+def _reserve(fd, nbytes, path):
+    """Reserve the file's pages now: a /dev/shm too small for it (a container's default
+    64 MB) is one error line here, not a SIGBUS when a page is first written."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise MinicaffeError(
+                f"{os.path.dirname(path)}: no room for {nbytes / 2 ** 20:.1f} MiB of shared "
+                f"memory ({e.strerror}); free some, or give the container more (docker run "
+                "--shm-size)") from None
+        # a file system without fallocate: the pages come on first touch
+
+
 def map_shared_file(nbytes, path=None, prefix="minicaffe"):
     """(path, mmap) of a new shared-memory file of ``nbytes`` (``path`` None: created in
     /dev/shm, or the temporary directory, readable by this user only) or of the existing
@@ -72,6 +89,7 @@ def map_shared_file(nbytes, path=None, prefix="minicaffe"):
     try:
         if new:
             os.ftruncate(fd, nbytes)
+            _reserve(fd, nbytes, path)
         mm = mmap.mmap(fd, nbytes)
     except BaseException:
         os.close(fd)
