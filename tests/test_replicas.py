@@ -261,3 +261,17 @@ def test_time_with_replicas(cli, tmp_path):
     assert any(m.startswith("CPU replicas: 2 worker processes") for m in msgs)
     assert any(m.startswith("Average Forward-Backward (2 replicas): ") for m in msgs), msgs
     assert not multiprocessing.active_children()
+
+
+def test_bench_with_replicas(cli, tmp_path, monkeypatch):
+    from test_bench import LENET, QUICK
+    monkeypatch.setenv("GLOG_minloglevel", "0")      # bench's INFO lines too
+    rc, out, err = cli("bench", "--model", LENET, "--batch", "6", "--replicas", "2",
+                       "--json", "r.json", *QUICK)
+    assert rc == 0, err
+    assert "minicaffe: 2 replica processes of one thread each (--replicas)" in out
+    assert any(m.startswith("CPU replicas: 2 worker processes of one thread each, slices "
+                            "3+3 of the batch of 6") for m in _messages(err))
+    import json
+    assert json.loads((tmp_path / "r.json").read_text())["cpu_replicas"] == 2
+    assert not multiprocessing.active_children()          # the solver was closed
