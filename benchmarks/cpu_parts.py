@@ -8,7 +8,8 @@ Usage::
 
 Builds the TRAIN net (make one with constant data as benchmarks/cpu_step.py says), sets
 ``--threads`` (the kernel pool, as ``minicaffe ... --threads N``), runs ``--steps`` warm-up
-steps and then ``--repeat`` measured steps, layer by layer, and prints the one whose
+steps and then ``--repeat`` measured steps, layer by layer through the Net
+(``forward_layer``/``backward_layer``: its folded ReLUs as in training), and prints the one whose
 wall time is the median (and every measured step's total), with ``core.threads.run_parts`` replaced
 by a copy that records, for every call made by a layer's forward or backward: its parts,
 its wall time, how long the pool's first thread took to start its first part after the
@@ -103,18 +104,18 @@ def main(argv=None):
         rows = []
         calls.clear()
         s0 = clock()
+        fused = net.begin_pass()   # through the Net, as a training step (its folded ReLUs)
         for i, what in order:
-            layer = net.layers[i]
             if what == "backward" and not net.layer_need_backward[i]:
                 continue
             k = len(calls)
             t0 = clock()
             if what == "forward":
-                layer.forward(net.bottom_vecs[i], net.top_vecs[i])
+                net.forward_layer(i, fused)
             else:
-                layer.backward(net.top_vecs[i], net.bottom_need_backward[i],
-                               net.bottom_vecs[i])
+                net.backward_layer(i)
             rows.append((net.layer_names[i], what, clock() - t0, calls[k:]))
+        net.end_pass()
         steps.append((clock() - s0, rows))
     totals = [t for t, _ in steps]
     step, rows = sorted(steps, key=lambda r: r[0])[len(steps) // 2]

@@ -128,9 +128,9 @@ class GpuStep:
                 self.offload.attach()
             # the shared buffers at their final sizes now, not grown layer by layer (cuDNN's
             # workspaces are the plan's, in the arena: engine/plan.py)
-            from ..layers.cudnn_layers import scratch
+            from ..layers.cudnn_layers import LAYER_SCRATCH, scratch
             if self.plan.scratch_bytes:
-                scratch("bn_dx", self.plan.scratch_bytes)
+                scratch(LAYER_SCRATCH, self.plan.scratch_bytes)
             mib = 1 << 20
             log.info("Memory plan of net %s: %.1f MiB of activations and diffs in one arena "
                      "(%.1f MiB unshared); planned peak %.1f MiB", net.name,

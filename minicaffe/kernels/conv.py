@@ -91,6 +91,7 @@ class ConvEngine:
         self._ws = {}  # numpy workspaces: worker slot -> {key: (dtype, chunk), buffers}
         self._dw_buf = None  # numpy: the weight-gradient partials, one row per chunk
         self._kept = None    # numpy Winograd: (the input it was made from, its tiles' V)
+        self._epilogue = None  # numpy 2-D: a fused ReLU's work per chunk, during a call
         self.tf32 = None  # cuBLAS math of the GEMMs (the layer's run setting; None: default)
         # numpy: 5x5, stride 1, one group through Winograd's F(4x4, 5x5) when asked
         self.winograd = bool(winograd) and (
@@ -110,32 +111,49 @@ class ConvEngine:
         return -(-N // -(-N // n))
 
     # -- public ------------------------------------------------------------------
-    def forward(self, xp, x, w, y, budget, bias=None, keep=False):
+    def forward(self, xp, x, w, y, budget, bias=None, keep=False, relu=False):
         """``keep``: a later ``backward`` on the same ``x`` (unchanged) may reuse what the
-        forward made of it (the Winograd path's transformed input tiles), as MAX pooling's backward uses its forward's mask."""
-        if xp is np and self.winograd:
-            return self._fwd_wino(x, w, y, bias, keep)
+        forward made of it (the Winograd path's transformed input tiles), as MAX pooling's backward uses its forward's mask.
+        ``relu``: then y = max(y, 0) (a plain in-place ReLU after the layer: on the numpy
+        2-D paths chunk by chunk, in the chunk's part while it is in cache)."""
         if xp is np and self.ns == 2 and not self.is_1x1:
-            if self.C // self.G < NHWC_MIN_CHANNELS:
-                return self._fwd_cn(x, w, y, budget, bias)
-            return self._fwd_nhwc(x, w, y, budget, bias)
+            self._epilogue = ("relu", y) if relu else None
+            try:
+                if self.winograd:
+                    return self._fwd_wino(x, w, y, bias, keep)
+                if self.C // self.G < NHWC_MIN_CHANNELS:
+                    return self._fwd_cn(x, w, y, budget, bias)
+                return self._fwd_nhwc(x, w, y, budget, bias)
+            finally:
+                self._epilogue = None
         if xp is np and self.is_1x1:
             self._fwd_1x1(x, w, y)
             if bias is not None:
                 y += bias.reshape((1, -1) + (1,) * self.ns)
-            return
-        self.forward_generic(xp, x, w, y, budget, bias)
+        else:
+            self.forward_generic(xp, x, w, y, budget, bias)
+        if relu:
+            xp.maximum(y, 0, out=y)
 
-    def backward(self, xp, x, w, dy, budget, dw=None, dx=None, db=None):
-        """``x`` may be None when only ``dx`` is wanted."""
+    def backward(self, xp, x, w, dy, budget, dw=None, dx=None, db=None, relu_y=None):
+        """``x`` may be None when only ``dx`` is wanted.  ``relu_y``: the output of a
+        forward with ``relu``: dy is first masked in place, dy *= (relu_y > 0) (the
+        in-place ReLU's backward; on the numpy 2-D paths chunk by chunk)."""
+        if xp is np and self.ns == 2 and not self.is_1x1 and (
+                dw is not None or dx is not None or db is not None):
+            self._epilogue = ("relu_mask", relu_y, dy) if relu_y is not None else None
+            try:
+                if self.winograd:
+                    return self._bwd_wino(x, w, dy, dw, dx, db)
+                if self.C // self.G < NHWC_MIN_CHANNELS:
+                    return self._bwd_cn(x, w, dy, dw, dx, budget, db)
+                return self._bwd_nhwc(x, w, dy, dw, dx, budget, db)
+            finally:
+                self._epilogue = None
+        if relu_y is not None:
+            xp.multiply(dy, relu_y > 0, out=dy)
         if xp is np and self.ns == 2 and not self.is_1x1:
-            if dw is None and dx is None and db is None:
-                return
-            if self.winograd:
-                return self._bwd_wino(x, w, dy, dw, dx, db)
-            if self.C // self.G < NHWC_MIN_CHANNELS:
-                return self._bwd_cn(x, w, dy, dw, dx, budget, db)
-            return self._bwd_nhwc(x, w, dy, dw, dx, budget, db)
+            return
         if xp is np and self.is_1x1:
             if db is not None:
                 db += self._bias_part(dy)
@@ -200,10 +218,17 @@ class ConvEngine:
         own workspace, and the results come back in chunk order (so what is summed
         over chunks is summed in the serial order: bit-identical results)."""
         starts = list(range(0, N, step))
+        epi = self._epilogue   # a fused in-place ReLU (``forward``/``backward``'s relu)
 
         def part(slot, i):
             n0 = starts[i]
-            return body(self._workspace(dtype, step, slot), n0, min(N, n0 + step) - n0)
+            n1 = min(N, n0 + step)
+            if epi is not None and epi[0] == "relu_mask":   # the ReLU's backward first
+                np.multiply(epi[2][n0:n1], epi[1][n0:n1] > 0, out=epi[2][n0:n1])
+            out = body(self._workspace(dtype, step, slot), n0, n1 - n0)
+            if epi is not None and epi[0] == "relu":        # the ReLU's forward after
+                np.maximum(epi[1][n0:n1], 0, out=epi[1][n0:n1])
+            return out
         if _threads.kernel_pool() is None or len(starts) < 2 or _threads.in_kernel_pool():
             return [part(0, i) for i in range(len(starts))]
         with _threads.single_blas():   # the pool's threads, each with one BLAS thread

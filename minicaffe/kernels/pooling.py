@@ -408,10 +408,12 @@ def _in_parts(pool, parts, fn):
     return threads.run_parts(len(parts), lambda slot, i: fn(*parts[i]))
 
 
-def max_pool_forward(x, kernel, stride=1, pad=0, out=None, mask_out=None):
+def max_pool_forward(x, kernel, stride=1, pad=0, out=None, mask_out=None, relu=False):
     """MAX pooling -> ``(y, mask)``; ``mask`` int32 plane index ``h*W+w``.
     ``out`` (optional) receives ``y`` and is returned as ``y``; on the GPU ``mask_out``
-    (optional) receives the mask."""
+    (optional) receives the mask.  ``relu`` (numpy): then y = max(y, 0), a plain
+    in-place ReLU after the layer, in each part of the kernel pool (the mask is the
+    pooling's)."""
     g = _geom(x.shape, kernel, stride, pad)
     if is_cupy_array(x):
         y, mask = _max_fwd_cupy(x, *g, out=out, mask_out=mask_out)
@@ -420,10 +422,18 @@ def max_pool_forward(x, kernel, stride=1, pad=0, out=None, mask_out=None):
     if pool is not None:   # each part writes its images' y and mask in place (no concat)
         y = _whole(out, (g[0], g[1], g[10], g[11]), x.dtype)
         mask = np.empty(y.shape, np.int32)
-        _in_parts(pool, parts, lambda a, b: _max_fwd_numpy(
-            x[a:b], _geom(x[a:b].shape, kernel, stride, pad), y[a:b], mask[a:b]))
+
+        def part(a, b):
+            _max_fwd_numpy(x[a:b], _geom(x[a:b].shape, kernel, stride, pad), y[a:b],
+                           mask[a:b])
+            if relu:
+                np.maximum(y[a:b], 0, out=y[a:b])
+        _in_parts(pool, parts, part)
         return _to(out, y), mask
-    return _max_fwd_numpy(x, g, out)
+    y, mask = _max_fwd_numpy(x, g, out)
+    if relu:
+        np.maximum(y, 0, out=y)
+    return y, mask
 
 
 def _max_fwd_numpy(x, g, out, mask_out=None):
@@ -469,20 +479,28 @@ def _index_backward_numpy(dy, idx, x_shape):
     return dx.astype(dy.dtype, copy=False).reshape(N, C, H, W)
 
 
-def max_pool_backward(dy, mask, x_shape, kernel=None, stride=None, pad=0, out=None):
+def max_pool_backward(dy, mask, x_shape, kernel=None, stride=None, pad=0, out=None,
+                      relu_y=None):
     """Route ``dy`` to the argmax positions in ``mask``.
 
     ``kernel``/``stride``/``pad`` (the forward geometry) are optional: the
     numpy body does not need them; the CuPy body uses Caffe's deterministic
     gather kernel when they are given and a scatter-add otherwise.  ``out``
-    (optional) receives ``dx`` and is returned.
+    (optional) receives ``dx`` and is returned.  ``relu_y`` (numpy): the output of a
+    forward with ``relu``; dy is first masked in place, dy *= (relu_y > 0) (the
+    in-place ReLU's backward, in each part of the kernel pool).
     """
     if is_cupy_array(dy):
         return _to(out, _index_bwd_cupy(dy, mask, x_shape, kernel, stride, pad, out=out))
-    return _index_backward_dispatch(dy, mask, x_shape, out)
+    return _index_backward_dispatch(dy, mask, x_shape, out, relu_y)
 
 
-def _index_backward_dispatch(dy, mask, x_shape, out=None):
+def _relu_mask(dy, y):
+    if y is not None:
+        np.multiply(dy, y > 0, out=dy)
+
+
+def _index_backward_dispatch(dy, mask, x_shape, out=None, relu_y=None):
     """numpy: ``np.add.at`` in the array's dtype, in output order (Caffe's CPU
     order), or the float64 bincount of the general path."""
     dy = np.asarray(dy)
@@ -490,9 +508,13 @@ def _index_backward_dispatch(dy, mask, x_shape, out=None):
     pool, parts = _batch_parts(shape[0], math.prod(shape) // 2)   # a scatter: half
     if pool is not None and FAST_PATH:   # one image's dx takes its own dy only
         dx = _whole(out, shape, dy.dtype)
-        _in_parts(pool, parts, lambda a, b: _index_backward_addat(
-            dy[a:b], mask[a:b], (b - a,) + shape[1:], dx[a:b]))
+
+        def part(a, b):
+            _relu_mask(dy[a:b], None if relu_y is None else relu_y[a:b])
+            _index_backward_addat(dy[a:b], mask[a:b], (b - a,) + shape[1:], dx[a:b])
+        _in_parts(pool, parts, part)
         return _to(out, dx)
+    _relu_mask(dy, relu_y)
     if FAST_PATH:
         if _direct(out, tuple(int(v) for v in x_shape), dy.dtype):
             return _index_backward_addat(dy, mask, x_shape, out)

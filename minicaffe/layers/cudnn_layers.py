@@ -29,6 +29,7 @@ import numpy as np
 from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
 from ..kernels.precision import buffer_dtype, from_reduced, to_reduced
+from ..kernels import pad16, pool16
 from ..kernels import reduced as r16
 from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
@@ -100,6 +101,9 @@ def _ptr(a):
 
 # the "algorithm" of a 1x1 convolution run as a cuBLAS GEMM (channels-last), beside cuDNN's
 GEMM = -1
+# cuDNN's algorithm ``a`` run on the input's channels padded with zeros to PAD_TO (a first
+# convolution's 3, channels-last: ``_find_padded``) is the candidate PADDED + a
+PADDED, PAD_TO = 1 << 16, 8
 
 
 def cublas_gemm(a, b, out, trans_a=False, trans_b=False, beta=0.0):
@@ -108,6 +112,7 @@ def cublas_gemm(a, b, out, trans_a=False, trans_b=False, beta=0.0):
 
 
 _GEMM_TIMES = {}     # (device, direction, shapes, type): ms, so that every net agrees
+_PAD_TIMES = {}      # (device, input shape, type): ms of the padding pass, likewise
 
 
 def _timed(fn, reps=5):
@@ -143,6 +148,7 @@ class _Layout:
         self.y_desc = cudnn.TensorDesc(yshape, dt, nhwc=True)
         self.w_desc = cudnn.FilterDesc(wshape, dt, nhwc=True)
         self.candidates = None
+        self.pad8 = None      # the _Layout of the input padded to PAD_TO channels, if any
 
 
 class _ChosenOnce:
@@ -179,6 +185,11 @@ class _ChosenOnce:
             " from now on" if self._engine == "CUDNN" else "")
         self._engine = "CAFFE"
         return False
+
+
+# the name of the scratch buffer a layer's call may take whole (the memory plan's
+# ``scratch_bytes``: the largest any layer asks, allocated at that size by engine/step.py)
+LAYER_SCRATCH = "layer"
 
 
 def scratch(name, nbytes):
@@ -264,6 +275,12 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             except cudnn.CudnnError as e:     # none for this shape: NCHW buffers
                 log.info("layer '%s': no channels-last cuDNN convolution (%s)",
                          self.layer_param.name, e)
+            if self._nhwc is not None and self._pads_input():
+                try:
+                    self._nhwc.pad8 = self._find_padded(key, xshape, yshape, dt, lim, tc)
+                except cudnn.CudnnError as e:
+                    log.info("layer '%s': no channels-last cuDNN convolution on %d padded "
+                             "channels (%s)", self.layer_param.name, PAD_TO, e)
             if self._nhwc is not None:
                 self.candidates = self._nhwc.candidates   # what the engine's plan runs
         del x, w, y, dw, ws
@@ -279,18 +296,96 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             self._add_gemm(n.candidates, xshape, yshape, x, w, y)
         return n
 
+    def _pads_input(self):
+        """True for a 2-D ungrouped convolution of fewer than PAD_TO input channels (a
+        first convolution's 3): its channels-last set gets candidates on the input and
+        the filter padded with zero channels to PAD_TO (``_find_padded``)."""
+        return self.num_spatial == 2 and self.group == 1 and \
+            self.blobs[0].shape[1] < PAD_TO and config.env("MINICAFFE_CONV_PAD8") is not False
+
+    def _find_padded(self, key, xshape, yshape, dt, lim, tc):
+        """The channels-last set of the input padded with zero channels to PAD_TO (x N, H,
+        W, 8, the filter K, R, S, 8: cuDNN's tensor-core kernels want C a multiple of 8;
+        the zeros change no sum): Find's forward and filter-gradient candidates, each
+        with the time of the padding pass added (timed here once per shape and process),
+        join the channels-last ones as PADDED + algorithm.  MINICAFFE_CONV_PAD8=1 makes
+        them the only candidates of those two directions (0: none; the data gradient
+        never pads).  Returns the padded _Layout."""
+        cp = backend.gpu_module()
+        n, c, h, w = xshape
+        xs = (n, PAD_TO, h, w)
+        ws = (self.blobs[0].shape[0], PAD_TO) + tuple(self.blobs[0].shape[2:])
+        p = _Layout(xs, yshape, ws, dt)
+        bt = buffer_dtype(self._storage)
+        rs = cp.random.RandomState(1701)
+        x8, w8, y = (to_reduced(rs.standard_normal(s, dtype=np.float32),
+                                cp.empty(s, dtype=bt), self._storage) for s in (xs, ws, yshape))
+        dw8 = cp.empty_like(w8)
+        d = p.x_desc, p.w_desc, self.conv_desc, p.y_desc
+        buf = _search_workspace(d, lim)
+        found = self._find(key + ("NHWC", PAD_TO), d, x8, w8, y, dw8, buf, lim, tc,
+                           kinds=("fwd", "bwd_filter"))
+        del buf
+        ck = (context.device_id(), tuple(xshape), str(self._storage))
+        if ck not in _PAD_TIMES:
+            x3 = cp.zeros(n * h * w * c, dtype=bt)
+            _PAD_TIMES[ck] = _timed(lambda: pad16.pad_channels(x3, x8, c, PAD_TO))
+        t = _PAD_TIMES[ck]
+        force = config.env("MINICAFFE_CONV_PAD8")
+        cands = self._nhwc.candidates
+        for kind, algos in found.items():
+            mine = [(PADDED + a, m, ms + t) for a, m, ms in algos]
+            log.info("layer '%s': channels-last %s on %d channels %.3f ms, padded to %d "
+                     "%.3f + %.3f (Find's fastest, the padding pass)", self.layer_param.name,
+                     kind, c, cands[kind][0][2], PAD_TO, mine[0][2] - t, t)
+            cands[kind] = mine if force else sorted(cands[kind] + mine, key=lambda a: a[2])
+        return p
+
+    @property
+    def pads_channels(self):
+        """True when this layer's channels-last forward or filter gradient runs on its
+        input padded with zero channels to PAD_TO (``_find_padded``; the algorithms picked
+        for the current workspace)."""
+        n = getattr(self, "_nhwc", None)
+        return n is not None and n.pad8 is not None and hasattr(n, "fwd") and \
+            (n.fwd[0] >= PADDED or n.bwd_filter[0] >= PADDED)
+
+    def scratch_bytes(self, bottom, top):
+        """The padded input's bytes (the shared scratch LAYER_SCRATCH, within one call)
+        where this layer has a padded channels-last set, else 0."""
+        n = getattr(self, "_nhwc", None)
+        if n is None or n.pad8 is None:
+            return 0
+        return int(np.prod(n.pad8.x_desc.shape)) * np.dtype(buffer_dtype(self._storage)).itemsize
+
+    def _pad_x(self, x16):
+        """``x16`` (N, H, W, C channels-last) padded with zero channels to PAD_TO, in the
+        shared scratch LAYER_SCRATCH."""
+        n, c, h, w = x16.shape
+        bt = x16.dtype
+        nb = n * h * w * PAD_TO * bt.itemsize
+        buf = scratch(LAYER_SCRATCH, nb)[:nb].view(bt)
+        return pad16.pad_channels(x16, buf, c, PAD_TO)
+
+    def _w16_padded(self):
+        """The master weights K, R, S, PAD_TO in the reduced type (zeros past C), cast at
+        each forward that runs a padded algorithm."""
+        w = self.blobs[0].gpu_data()
+        k, c, r, t = w.shape
+        bt = np.dtype(buffer_dtype(self._storage))
+        buf = getattr(self, "_w16_pad_buf", None)
+        if buf is None or buf.shape != (k, r, t, PAD_TO) or buf.dtype != bt:
+            buf = self._w16_pad_buf = backend.gpu_module().zeros((k, r, t, PAD_TO), dtype=bt)
+        to_reduced(w.transpose(0, 2, 3, 1), buf[..., :c], self._storage)
+        return buf
+
     @staticmethod
-    def _find(key, d, x, w, y, dw, ws, lim, tc):
-        return {
-            "fwd": cudnn.find_algorithms(
-                "fwd", key, (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
-                ws, lim, tc),
-            "bwd_data": cudnn.find_algorithms(
-                "bwd_data", key, (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr,
-                                  _ptr(x)), ws, lim, tc),
-            "bwd_filter": cudnn.find_algorithms(
-                "bwd_filter", key, (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
-                                    _ptr(dw)), ws, lim, tc)}
+    def _find(key, d, x, w, y, dw, ws, lim, tc, kinds=("fwd", "bwd_data", "bwd_filter")):
+        args = {"fwd": (d[0].ptr, _ptr(x), d[1].ptr, _ptr(w), d[2].ptr, d[3].ptr, _ptr(y)),
+                "bwd_data": (d[1].ptr, _ptr(w), d[3].ptr, _ptr(y), d[2].ptr, d[0].ptr, _ptr(x)),
+                "bwd_filter": (d[0].ptr, _ptr(x), d[3].ptr, _ptr(y), d[2].ptr, d[1].ptr,
+                               _ptr(dw))}
+        return {k: cudnn.find_algorithms(k, key, args[k], ws, lim, tc) for k in kinds}
 
     # -- 1x1 convolutions as GEMMs (channels-last): Y[NHW, K] = X[NHW, C] W^T --------------
     def _gemm_shape(self):
@@ -338,12 +433,17 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         for a, c, (x, w, y) in sets:
             descs = {"fwd": (x, w, self.conv_desc, y), "bwd_data": (w, y, self.conv_desc, x),
                      "bwd_filter": (x, y, self.conv_desc, w)}
+            p = a.pad8 if a is not self else None
+            if p is not None:
+                padded = {"fwd": (p.x_desc, p.w_desc, self.conv_desc, y),
+                          "bwd_filter": (p.x_desc, y, self.conv_desc, p.w_desc)}
             for kind, attr, k_cap in (("fwd", "fwd", cap), ("bwd_data", "bwd_data", bcap),
                                       ("bwd_filter", "bwd_filter", bcap)):
                 algo, mem, t = cudnn.pick(c[kind], k_cap)
                 if algo != GEMM:    # what the call will check (Find's figure can be less)
-                    mem = max(mem, cudnn.workspace_size(kind, [d.ptr for d in descs[kind]],
-                                                        algo))
+                    d = padded[kind] if algo >= PADDED else descs[kind]
+                    mem = max(mem, cudnn.workspace_size(kind, [e.ptr for e in d],
+                                                        algo % PADDED))
                 setattr(a, attr, (algo, mem, t))
                 self.workspace_bytes = max(self.workspace_bytes, mem)
 
@@ -456,9 +556,14 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                 cublas_gemm(x16.reshape(-1, c), w16.reshape(k, c), y16.reshape(-1, k),
                             trans_b=True)
             else:
-                cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), a.x_desc.ptr,
-                           _ptr(x16), a.w_desc.ptr, _ptr(w16), self.conv_desc.ptr,
-                           a.fwd[0], wsp, wsn, cudnn.zero(dt), a.y_desc.ptr, _ptr(y16))
+                xa, xd, wa, wd, algo = x16, a.x_desc, w16, a.w_desc, a.fwd[0]
+                if algo >= PADDED:      # on the input padded to PAD_TO channels
+                    xa, xd, wa, wd = self._pad_x(x16), a.pad8.x_desc, self._w16_padded(), \
+                        a.pad8.w_desc
+                    algo -= PADDED
+                cudnn.call("cudnnConvolutionForward", h, cudnn.one(dt), xd.ptr, _ptr(xa),
+                           wd.ptr, _ptr(wa), self.conv_desc.ptr, algo, wsp, wsn,
+                           cudnn.zero(dt), a.y_desc.ptr, _ptr(y16))
             if direct:
                 r16.bias_act(y, self._storage, bias=bias, relu=relu, nhwc=nhwc)
             else:
@@ -504,14 +609,19 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                     cublas_gemm(dy16.reshape(-1, k), x16.reshape(-1, c), dwm.reshape(k, c),
                                 trans_a=True, beta=1.0)
                 else:
-                    dw16 = self._reduced("dw16", dwm.shape)
+                    algo, xa, xd, wd, shape = a.bwd_filter[0], x16, a.x_desc, a.w_desc, dwm.shape
+                    if algo >= PADDED:          # on the input padded to PAD_TO channels
+                        algo -= PADDED
+                        xa, xd, wd = self._pad_x(x16), a.pad8.x_desc, a.pad8.w_desc
+                        shape = (dwm.shape[0], PAD_TO) + dwm.shape[2:]
+                    dw16 = self._reduced("dw16", shape)
                     cudnn.call("cudnnConvolutionBackwardFilter", h, cudnn.one(dt),
-                               a.x_desc.ptr, _ptr(x16), a.y_desc.ptr, _ptr(dy16),
-                               self.conv_desc.ptr, a.bwd_filter[0], wsp, wsn, cudnn.zero(dt),
-                               a.w_desc.ptr, _ptr(dw16))
+                               xd.ptr, _ptr(xa), a.y_desc.ptr, _ptr(dy16),
+                               self.conv_desc.ptr, algo, wsp, wsn, cudnn.zero(dt),
+                               wd.ptr, _ptr(dw16))
                     if nhwc and dwm.ndim == 4:     # K, R, S, C -> the master's K, C, R, S
                         kk, cc, r, q = dwm.shape
-                        dw16 = dw16.reshape(kk, r, q, cc).transpose(0, 3, 1, 2)
+                        dw16 = dw16.reshape(kk, r, q, shape[1])[..., :cc].transpose(0, 3, 1, 2)
                     from_reduced(dw16, dwm, self._storage, accumulate=True)
             if propagate_down[i]:
                 dx = b.mutable_gpu_diff()
@@ -623,7 +733,12 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape and windows are
     Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
     otherwise.  MAX's backward reads the top data, so a MAX pooling whose top a later
-    layer rewrites in place is built with Caffe's mask-based class (``cudnn_reads_top``)."""
+    layer rewrites in place is built with Caffe's mask-based class (``cudnn_reads_top``).
+    MAX over disjoint windows (stride >= kernel: VGG's 2x2/2) on 2-byte maps held
+    channels-last runs our own kernels instead (kernels/pool16.py: a gather backward that
+    recomputes each window's argmax from x, where cuDNN's took 6.5 ms of VGG-16 b64's bf16
+    step: docs/precision.md; the same bits, ties included); ``last_body`` says which body ran.  They read what cuDNN's read (x in
+    the backward; y is kept as for cuDNN), so the memory plan's figures do not change."""
 
     @classmethod
     def cudnn_refuses(cls, param):
@@ -678,7 +793,8 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
 
     @property
     def reduced_body(self):
-        """cuDNN pools 2-byte buffers (bfloat16, float16) too (engine/precision.py)."""
+        """cuDNN (and, for MAX over disjoint windows channels-last, kernels/pool16.py)
+        pools 2-byte buffers (bfloat16, float16) too (engine/precision.py)."""
         return bool(getattr(self, "_use", False))
 
     def _descs(self, blob, top):
@@ -695,9 +811,44 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
                              cudnn.TensorDesc(self.y_desc.shape, dt, nhwc=nhwc), dt)
         return self._descs16[1:]
 
+    def _own16(self, x, y, diff=False):
+        """The reduced type when our channels-last MAX kernels (kernels/pool16.py) pool
+        these buffers: MAX over disjoint windows (stride >= kernel) on 2-byte maps held
+        channels-last (a top of one pixel is the same memory either way); else None
+        (cuDNN pools them).  ``diff``: the backward's buffers (x's data, both diffs)."""
+        if self.method != _Pool.MAX or not pool16.disjoint(self.kernel, self.stride):
+            return None
+        s = r16.storage(x)
+        if s is None:
+            return None
+        bufs = [(x, False), (y, False)] if not diff else [(x, False), (x, True), (y, True)]
+        for b, d in bufs:
+            if r16.storage(b, d) != s or (r16.layout(b, d) is None and
+                                          (b is x or b.count(2) > 1)):
+                return None
+        return s
+
+    def _geo16(self, bottom, top):
+        return (tuple(bottom[0].shape), self.kernel, self.stride, self.pad, top[0].shape[2:])
+
+    @property
+    def last_body(self):
+        """Which body pooled this layer's last forward or backward on a GPU: "mc_nhwc16"
+        (kernels/pool16.py), "cudnn" or "caffe" (None before any)."""
+        return getattr(self, "_last_body", None)
+
     def forward_gpu(self, bottom, top):
         if not self._use:
+            self._last_body = "caffe"
             return super().forward_gpu(bottom, top)
+        s = self._own16(bottom[0], top[0])
+        if s is not None:
+            self._last_body = "mc_nhwc16"
+            shape, k, st, pad, hw = self._geo16(bottom, top)
+            pool16.max_pool_forward(bottom[0].gpu_data(), top[0].mutable_gpu_data(), shape,
+                                    k, st, pad, s, out_hw=hw)
+            return
+        self._last_body = "cudnn"
         xd, yd, dt = self._descs(bottom[0], top[0])
         cudnn.call("cudnnPoolingForward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
                    xd.ptr, _ptr(bottom[0].gpu_data()), cudnn.zero(dt), yd.ptr,
@@ -705,9 +856,19 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
 
     def backward_gpu(self, top, propagate_down, bottom):
         if not self._use:
+            self._last_body = "caffe"
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
             return
+        s = self._own16(bottom[0], top[0], diff=True)
+        if s is not None:
+            self._last_body = "mc_nhwc16"
+            shape, k, st, pad, hw = self._geo16(bottom, top)
+            pool16.max_pool_backward(bottom[0].gpu_data(), top[0].gpu_diff(),
+                                     bottom[0].mutable_gpu_diff(), shape, k, st, pad, s,
+                                     out_hw=hw)
+            return
+        self._last_body = "cudnn"
         xd, yd, dt = self._descs(bottom[0], top[0])
         cudnn.call("cudnnPoolingBackward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
                    yd.ptr, _ptr(top[0].gpu_data()), yd.ptr,
@@ -969,7 +1130,7 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
 
     def scratch_bytes(self, bottom, top):
         if getattr(self, "_use", False) and bottom[0] is top[0]:
-            return bottom[0].count() * bottom[0].dtype.itemsize   # "bn_dx"
+            return bottom[0].count() * bottom[0].dtype.itemsize   # LAYER_SCRATCH
         return 0
 
     def _kernel(self, name, dt):
@@ -1093,7 +1254,7 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         x = self._x_saved if self._x_copy_needed else bottom[0].gpu_data()
         out = dx
         if bottom[0] is top[0]:  # in place: cuDNN writes dx into a shared scratch buffer
-            out = scratch("bn_dx", dx.nbytes)[:dx.nbytes].view(dx.dtype).reshape(dx.shape)
+            out = scratch(LAYER_SCRATCH, dx.nbytes)[:dx.nbytes].view(dx.dtype).reshape(dx.shape)
         sc, relu = self._fused, self._fused_relu
         gamma, dgamma, dbeta, pbeta = self._ones, self._dscale, self._dbias, cudnn.zero(dt)
         beta = self._zeros

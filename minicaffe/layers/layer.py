@@ -11,6 +11,8 @@ and ``backward_xp(xp, top, propagate_down, bottom)``, or as separate
 ``forward_cpu``/``forward_gpu`` bodies.  A layer with no GPU body runs its CPU
 body in GPU mode (the SyncedMemory moves the data).
 """
+import contextlib
+
 import numpy as np
 
 from ..core import backend, context
@@ -164,6 +166,27 @@ class Layer:
         while len(self._loss) <= top_index:
             self._loss.append(0.0)
         self._loss[top_index] = float(value)
+
+    # -- a plain in-place ReLU folded into this layer (the Net's, CPU only) --------------
+    # While ``relu_after`` is True (``with layer.relu_folded():`` around one forward or
+    # backward call of a layer whose ``takes_relu()``, by the Net), the forward ends with
+    # top = max(top, 0) and the backward starts with top.diff *= (top > 0): the ReLU's own
+    # two passes, done inside this layer's kernels (their pool parts) and skipped by the
+    # Net.  Same bits.
+    relu_after = False
+
+    def takes_relu(self):
+        """Whether this layer's forward and backward honour ``relu_after``."""
+        return False
+
+    @contextlib.contextmanager
+    def relu_folded(self):
+        """``relu_after`` on for the calls inside the ``with`` block."""
+        self.relu_after = True
+        try:
+            yield
+        finally:
+            self.relu_after = False
 
     # -- forward/backward -------------------------------------------------------
     def forward(self, bottom, top):

@@ -214,6 +214,9 @@ class ConvolutionLayer(BaseConvolutionLayer):
     def compute_output_shape(self):
         return self.conv_out_spatial(self.in_spatial)
 
+    def takes_relu(self):
+        return True
+
     def forward_xp(self, xp, bottom, top):
         w = self.blobs[0].data_for(xp)
         for b, t in zip(bottom, top):
@@ -222,7 +225,8 @@ class ConvolutionLayer(BaseConvolutionLayer):
             bias = self.blobs[1].data_for(xp) if self.bias_term else None
             # TRAIN, one bottom: the weight gradient may reuse what the forward made of x
             self.engine.forward(xp, x, w, y, conv_budget(xp), bias=bias,
-                                keep=self.phase == caffe_pb2.TRAIN and len(bottom) == 1)
+                                keep=self.phase == caffe_pb2.TRAIN and len(bottom) == 1,
+                                **({"relu": True} if self.relu_after else {}))
 
     def backward_xp(self, xp, top, propagate_down, bottom):
         w = self.blobs[0].data_for(xp)
@@ -235,7 +239,9 @@ class ConvolutionLayer(BaseConvolutionLayer):
             if propagate_down[i]:
                 dx = self._nd(b.mutable_diff_for(xp), self.channels, self.in_spatial)
             x = self._nd(b.data_for(xp), self.channels, self.in_spatial)
-            self.engine.backward(xp, x, w, dy, conv_budget(xp), dw=dw, dx=dx, db=db)
+            relu = ({"relu_y": self._nd(t.data_for(xp), self.num_output, self.out_spatial)}
+                    if self.relu_after else {})
+            self.engine.backward(xp, x, w, dy, conv_budget(xp), dw=dw, dx=dx, db=db, **relu)
 
 
 @register_layer("Deconvolution")
@@ -468,7 +474,9 @@ class PoolingLayer(Layer):
                 if getattr(self, "_mask_buf", None) is None or self._mask_buf.shape != shape:
                     self._mask_buf = xp.empty(shape, dtype=np.int32)
                 mask_out = self._mask_buf
-            y, self.mask = K.max_pool_forward(x, *geo, out=out, mask_out=mask_out)
+            relu = self.relu_after and out is not None and xp is np
+            y, self.mask = K.max_pool_forward(x, *geo, out=out, mask_out=mask_out,
+                                              **({"relu": True} if relu else {}))
             if len(top) > 1:
                 top[1].mutable_data_for(xp)[...] = self._crop(self.mask)
         elif self.method == _Pool.AVE:
@@ -482,8 +490,21 @@ class PoolingLayer(Layer):
             y = K.stochastic_pool_forward_test(x, *geo)
         if y is not out:
             top[0].mutable_data_for(xp)[...] = self._crop(y)
+        if self.relu_after and not (self.method == _Pool.MAX and out is not None
+                                    and xp is np):
+            t = top[0].mutable_data_for(xp)
+            xp.maximum(t, 0, out=t)
+
+    def takes_relu(self):
+        return self.method == _Pool.MAX
 
     def backward_xp(self, xp, top, propagate_down, bottom):
+        if self.relu_after:
+            fused = (self.method == _Pool.MAX and xp is np and propagate_down[0]
+                     and self.out_shape == tuple(self.ceil_shape))
+            if not fused:   # the ReLU's backward apart
+                xp.multiply(top[0].diff_for(xp), top[0].data_for(xp) > 0,
+                            out=top[0].mutable_diff_for(xp))
         if not propagate_down[0]:
             return
         dy = self._uncrop(xp, top[0].diff_for(xp))
@@ -494,7 +515,9 @@ class PoolingLayer(Layer):
             mask = self.mask
             if mask is None:  # backward without a forward: the mask top has it
                 mask = self._uncrop(xp, top[1].data_for(xp).astype(np.int32) + 1) - 1
-            K.max_pool_backward(dy, mask, shape, *geo, out=out)
+            relu = (self.relu_after and xp is np and self.out_shape == tuple(self.ceil_shape))
+            K.max_pool_backward(dy, mask, shape, *geo, out=out,
+                                **({"relu_y": top[0].data_for(xp)} if relu else {}))
         elif self.method == _Pool.AVE:
             K.ave_pool_backward(dy, shape, *geo, out=out)
         else:

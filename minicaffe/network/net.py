@@ -547,6 +547,38 @@ class Net:
                      pair.names[-1])
         self._fusion_at = {f.index: f for f in self.fusions}
         self._fused_pass = set()
+        self._relu_heads = None      # CPU: {layer i: its ReLU i + 1} (``_cpu_relus``)
+        self._relu_pass = {}         # CPU: those of this forward pass (by head)
+        self._relu_ran = set()       # CPU: ReLUs whose forward ran inside their head's
+        self._relu_pending = None    # CPU: a ReLU whose backward waits for its head's
+
+    def _cpu_relus(self):
+        """CPU: {i: i + 1} where layer i takes a plain in-place ReLU on its only top into
+        its own numpy kernels (``Layer.takes_relu``: Convolution, MAX Pooling): the
+        ReLU's forward at the end of each of layer i's pool parts, its backward at the
+        start, one pool call and one pass over the map fewer each (same bits as the two
+        layers apart).  Not with debug_info (it prints each layer's output) nor with
+        reduced storage (a rounding hook between the two)."""
+        if self._relu_heads is None:
+            from ..layers.fused import _relu_in_place
+            heads = {}
+            params = self.net_param.layer
+            if not self.types.reduced:
+                for i in range(len(self.layers) - 1):
+                    a, b = params[i], params[i + 1]
+                    if (len(a.top) == 1 and len(a.bottom) == 1 and a.top[0] not in a.bottom
+                            and not any(a.loss_weight) and not any(b.loss_weight)
+                            and _relu_in_place(b, a.top[0]) and self.layers[i].takes_relu()
+                            and self.top_vecs[i][0].dtype in (np.float32, np.float64)):
+                        heads[i] = i + 1
+            self._relu_heads = heads
+        return self._relu_heads
+
+    def _flush_relu(self):
+        """The backward of a ReLU that waited for its head's and did not get it."""
+        j, self._relu_pending = self._relu_pending, None
+        if j is not None:
+            self._backward_layer(j)
 
     def fusion_of(self, i):
         """(the fused group layer ``i`` belongs to, its place in it: 0 for the first layer,
@@ -561,6 +593,12 @@ class Net:
         """The pairs a forward over layers [start, end] may fuse (GPU only, both layers in
         the pass), by first index; which did is recorded for the backward."""
         self._fused_pass = set()
+        self._flush_relu()
+        self._relu_ran = set()
+        self._relu_pass = {}
+        if not context.is_gpu() and not self.debug_info:
+            self._relu_pass = {i: j for i, j in self._cpu_relus().items()
+                               if start <= i and j <= end}
         if not self.fusions or not context.is_gpu():
             return {}
         return {i: f for i, f in self._fusion_at.items()
@@ -573,6 +611,16 @@ class Net:
         if role and f.index in self._fused_pass:
             layer.reshape(bottom, top)      # its body ran in its pair's fused call
             return 0.0
+        if self._relu_pass:
+            if i in self._relu_ran:
+                layer.reshape(bottom, top)  # its forward ran in layer i - 1's kernels
+                return 0.0
+            if i in self._relu_pass:
+                with layer.relu_folded():
+                    loss = layer.forward_body(bottom, top) if body_only else \
+                        layer.forward(bottom, top)
+                self._relu_ran.add(i + 1)
+                return 0.0 if body_only else loss
         pair = fused.get(i)
         if pair is not None:
             if pair.forward_body(bottom, top) if body_only else pair.forward(bottom, top):
@@ -683,8 +731,18 @@ class Net:
         the Net's hooks and debug info around it (the hooks run for every layer)."""
         for cb in self._before_backward:
             cb(i)
+        if self._relu_pending is not None and self._relu_pending != i + 1:
+            self._flush_relu()
         if self.layer_need_backward[i]:
-            self._backward_layer(i)
+            if (i in self._relu_ran and self.layer_need_backward[i - 1]
+                    and self.bottom_need_backward[i][0]):
+                self._relu_pending = i      # run by layer i - 1's backward (next)
+            elif self._relu_pending == i + 1:
+                self._relu_pending = None
+                with self.layers[i].relu_folded():
+                    self._backward_layer(i)
+            else:
+                self._backward_layer(i)
             if self.debug_info:
                 self._backward_debug_info(i)
         for cb in self._after_backward:
@@ -707,6 +765,7 @@ class Net:
     def end_pass(self):
         """After a backward over every layer: the debug info's norms (as
         ``forward_backward``)."""
+        self._flush_relu()
         if self.debug_info:
             self._update_norms_log()
 
@@ -744,6 +803,7 @@ class Net:
             start = len(self.layers) - 1
         for i in range(start, end - 1, -1):
             self.backward_layer(i)
+        self._flush_relu()
 
     def forward_backward(self):
         loss = self.forward_prefilled()
