@@ -1,7 +1,7 @@
 """A full CPU training step (forward, backward, SGD-momentum update), minicaffe against
 PyTorch, side by side in one process (prints figures, not a test).
 
-    python benchmarks/cpu_vs_torch.py [--threads 2] [--rounds 15] [--steps 10]
+    python benchmarks/cpu_vs_torch.py [--threads 2 | --replicas 2] [--rounds 15] [--steps 10]
 
 LeNet (batch 64) and CIFAR-10 quick (batch 100) from models/, with Input layers in place
 of the data layers (random inputs, set once), and the same nets written in PyTorch.  Each
@@ -11,8 +11,10 @@ of the medians.  ``--threads`` sets the threads of both: PyTorch's
 ``torch.set_num_threads``, minicaffe's ``set_num_threads`` (as its ``--threads`` flag: with
 more than one, the convolutions' batch chunks on a pool of that many threads and numpy's
 BLAS on one; ``--no-pool`` gives the BLAS the threads instead, as minicaffe did before).
-On a shared machine two threads swing with the outside load; ``--threads 1`` (or
-``taskset -c 0``) gives steadier figures.
+``--replicas N`` runs minicaffe's batch across N worker processes of one thread each
+(``--replicas`` of the CLI, ``RunConfig(cpu_replicas=N)``: no GIL between them) and
+PyTorch on N threads.  On a shared machine two threads swing with the outside load;
+``--threads 1`` (or ``taskset -c 0``) gives steadier figures.
 """
 import argparse
 import os
@@ -26,10 +28,12 @@ NETS = {"LeNet": ("models/lenet/train_val.prototxt", 64, (1, 28, 28)),
 DATA = ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData")
 
 
-def minicaffe_step(path, batch, shape):
-    """A function running one solver step of ``path``'s TRAIN net on random inputs."""
+def minicaffe_step(path, batch, shape, replicas=1):
+    """A function running one solver step of ``path``'s TRAIN net on random inputs (and
+    the solver, to close)."""
     import numpy as np
     from minicaffe.core import context
+    from minicaffe.core.config import RunConfig
     from minicaffe.network.net import read_net_param
     from minicaffe.proto import caffe_pb2
     from minicaffe.solvers import get_solver
@@ -50,11 +54,11 @@ def minicaffe_step(path, batch, shape):
         else:
             n.CopyFrom(l)
     context.set_mode_cpu()
-    solver = get_solver(s)
+    solver = get_solver(s, config=RunConfig.from_environment(cpu_replicas=replicas))
     rs = np.random.RandomState(0)
     solver.net.blobs["data"].data[...] = rs.randn(batch, *shape)
     solver.net.blobs["label"].data[...] = rs.randint(0, 10, batch)
-    return lambda: solver.step(1)
+    return (lambda: solver.step(1)), solver
 
 
 def torch_net(name):
@@ -105,29 +109,42 @@ def main(argv=None):
     ap.add_argument("--no-pool", dest="pool", action="store_false",
                     help="minicaffe without its kernel pool: numpy's BLAS on --threads "
                          "threads instead (what minicaffe did before the pool)")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="minicaffe: the batch across N worker processes of one thread "
+                         "each; PyTorch: N threads (replaces --threads)")
     a = ap.parse_args(argv)
+    replicas = a.replicas if a.replicas > 0 else 1
+    if a.replicas > 0:
+        a.threads = a.replicas       # PyTorch's threads; minicaffe's main process: one
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(a.threads)
+        os.environ[var] = str(a.threads if a.replicas <= 0 else 1)
     sys.path.insert(0, ROOT)
     import numpy  # noqa: F401  (after the thread variables)
     import torch
     torch.set_num_threads(a.threads)
     import minicaffe
-    if a.pool:   # as `minicaffe ... --threads N` does: with N > 1 the convolutions'
-        minicaffe.set_num_threads(a.threads)   # batch-parallel pool, one BLAS thread
-    pool = "" if a.threads == 1 else (" (minicaffe: kernel pool)" if a.pool
-                                      else " (minicaffe: BLAS threads, no pool)")
-    print(f"{a.threads} thread(s) each{pool}; "
+    if a.replicas > 0:
+        head = (f"minicaffe {a.replicas} replica process(es) of one thread each, PyTorch "
+                f"{a.threads} thread(s)")
+    else:
+        if a.pool:   # as `minicaffe ... --threads N` does: with N > 1 the convolutions'
+            minicaffe.set_num_threads(a.threads)   # batch-parallel pool, one BLAS thread
+        pool = "" if a.threads == 1 else (" (minicaffe: kernel pool)" if a.pool
+                                          else " (minicaffe: BLAS threads, no pool)")
+        head = f"{a.threads} thread(s) each{pool}"
+    print(f"{head}; "
           f"minicaffe {minicaffe.__version__}, numpy "
           f"{numpy.__version__}, PyTorch {torch.__version__}; {os.cpu_count()} CPUs; "
           f"load average {os.getloadavg()[0]:.2f} at start")
     for name, (path, batch, shape) in NETS.items():
-        ours, theirs = minicaffe_step(path, batch, shape), torch_step(name, batch, shape)
+        (ours, solver), theirs = (minicaffe_step(path, batch, shape, replicas),
+                                  torch_step(name, batch, shape))
         ours(), theirs()  # warm up
         mc, pt = [], []
         for _ in range(a.rounds):
             mc.append(timed(ours, a.steps))
             pt.append(timed(theirs, a.steps))
+        solver.close()
         m, p = statistics.median(mc), statistics.median(pt)
         print(f"{name} b{batch}: minicaffe {m:.1f} ms/step (min {min(mc):.1f}), PyTorch "
               f"{p:.1f} ms/step (min {min(pt):.1f}); minicaffe/PyTorch {m / p:.2f}")

@@ -506,6 +506,7 @@ def run(flags, gpu=None, out=None):
                        "torch": bool(flags.tf32) if torch_mod is not None else None},
               "cudnn_benchmark": True if torch_mod is not None and gpu is not None else None,
               "phase": "TRAIN" if train else "TEST",
+              "cpu_replicas": config.cpu_replicas,
               "timing": {"warmup": flags.warmup, "repeats": flags.repeats,
                          "iterations": iterations, "statistic": "median of repeats",
                          "synchronised": gpu is not None},
@@ -534,6 +535,9 @@ def _print_header(report, flags, out):
     print(f"minicaffe bench: {what}, synthetic inputs filled once, {report['dtype']}",
           file=out)
     threads = f"numpy BLAS threads {m['blas_threads']}"
+    if report.get("cpu_replicas", 1) > 1 and not m["gpu"]:
+        threads += (f"; minicaffe: {report['cpu_replicas']} replica processes of one "
+                    "thread each (--replicas)")
     if "torch_threads" in m:
         threads += f", torch threads {m['torch_threads']}"
     print(f"CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs, load average "
@@ -624,6 +628,8 @@ def _bench_one(source, flags, gpu, train, iterations, input_shape, stages, torch
         if graph is not None:
             row["results"].append(graph.as_dict())
             row["ratios"]["minicaffe/torch_graph"] = mc.median_ms / graph.median_ms
+    if solver is not None:
+        solver.close()      # its CPU replicas (--replicas), if any
     del solver, net, blobs
     gc.collect()
     return row

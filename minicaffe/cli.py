@@ -91,6 +91,9 @@ flags:
                        OPENBLAS_NUM_THREADS/OMP_NUM_THREADS/MKL_NUM_THREADS say); N > 1:
                        batch-parallel convolutions and poolings on N threads, the BLAS
                        on one (docs/cli.md#cpu-threads)
+  --replicas N         train/time/bench (CPU): split each iteration's batch across N worker
+                       processes of one thread each, their gradients summed before one
+                       update (default 1: one process; docs/cli.md#cpu-threads)
   --quiet              print only the progress (display lines, test scores) and the result,
                        and warnings; a --log file still gets every line
   --minloglevel N      glog's: 0 INFO (default), 1 WARNING, 2 ERROR (as GLOG_minloglevel)
@@ -169,6 +172,7 @@ FLAGS = {
     "dashboard": ("str", ""),
     "tensorboard": ("str", ""),
     "threads": ("int", 0),
+    "replicas": ("int", 1),
     "quiet": ("bool", False),
     "minloglevel": ("int", 0),
     "data_workers": ("int", -1),
@@ -191,14 +195,15 @@ COMMAND_FLAGS = {
     "train": ("solver", "snapshot", "weights", "gpu", "parallel", "rank", "world_size",
               "init_file", "level", "stage", "sigint_effect", "sighup_effect", "debug_info",
               "cuda_graph", "tf32", "offload", "gpu_mem_limit", "dashboard",
-              "tensorboard", "data_workers", "gpu_decode", "precision") + _EVERY,
+              "tensorboard", "data_workers", "gpu_decode", "precision", "replicas") + _EVERY,
     "test": ("model", "weights", "gpu", "iterations", "level", "stage",
              "precision") + _EVERY,
-    "time": ("model", "gpu", "iterations", "phase", "level", "stage", "precision") + _EVERY,
+    "time": ("model", "gpu", "iterations", "phase", "level", "stage", "precision",
+             "replicas") + _EVERY,
     "device_query": ("gpu",) + _EVERY,
     "bench": ("model", "solver", "gpu", "batch", "iterations", "repeats", "warmup", "phase",
               "compare", "tf32", "json", "num_classes", "input_shape", "level",
-              "stage", "precision", "offload", "gpu_mem_limit") + _EVERY,
+              "stage", "precision", "offload", "gpu_mem_limit", "replicas") + _EVERY,
     "memory": ("model", "solver", "gpu", "batch", "input_shape", "num_classes", "offload",
                "gpu_mem_limit", "level", "stage", "schedule", "precision") + _EVERY,
 }
@@ -622,6 +627,10 @@ def time(flags):
     net = Net(flags.model, phase, level=flags.level, stages=_stages(flags),
               config=flags.run_config)
     gpu = context.is_gpu()
+    if flags.replicas > 1:
+        pool = _time_pool(net, flags)
+        if pool is not None:
+            return _time_replicas(net, pool, flags)
     sync = backend.synchronize if gpu else (lambda: None)
     clock = _time.perf_counter
     log.info("Performing Forward")
@@ -669,6 +678,48 @@ def time(flags):
     log.result("Average Forward pass: %s ms.", _g(fwd_total / 1000 / its))
     log.result("Average Backward pass: %s ms.", _g(bwd_total / 1000 / its))
     log.result("Average Forward-Backward: %s ms.", _g(np.float32(total_ms) / its))
+    log.result("Total Time: %s ms.", _g(np.float32(total_ms)))
+    log.info("*** Benchmark ends ***")
+    return 0
+
+
+def _time_pool(net, flags):
+    """The replicas of ``time --replicas N`` (engine/replicas.py), or None (one line says
+    why: a GPU, or a net that cannot be split)."""
+    from .engine import replicas
+    n = flags.replicas
+    why = "CPU mode only; ignored on a GPU" if context.is_gpu() else None
+    if why is None:
+        reason = replicas.refusal(net)
+        why = None if reason is None else f"not split: {reason}; timed in one process"
+    if why is not None:
+        log.warning("--replicas %d: %s", n, why)
+        return None
+    return replicas.ReplicaPool(net, n, flags.run_config)
+
+
+def _time_replicas(net, pool, flags):
+    """``time --replicas N``: the forward-backward of the whole batch through the
+    replicas (no per-layer times: the layers run in the workers)."""
+    clock = _time.perf_counter
+    try:
+        net.clear_param_diffs()
+        log.info("Initial loss: %s", _g(pool.forward_backward()))
+        log.info("*** Benchmark begins ***")
+        log.info("Testing for %d iterations.", flags.iterations)
+        total_start = clock()
+        for j in range(flags.iterations):
+            t0 = clock()
+            net.clear_param_diffs()
+            pool.forward_backward()
+            log.info("Iteration: %d forward-backward time: %s ms.", j + 1,
+                     _g(np.float32((clock() - t0) * 1e3)))
+        total_ms = (clock() - total_start) * 1e3
+    finally:
+        pool.close()
+    log.info("(no per-layer times: the layers run in the %d replica processes)", pool.n)
+    log.result("Average Forward-Backward (%d replicas): %s ms.", pool.n,
+               _g(np.float32(total_ms) / flags.iterations))
     log.result("Total Time: %s ms.", _g(np.float32(total_ms)))
     log.info("*** Benchmark ends ***")
     return 0
@@ -913,6 +964,8 @@ def validate(command, flags):
                                  f"minicaffe {command} --help)")
     if "threads" in flags.given:
         check_threads(flags.threads)
+    if "replicas" in flags.given:
+        config.check_replicas(flags.replicas)
     if "minloglevel" in flags.given and not 0 <= flags.minloglevel <= 3:
         raise MinicaffeError(f"--minloglevel must be 0 (INFO), 1 (WARNING), 2 (ERROR) or "
                              f"3 (FATAL) (got {flags.minloglevel})")
@@ -1090,7 +1143,8 @@ def _run_command(command, flags, argv, stream):
         offload_policy=flags.offload or None,
         offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None,
         **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}),
-        gpu_decode=bool(flags.gpu_decode), precision=flags.precision or None)
+        gpu_decode=bool(flags.gpu_decode), precision=flags.precision or None,
+        cpu_replicas=flags.replicas)
     if command == "train":
         rc = train(flags, stream)
     else:

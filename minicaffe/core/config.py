@@ -21,7 +21,10 @@ the Solver, which hands it to its Nets, which hand it to their layers (``Layer.c
 - ``data_workers``: worker processes per Data/ImageData layer (``--data_workers``, else
   MINICAFFE_DECODE_THREADS; None: the layer's ``data_param.workers`` or the default);
 - ``gpu_decode``: GPU mode decodes the JPEGs of Data/ImageData layers on the GPU with
-  nvImageCodec (``--gpu_decode``; False: the CPU workers decode, the default).
+  nvImageCodec (``--gpu_decode``; False: the CPU workers decode, the default);
+- ``cpu_replicas``: CPU mode: the training iteration's batch split across this many
+  worker processes of one thread each, their gradients summed before one update
+  (``--replicas N``; engine/replicas.py; 1, the default: one process).  Ignored on a GPU.
 
 Caffe has no such object (its settings are flags and the process-wide ``Caffe`` singleton);
 PyTorch keeps them in ``torch.backends`` flags.  Unset fields take the environment's values
@@ -274,6 +277,24 @@ def offload_settings(net_param, config=None):
     return policy, budget
 
 
+def check_replicas(n, what="--replicas"):
+    """``n`` (CPU worker processes of one training iteration) as a positive int, or a
+    ConfigError naming ``what``."""
+    if isinstance(n, str):
+        try:
+            n = int(n.strip())
+        except ValueError:
+            raise ConfigError(f"{what} {n!r}: expected a whole number of worker processes, "
+                              "at least 1 (1: one process)") from None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{what} {n!r}: expected a whole number of worker processes, at "
+                          "least 1 (1: one process)")
+    limit = 4 * (os.cpu_count() or 1)
+    if n > limit:
+        raise ConfigError(f"{what} {n}: more than 4x this machine's {os.cpu_count()} CPU(s)")
+    return n
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A run's settings (see the module docstring); ``replace(**changes)`` makes a copy."""
@@ -288,8 +309,10 @@ class RunConfig:
     gpu_decode: bool = False
     precision: str = None
     channels_last: bool = None
+    cpu_replicas: int = 1
 
     def __post_init__(self):
+        object.__setattr__(self, "cpu_replicas", check_replicas(self.cpu_replicas))
         if self.precision is not None:
             from .precision import parse_precision
             prec = parse_precision(self.precision)

@@ -147,6 +147,16 @@ def set_num_threads(n):
     set_kernel_threads(n)
 
 
+def one_thread():
+    """In a CPU replica's worker process (engine/replicas.py): numpy's BLAS on one thread,
+    whatever the environment says, and no kernel pool (the replicas are the parallelism)."""
+    set_kernel_threads(1)
+    tpc = _threadpoolctl()
+    if tpc is not None:
+        import numpy  # noqa: F401  (its BLAS must be loaded to be found)
+        _limits.append(tpc.threadpool_limits(limits=1, user_api="blas"))
+
+
 def blas_threads(n):
     """The BLAS threads of a run of ``n`` CPU threads: ``n`` without the kernel pool, one
     beside it (the pool's threads are the parallelism)."""

@@ -25,6 +25,7 @@ Contract:
 """
 import collections
 import contextlib
+import errno
 import mmap
 import multiprocessing
 import os
@@ -46,7 +47,7 @@ START_TIMEOUT = 60.0      # seconds for a worker to start and map the ring
 _ALIGN = 4096
 
 
-def _shm_dir():
+def shm_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
         else tempfile.gettempdir()
 
@@ -59,6 +60,46 @@ def _layout(n_slots, batch, shape, dtype):
     return data_bytes, slot_bytes, n_slots * slot_bytes
 
 
+def _reserve(fd, nbytes, path):
+    """Reserve the file's pages now: a /dev/shm too small for it (a container's default
+    64 MB) is one error line here, not a SIGBUS when a page is first written."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise MinicaffeError(
+                f"{os.path.dirname(path)}: no room for {nbytes / 2 ** 20:.1f} MiB of shared "
+                f"memory ({e.strerror}); free some, or give the container more (docker run "
+                "--shm-size)") from None
+        # a file system without fallocate: the pages come on first touch
+
+
+def map_shared_file(nbytes, path=None, prefix="minicaffe"):
+    """(path, mmap) of a new shared-memory file of ``nbytes`` (``path`` None: created in
+    /dev/shm, or the temporary directory, readable by this user only) or of the existing
+    file ``path``.  The caller unlinks a new one once every process has mapped it."""
+    new = path is None
+    if new:
+        path = os.path.join(shm_dir(), f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    else:
+        fd = os.open(path, os.O_RDWR)
+    try:
+        if new:
+            os.ftruncate(fd, nbytes)
+            _reserve(fd, nbytes, path)
+        mm = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        if new:
+            os.unlink(path)
+        raise
+    os.close(fd)
+    return path, mm
+
+
 class SlotRing:
     """``n_slots`` batch slots in one shared-memory file (see the module docstring)."""
 
@@ -67,25 +108,7 @@ class SlotRing:
         self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
         self.data_bytes, self.slot_bytes, self.nbytes = _layout(n_slots, batch, shape, dtype)
         self.owner = path is None
-        if self.owner:
-            path = os.path.join(_shm_dir(), f"minicaffe-{os.getpid()}-{secrets.token_hex(6)}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, self.nbytes)
-                self._mm = mmap.mmap(fd, self.nbytes)
-            except BaseException:
-                os.close(fd)
-                os.unlink(path)
-                raise
-        else:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self._mm = mmap.mmap(fd, self.nbytes)
-            except BaseException:
-                os.close(fd)
-                raise
-        os.close(fd)
-        self.path = path
+        self.path, self._mm = map_shared_file(self.nbytes, path)
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
 
     def spec(self):
@@ -264,7 +287,7 @@ _main_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _main_hidden():
+def main_hidden():
     """Start spawned children without re-importing the user's ``__main__`` (its script
     is not re-executed, guarded by ``if __name__ == "__main__"`` or not)."""
     with _main_lock:
@@ -277,7 +300,7 @@ def _main_hidden():
                 sys.modules["__main__"] = main
 
 
-def _death(proc):
+def death_cause(proc):
     code = proc.exitcode
     if code is not None and code < 0:
         try:
@@ -285,6 +308,55 @@ def _death(proc):
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit status {code}"
+
+
+def first_messages(procs, conns, who, recv=lambda c: c.recv(), timeout=START_TIMEOUT):
+    """Each started worker's first message (``recv(conn)``), in order; a MinicaffeError
+    '``who(i)`` did not start (why)' when worker i dies first or is later than ``timeout``
+    seconds in all."""
+    deadline = time.monotonic() + timeout
+    out = []
+    for i, (p, c) in enumerate(zip(procs, conns)):
+        while not c.poll(0.05):
+            if not p.is_alive():
+                raise MinicaffeError(f"{who(i)} did not start ({death_cause(p)})")
+            if time.monotonic() > deadline:
+                raise MinicaffeError(f"{who(i)} did not start within {timeout:.0f} s")
+        out.append(recv(c))
+    return out
+
+
+def stop_workers(procs, conns, goodbye, timeout=2.0):
+    """Stop and reap worker processes: ``goodbye(conn)`` asks each to end, those still
+    alive after ``timeout`` seconds are terminated (then killed); no child is left."""
+    for c in conns:
+        try:
+            goodbye(c)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.join(max(0.0, deadline - time.monotonic()))
+        except ValueError:       # closed already
+            continue
+    for p in procs:
+        try:
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        except ValueError:
+            continue
+    for c in conns:
+        c.close()
+    for p in procs:
+        try:
+            p.close()
+        except ValueError:
+            pass
 
 
 class WorkerPool:
@@ -304,21 +376,14 @@ class WorkerPool:
                 parent, child = ctx.Pipe(duplex=True)
                 p = ctx.Process(target=_worker_main, args=(child, kind, source, ring.spec()),
                                 name=f"minicaffe-data-{i}", daemon=True)
-                with _main_hidden():
+                with main_hidden():
                     p.start()
                 child.close()
                 self.procs.append(p)
                 self.conns.append(parent)
-            deadline = time.monotonic() + START_TIMEOUT
-            for i, (p, c) in enumerate(zip(self.procs, self.conns)):
-                while not c.poll(0.05):
-                    if not p.is_alive():
-                        raise MinicaffeError(f"{describe}: data worker {i} did not start "
-                                             f"({_death(p)})")
-                    if time.monotonic() > deadline:
-                        raise MinicaffeError(f"{describe}: data worker {i} did not start "
-                                             f"within {START_TIMEOUT:.0f} s")
-                tag, detail = c.recv()
+            hellos = first_messages(self.procs, self.conns,
+                                    lambda i: f"{describe}: data worker {i}")
+            for i, (tag, detail) in enumerate(hellos):
                 if tag != "ready":
                     raise MinicaffeError(f"{describe}: data worker {i} could not open the "
                                          f"source: {detail}")
@@ -382,7 +447,7 @@ class WorkerPool:
                         where = next(s[w][1] for s in self.pending.values() if w in s)
                         raise MinicaffeError(
                             f"{where}: data worker {w} (pid {self.procs[w].pid}) died "
-                            f"({_death(self.procs[w])}) while reading this record or the ones "
+                            f"({death_cause(self.procs[w])}) while reading this record or the ones "
                             "after it; training stops")
         self.pending.pop(slot, None)
         errors = self.errors.pop(slot, {})
@@ -406,28 +471,7 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
-        for c in self.conns:
-            try:
-                c.send(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
-        for c in self.conns:
-            c.close()
-        for p in self.procs:
-            try:
-                p.close()
-            except ValueError:
-                pass
+        stop_workers(self.procs, self.conns, lambda c: c.send(None), timeout)
 
 
 class WorkerFeed:

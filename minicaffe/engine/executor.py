@@ -12,8 +12,8 @@ layers before ``first``, the data prologue run outside any graph, are skipped). 
 and update ops are the executor's, the copy and all-reduce ops the hooks' (the
 offloader, P2PSync) from the same plans the passes print.
 
-``Executor(solver, step=None)`` runs one solver's iterations in one of three modes
-(``mode``):
+``Executor(solver, step=None, replicas=None)`` runs one solver's iterations in one of
+four modes (``mode``):
 
 - ``eager``: ``run_ops`` in this thread's mode: numpy on the CPU, CuPy on a GPU for
   solvers without the GPU step (and with ``debug_info``, which needs the host after every
@@ -27,6 +27,11 @@ offloader, P2PSync) from the same plans the passes print.
 - ``replayed``: the same as ``device``, the body's ``run_ops`` captured once as a CUDA
   graph (the same op list) and replayed: the same kernels in the same order, the same
   bits.
+- ``replicas``: CPU, the batch split across worker processes (``replicas``: an
+  engine/replicas.ReplicaPool, ``RunConfig.cpu_replicas``): each pass, this process runs
+  the data layers, the workers forward and backward on their slices, and their gradients
+  are added into this net's diffs; the loss is known after each iteration, the update is
+  the solver's rule, here, on the weights the workers read in place.
 
 The protocol, in the order the loop calls it each iteration::
 
@@ -74,10 +79,11 @@ class Executor:
     """The iterations of ``solver``: eagerly, or through GPU step ``step`` (device or
     replayed; see the module docstring)."""
 
-    def __init__(self, solver, step=None):
+    def __init__(self, solver, step=None, replicas=None):
         self.solver = solver
         self.net = solver.net
         self.step = step
+        self.replicas = replicas
         self.rate = None
         if step is None:
             self.schedule = schedule_for(self.net, solver.param.iter_size)
@@ -91,9 +97,9 @@ class Executor:
 
     @property
     def mode(self):
-        """``eager``, ``device`` or ``replayed`` (the GPU step's graphs on)."""
+        """``eager``, ``replicas``, ``device`` or ``replayed`` (the GPU step's graphs on)."""
         if self.step is None:
-            return "eager"
+            return "eager" if self.replicas is None else "replicas"
         return "replayed" if self.step.graphs_on else "device"
 
     def before_iteration(self):
@@ -116,6 +122,11 @@ class Executor:
         self.step.begin(self.rate, s.fused_extra())
 
     def forward_backward(self):
+        if self.replicas is not None:
+            loss = 0.0
+            for _ in range(self.solver.param.iter_size):
+                loss += self.replicas.forward_backward()
+            return loss
         if self.step is None:
             loss = 0.0
             for pass_loss in run_ops(self.schedule, self.net):

@@ -366,7 +366,50 @@ class Solver:
         SGD family where it applies (``uses_gpu_step``), else the eager executor of the
         schedule, layer by layer in this thread's mode."""
         from ..engine.executor import Executor
-        return Executor(self, self._gpu_step() if self.uses_gpu_step else None)
+        replicas = self._replica_pool()     # None on a GPU (said once)
+        if self.uses_gpu_step:
+            return Executor(self, self._gpu_step())
+        return Executor(self, replicas=replicas)
+
+    # -- CPU replicas (engine/replicas.py) -----------------------------------------------------
+    def _replica_pool(self):
+        """The worker processes of ``config.cpu_replicas`` (started on the first step, once
+        per solver), or None: one replica, a GPU, several solvers, or a net that cannot
+        be split (said once, in one line; the run goes on in one process)."""
+        n = self.config.cpu_replicas
+        pool = getattr(self, "_replicas", None)
+        if n <= 1 or getattr(self, "_replicas_refused", False):
+            return None
+        if pool is not None and not pool.closed:
+            return pool
+        from ..engine import replicas
+        why = None
+        if context.is_gpu():
+            why = "CPU mode only; ignored on a GPU"
+        elif self.config.world_size > 1:
+            why = "ignored in a multi-GPU/multi-process run"
+        elif self.param.debug_info:
+            why = "not split: debug_info prints every layer's blobs, which one process holds"
+        elif self.loss_scaler is not None:
+            why = "not split: loss scaling runs in one process"
+        else:
+            reason = replicas.refusal(self.net)
+            if reason is not None:
+                why = f"not split: {reason}; training runs in one process"
+        if why is not None:
+            self._replicas_refused = True
+            if self.root:
+                log.warning("--replicas %d: %s", n, why)
+            return None
+        seed = self.param.random_seed if self.param.random_seed >= 0 else None
+        self._replicas = replicas.ReplicaPool(self.net, n, self.config, seed)
+        return self._replicas
+
+    def replica_pids(self):
+        """The process ids of this solver's CPU replicas (``config.cpu_replicas`` > 1, once
+        the first step started them), else []."""
+        pool = getattr(self, "_replicas", None)
+        return [] if pool is None or pool.closed else pool.pids
 
     def _account_loss(self, loss, start_iter, iteration=None):
         """One iteration's loss (averaged over iter_size): refused when not finite, then
@@ -724,7 +767,10 @@ class Solver:
 
     # -- pycaffe aliases ------------------------------------------------------------------
     def close(self):
-        """Stop the nets' background work (data prefetch threads) now."""
+        """Stop the nets' background work (data prefetch threads, CPU replicas) now."""
+        pool = getattr(self, "_replicas", None)
+        if pool is not None:
+            pool.close()
         for net in [self.net] + list(self.test_nets):
             if net is not None:
                 net.close()

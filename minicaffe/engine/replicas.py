@@ -1,0 +1,553 @@
+"""Data parallelism inside one CPU iteration: the batch split across worker processes
+(``RunConfig.cpu_replicas``, ``minicaffe train --replicas N``; the executor's ``replicas``
+mode, engine/executor.py).
+
+Caffe has no counterpart in one process (Intel Caffe split the batch across MPI ranks,
+PyTorch users run DistributedDataParallel on the CPU with gloo); here there is no GIL to
+share: each worker is a process running its slice of the batch on one thread.
+
+Contract:
+
+- ``refusal(net)``: None when ``net`` (a TRAIN net) can be split, else the one line
+  saying which layer keeps it whole.  Split: the layers with no bottoms (the data layers)
+  give tops whose first axis is the batch; every other layer works sample by sample
+  (``PER_SAMPLE``, with its axis where it has one), or is a loss layer normalised by the
+  batch (SoftmaxWithLoss/InfogainLoss/SigmoidCrossEntropyLoss with VALID and no
+  ignore_label, BATCH_SIZE or FULL; EuclideanLoss, HingeLoss, MultinomialLogisticLoss)
+  or by nothing (NONE) -- not both kinds in one net -- or an Accuracy without
+  ignore_label.  Refused: BatchNorm (its statistics span the batch), Python layers,
+  recurrent layers, Concat/Slice/Reshape/InnerProduct... on axis 0, reduced precision,
+  debug_info, and every type not checked to be per-sample.
+- ``ReplicaPool(net, n, config, seed)`` starts ``n`` processes (``spawn``: the main process
+  has threads; a user's ``__main__`` is not re-imported) that build the rest of the net
+  (its data layers replaced by Input layers of their slice's shape: contiguous slices of
+  the batch whose sizes differ by at most one) on one BLAS thread each, kernel pool off.
+  Everything they share lives in one file in /dev/shm, unlinked as soon as every worker
+  has mapped it (no segment outlives the processes, whatever way they end): the
+  parameters (the main net's flat parameter buffer is moved there, so the workers read
+  the weights the solver updates in place, with no copy per step), the data layers'
+  tops, and per replica its parameter gradients and its outputs.
+- ``forward_backward()``: one pass: the main process runs the data layers (prefetch
+  included) and copies their tops into the shared input; one byte wakes each worker,
+  which runs forward and backward on its slice and answers with one byte; the gradients
+  (one row per replica) are summed by one BLAS product, weighted by slice/batch for
+  losses normalised by the batch (1 for NONE), and added into the main net's diffs: the
+  same bits for the same ``n`` run to run (each element summed in the kernel's fixed
+  order), not the bits of one process; the loss and the other outputs of the train net
+  combined the same way (per-sample outputs concatenated).  Returns the pass's loss.
+  Nothing is pickled per step.
+- A worker that fails (an exception, a signal, kill -9) ends the pass with a
+  MinicaffeError naming the replica, its pid and the cause; the pool is closed first, so
+  no process is left.  Workers ignore SIGINT and SIGTERM (the training process decides
+  how to stop, as the data workers) and exit when their pipe closes.  ``close()`` stops
+  and reaps them; ``pids`` names them.
+"""
+import contextlib
+import multiprocessing
+import os
+import signal
+import weakref
+from multiprocessing import connection
+
+import numpy as np
+
+from ..core import log
+from ..core.errors import MinicaffeError
+from ..data.workers import (death_cause, first_messages, main_hidden, map_shared_file,
+                            stop_workers)
+
+START_TIMEOUT = 120.0     # seconds for a worker to start, build its net and map the file
+_ALIGN = 4096
+
+# layer types that compute each sample from that sample alone (parameters shared),
+# with the field naming their axis where they have one: (parameter field, axis field,
+# default axis); None: no axis
+PER_SAMPLE = {
+    t: None for t in (
+        "AbsVal", "BNLL", "Clip", "Dropout", "ELU", "Exp", "Log", "Power", "ReLU",
+        "Sigmoid", "Swish", "TanH", "Threshold", "PReLU", "LRN", "Pooling", "SPP", "Im2col",
+        "Convolution", "Deconvolution", "Split", "Silence", "Eltwise", "MVN", "Embed")}
+PER_SAMPLE.update({
+    "InnerProduct": ("inner_product_param", "axis", 1),
+    "Softmax": ("softmax_param", "axis", 1),
+    "Flatten": ("flatten_param", "axis", 1),
+    "Concat": ("concat_param", "axis", 1),
+    "Slice": ("slice_param", "axis", 1),
+    "Scale": ("scale_param", "axis", 1),
+    "Bias": ("bias_param", "axis", 1),
+    "Crop": ("crop_param", "axis", 2),
+    "Tile": ("tile_param", "axis", 1),
+    "ArgMax": ("argmax_param", "axis", 1),
+    "Reduction": ("reduction_param", "axis", 0),
+    "Reshape": ("reshape_param", "axis", 0),
+})
+# loss layers: (the normalization's default, or None: divided by the batch's items)
+LOSSES = {"SoftmaxWithLoss": "VALID", "InfogainLoss": "VALID",
+          "SigmoidCrossEntropyLoss": "BATCH_SIZE", "EuclideanLoss": None,
+          "HingeLoss": None, "MultinomialLogisticLoss": None}
+WHY = {"BatchNorm": "its mean and variance span the batch",
+       "Python": "a Python layer may do anything with the batch",
+       "RNN": "recurrent", "LSTM": "recurrent", "LSTMUnit": "recurrent",
+       "BatchReindex": "it reorders the batch", "Filter": "it drops samples",
+       "HDF5Output": "it writes the batch to a file",
+       "ContrastiveLoss": "a loss not checked to be split",
+       "Parameter": "its top is not a batch"}
+
+
+def _axis(layer_param, spec, ndim):
+    field, name, default = spec
+    p = getattr(layer_param, field)
+    axis = getattr(p, name) if p.HasField(name) else default
+    if layer_param.type == "Concat" and not p.HasField("axis") and p.HasField("concat_dim"):
+        axis = p.concat_dim
+    if layer_param.type == "Slice" and not p.HasField("axis") and p.HasField("slice_dim"):
+        axis = p.slice_dim
+    if layer_param.type == "ArgMax" and not p.HasField("axis"):
+        return 1     # per sample: the max over each sample's values
+    return axis + ndim if axis < 0 else axis
+
+
+def _loss_kind(layer):
+    """'mean' (normalised by the batch), 'sum' (NONE), or a refusal."""
+    from ..layers.loss import normalization_mode
+    from ..proto import caffe_pb2
+    lp = layer.layer_param
+    default = LOSSES[lp.type]
+    if default is None:
+        return "mean"
+    norms = caffe_pb2.LossParameter.NormalizationMode
+    mode = norms.Name(normalization_mode(lp, norms.Value(default)))
+    if mode == "NONE":
+        return "sum"
+    if mode == "VALID" and lp.loss_param.HasField("ignore_label"):
+        return "refuse:normalization VALID with an ignore_label divides by a count that " \
+               "differs from slice to slice"
+    return "mean"
+
+
+def refusal(net):
+    """None when ``net`` can be split across replicas, else the reason (one line naming
+    the layer); see the module docstring."""
+    if net.debug_info or net.net_param.debug_info:
+        return "debug_info prints every layer's blobs, which only one process holds"
+    if getattr(net.types, "reduced", None):
+        return "reduced precision (bf16/fp16) runs in one process"
+    batch, kinds = None, set()
+    for i, (name, layer) in enumerate(zip(net.layer_names, net.layers)):
+        t = layer.layer_param.type
+        where = f"layer '{name}' ({t})"
+        if not net.bottom_vecs[i]:
+            for blob, top in zip(net.top_vecs[i], layer.layer_param.top):
+                n = blob.shape[0] if blob.shape else None
+                if batch is None:
+                    batch = n
+                if not n or n != batch:
+                    return f"{where}: its top '{top}' is not a batch of {batch or n}"
+                if blob.dtype != np.float32:
+                    return f"{where}: its top '{top}' is not float32"
+            continue
+        if t in WHY:
+            return f"{where}: {WHY[t]}"
+        losses = [j for j in range(len(net.top_vecs[i])) if layer.loss(j)]
+        if t in LOSSES:
+            kind = _loss_kind(layer)
+            if kind.startswith("refuse:"):
+                return f"{where}: {kind[7:]}"
+            kinds.add(kind)
+            continue
+        if losses:
+            return f"{where}: a loss weight on a layer that is not a checked loss layer"
+        if t == "Accuracy":
+            if layer.layer_param.accuracy_param.HasField("ignore_label"):
+                return f"{where}: an ignore_label makes the count differ from slice to slice"
+            if len(net.top_vecs[i]) > 1:
+                return f"{where}: the per-class accuracy (top 1) counts classes, not samples"
+            continue
+        if t not in PER_SAMPLE:
+            return f"{where}: a layer type not checked to work sample by sample"
+        spec = PER_SAMPLE[t]
+        if spec is not None:
+            ndim = len(net.bottom_vecs[i][0].shape)
+            axis = _axis(layer.layer_param, spec, ndim)
+            if t == "Reshape" and axis == 0:
+                dims = list(layer.layer_param.reshape_param.shape.dim)
+                if not dims or dims[0] != 0:
+                    return f"{where}: it reshapes axis 0 (the batch); keep it (dim: 0)"
+            elif axis == 0:
+                return f"{where}: it works on axis 0, the batch"
+    if batch is None:
+        return "the net has no data layer (a layer without bottoms giving the batch)"
+    if len(kinds) > 1:
+        return ("the losses mix normalization NONE with normalizations by the batch, whose "
+                "slices would need different weights")
+    if batch < 2:
+        return f"a batch of {batch} cannot be split"
+    return None
+
+
+def slices(batch, n):
+    """Contiguous [a, b) ranges of ``batch`` for ``n`` replicas, sizes differing by at most
+    one (the first ones larger), none empty (at most ``batch`` of them)."""
+    n = min(n, batch)
+    return [(batch * k // n, batch * (k + 1) // n) for k in range(n)]
+
+
+class _Region:
+    """Offsets (bytes) of the shared file's arrays, laid out at 4 KiB boundaries."""
+
+    def __init__(self):
+        self.size = 0
+
+    def add(self, nbytes):
+        off = self.size
+        self.size += -(-max(int(nbytes), 1) // _ALIGN) * _ALIGN
+        return off
+
+
+def _view(buf, offset, count, dtype=np.float32):
+    dt = np.dtype(dtype)
+    return buf[offset:offset + count * dt.itemsize].view(dt)
+
+
+@contextlib.contextmanager
+def _one_thread_env():
+    """The BLAS variables at 1 while the workers start (they inherit them, so their BLAS
+    starts no idle threads), the caller's after."""
+    saved = {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                              "MKL_NUM_THREADS", "BLIS_NUM_THREADS")}
+    try:
+        os.environ.update({v: "1" for v in saved})
+        yield
+    finally:
+        for v, value in saved.items():
+            if value is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = value
+
+
+class ReplicaPool:
+    """``n`` worker processes, each running ``net``'s layers on a slice of the batch (see
+    the module docstring)."""
+
+    def __init__(self, net, n, config, seed=None):
+        self.net = net
+        self.closed = False
+        self.procs, self.conns = [], []
+        self.path = None
+        self.data_layers = [i for i in range(len(net.layers)) if not net.bottom_vecs[i]]
+        tops = [(net.blob_names[b], net._blobs[b]) for i in self.data_layers
+                for b in net.top_id_vecs[i]]
+        self.batch = tops[0][1].shape[0]
+        self.slices = slices(self.batch, n)
+        self.n = len(self.slices)
+        self.mode = "sum" if any(
+            l.layer_param.type in LOSSES and _loss_kind(l) == "sum" for l in net.layers) \
+            else "mean"
+        fb = net.flat_params()
+        self.counts = list(fb.counts)
+        total = fb.total
+        # the file: weights, inputs, then per replica its gradients and its outputs
+        lay = _Region()
+        w_off = lay.add(total * 4)
+        self.input_specs = []
+        for name, blob in tops:
+            self.input_specs.append((name, tuple(blob.shape), lay.add(blob.count() * 4)))
+        self.outputs = self._outputs()
+        # each replica's results: its loss, then each output (a per-sample one with room
+        # for the largest slice), float64
+        big = max(b - a for a, b in self.slices)
+        self.out_offsets, o = [], 1
+        for _, _, c, per_sample in self.outputs:
+            self.out_offsets.append(o)
+            o += c * (big if per_sample else 1)
+        n_results = o
+        # the gradients one after the other, one row each (``grads``: n x total, summed
+        # in one product), then the results
+        g_off = lay.add(self.n * total * 4)
+        per = [(g_off + k * total * 4, lay.add(8 * n_results)) for k in range(self.n)]
+        self.path, self._mm = map_shared_file(lay.size, prefix="minicaffe-replicas")
+        buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self.weights = _view(buf, w_off, total)
+        self.inputs = [(net.blob_by_name(name), _view(buf, off, int(np.prod(shape))).reshape(
+            shape)) for name, shape, off in self.input_specs]
+        self.grads = _view(buf, g_off, self.n * total).reshape(self.n, total)
+        self.results = [_view(buf, r, n_results, np.float64) for _, r in per]
+        self._tmp = np.empty(total, np.float32)
+        self._attach_weights()
+        net_param = self._replica_param()
+        cfg = config.replace(cpu_replicas=1, data_workers=0)
+        ctx = multiprocessing.get_context("spawn")
+        try:
+            for k, (a, b) in enumerate(self.slices):
+                spec = {"path": self.path, "size": lay.size, "net": net_param, "config": cfg,
+                        "slice": (a, b), "inputs": self.input_specs, "weights": w_off,
+                        "total": total, "counts": self.counts, "grads": per[k][0],
+                        "results": (per[k][1], n_results),
+                        "outputs": [(o[0], off) for o, off in zip(self.outputs,
+                                                                  self.out_offsets)],
+                        "seed": None if seed is None else int(seed) + 1000 * (k + 1)}
+                parent, child = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=_worker_main, args=(child, spec),
+                                name=f"minicaffe-replica-{k}", daemon=True)
+                with main_hidden(), _one_thread_env():
+                    p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+            # a pool dropped without close() (a solver garbage-collected) still stops them
+            self._finalizer = weakref.finalize(self, stop_workers, self.procs, self.conns,
+                                               _goodbye)
+            hellos = first_messages(self.procs, self.conns, self._who,
+                                    lambda c: c.recv_bytes(), START_TIMEOUT)
+            for k, msg in enumerate(hellos):
+                if msg != b"R":
+                    raise MinicaffeError(f"{self._who(k)} could not build its net: "
+                                         f"{msg[1:].decode(errors='replace')}")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._unlink()
+        log.info("CPU replicas: %d worker processes of one thread each, slices %s of the "
+                 "batch of %d (pids %s)", self.n,
+                 "+".join(str(b - a) for a, b in self.slices), self.batch,
+                 ", ".join(map(str, self.pids)))
+
+    # -- construction ---------------------------------------------------------------------
+    def _outputs(self):
+        """[(name, kind, per-sample count or count, per_sample)] of the net's outputs: a
+        loss ('loss'), an accuracy ('mean'), or a per-sample blob ('concat')."""
+        net, out = self.net, []
+        for b in net.output_blob_indices:
+            name, blob = net.blob_names[b], net._blobs[b]
+            kind = None
+            for i, tops in enumerate(net.top_id_vecs):
+                if b in tops:
+                    j = tops.index(b)
+                    layer = net.layers[i]
+                    if layer.loss(j):
+                        kind = "loss"
+                    elif layer.layer_param.type == "Accuracy":
+                        kind = "mean"
+            if kind is not None:
+                out.append((name, kind, blob.count(), False))
+            elif blob.shape and blob.shape[0] == self.batch:
+                out.append((name, "concat", blob.count(1), True))
+            else:
+                raise MinicaffeError(f"--replicas: the train net's output '{name}' is "
+                                     "neither a loss, an accuracy nor one value per sample")
+        return out
+
+    def _replica_param(self):
+        """The train net's NetParameter with its data layers as Input layers of the first
+        replica's slice (each worker sets its own batch), serialised."""
+        from ..proto import caffe_pb2
+        src = self.net.net_param
+        p = caffe_pb2.NetParameter()
+        p.CopyFrom(src)
+        del p.layer[:]
+        data = set(self.data_layers)
+        for i, l in enumerate(src.layer):
+            if i in data:
+                q = p.layer.add(name=l.name, type="Input")
+                q.top.extend(l.top)
+                for b in self.net.top_vecs[i]:
+                    q.input_param.shape.add().dim.extend(b.shape)
+            else:
+                p.layer.add().CopyFrom(l)
+        return p.SerializeToString()
+
+    def _attach_weights(self):
+        """Move the main net's flat parameter data into the shared file (again after a
+        reshape or a restore replaced it)."""
+        fb = self.net.flat_params()
+        if fb.data.host_array is self.weights:
+            return fb
+        if list(fb.counts) != self.counts:
+            raise MinicaffeError("--replicas: the net's parameters changed shape during "
+                                 "training")
+        self.weights[...] = fb.data.cpu_data()
+        fb.data.set_cpu_data(self.weights)
+        return fb
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    # -- one pass -------------------------------------------------------------------------
+    def forward_backward(self):
+        """One forward and backward over the whole batch (see the module docstring); the
+        gradients are added into the main net's diffs; returns the weighted loss."""
+        if self.closed:
+            raise MinicaffeError("--replicas: the replica processes were stopped")
+        net = self.net
+        fb = self._attach_weights()
+        fused = net.begin_pass()
+        for i in self.data_layers:
+            net.forward_layer(i, fused)
+        for blob, shared in self.inputs:
+            if tuple(blob.shape) != shared.shape:
+                raise MinicaffeError(f"--replicas: the data blob changed shape from "
+                                     f"{shared.shape} to {tuple(blob.shape)}")
+            shared[...] = blob.cpu_data()
+        try:
+            for k, c in enumerate(self.conns):
+                try:
+                    c.send_bytes(b"S")
+                except (OSError, ValueError):
+                    pass         # a dead worker: the wait says which and why
+            self._wait()
+        except BaseException:
+            self.close()
+            raise
+        diff = fb.diff.mutable_cpu_data()
+        weights = self._weights("loss")
+        # sum_k w_k g_k as one BLAS product (each element's sum in the kernel's fixed
+        # order: the same bits for the same n run to run), added into the diffs (iter_size
+        # passes accumulate there)
+        np.dot(np.array(weights, np.float32), self.grads, out=self._tmp)
+        diff += self._tmp
+        loss = 0.0
+        for w, r in zip(weights, self.results):
+            loss += float(w) * float(r[0])
+        self._combine_outputs()
+        return loss
+
+    def _weights(self, kind):
+        if kind == "loss" and self.mode == "sum":
+            return [np.float32(1)] * self.n
+        return [np.float32((b - a) / self.batch) for a, b in self.slices]
+
+    def _combine_outputs(self):
+        for (name, kind, count, per_sample), o in zip(self.outputs, self.out_offsets):
+            out = self.net.blob_by_name(name).mutable_cpu_data().reshape(-1)
+            if per_sample:
+                for (a, b), r in zip(self.slices, self.results):
+                    out[a * count:b * count] = r[o:o + (b - a) * count]
+            else:
+                total = np.zeros(count, np.float64)
+                for w, r in zip(self._weights(kind), self.results):
+                    total += float(w) * r[o:o + count]
+                out[...] = total
+
+    def _wait(self):
+        pending = set(range(self.n))
+        while pending:
+            objs = {}
+            for k in pending:
+                objs[self.conns[k]] = k
+                objs[self.procs[k].sentinel] = k
+            for obj in connection.wait(list(objs)):
+                k = objs[obj]
+                if k not in pending:
+                    continue
+                c, p = self.conns[k], self.procs[k]
+                msg = None
+                try:
+                    if c.poll():
+                        msg = c.recv_bytes()
+                except (EOFError, OSError):
+                    msg = None
+                if msg == b"K":
+                    pending.discard(k)
+                elif msg is not None and msg[:1] == b"E":
+                    raise MinicaffeError(f"{self._who(k)} failed: "
+                                         f"{msg[1:].decode(errors='replace')}")
+                else:
+                    p.join(1.0)
+                    raise MinicaffeError(f"{self._who(k)} died ({death_cause(p)}); "
+                                         "training stops")
+
+    # -- the end --------------------------------------------------------------------------
+    def _unlink(self):
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def close(self, timeout=2.0):
+        """Stop and reap every worker (no child process is left).  The main net keeps its
+        parameters in the shared mapping, which lives while the net does."""
+        if self.closed:
+            return
+        self.closed = True
+        self._unlink()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        stop_workers(self.procs, self.conns, _goodbye, timeout)
+
+    def _who(self, k):
+        return f"replica {k} (pid {self.procs[k].pid})"
+
+
+def _goodbye(conn):
+    conn.send_bytes(b"Q")
+
+
+# -- the worker process -------------------------------------------------------------------
+def _worker_main(conn, spec):
+    for name in ("SIGINT", "SIGHUP", "SIGTERM"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    try:
+        net, inputs, outputs, results = _worker_net(spec)
+    except Exception as e:  # reported by the pool as one line
+        conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
+        return
+    conn.send_bytes(b"R")
+    a, b = spec["slice"]
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the training process is gone
+        if msg != b"S":
+            return
+        try:
+            for blob, shared in inputs:
+                blob.mutable_cpu_data()[...] = shared[a:b]
+            net.clear_param_diffs()
+            results[0] = net.forward_backward()
+            for blob, o in outputs:
+                results[o:o + blob.count()] = blob.cpu_data().reshape(-1)
+        except Exception as e:
+            try:
+                conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
+            except (OSError, ValueError):
+                pass
+            return
+        conn.send_bytes(b"K")
+
+
+def _worker_net(spec):
+    from ..core import context, threads
+    from ..network.net import Net
+    from ..proto import caffe_pb2
+    threads.one_thread()
+    context.set_mode_cpu()
+    if spec["seed"] is not None:
+        context.set_random_seed(spec["seed"])
+    _, mm = map_shared_file(spec["size"], spec["path"])
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    a, b = spec["slice"]
+    p = caffe_pb2.NetParameter.FromString(spec["net"])
+    for layer in p.layer:
+        if layer.type == "Input":
+            for shape in layer.input_param.shape:
+                if shape.dim:
+                    shape.dim[0] = b - a
+    net = Net(p, config=spec["config"])
+    fb = net.flat_params()
+    if list(fb.counts) != list(spec["counts"]):
+        raise MinicaffeError("the replica's parameters differ from the main net's")
+    fb.data.set_cpu_data(_view(buf, spec["weights"], spec["total"]))
+    fb.diff.set_cpu_data(_view(buf, spec["grads"], spec["total"]))
+    inputs = [(net.blob_by_name(name), _view(buf, off, int(np.prod(shape))).reshape(shape))
+              for name, shape, off in spec["inputs"]]
+    outputs = [(net.blob_by_name(name), o) for name, o in spec["outputs"]]
+    results = _view(buf, *spec["results"], np.float64)
+    return net, inputs, outputs, results

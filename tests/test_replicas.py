@@ -1,0 +1,277 @@
+"""CPU replicas (``--replicas N``, ``RunConfig.cpu_replicas``; engine/replicas.py): the
+batch of each iteration split across worker processes, their gradients summed before one
+update.  Trained k steps with 2 replicas, a net gives the losses, outputs and weights of
+one process up to float rounding; a net that cannot be split says why in one line and
+trains in one process; a killed worker ends the run in one line with no process or
+shared-memory file left."""
+import multiprocessing
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from minicaffe.core import log
+from minicaffe.core.config import RunConfig
+from minicaffe.core.errors import ConfigError, MinicaffeError
+from minicaffe.proto import caffe_pb2
+from minicaffe.solvers import get_solver
+from test_cli import LONG_SOLVER, _Proc, _error_line, _messages, _setup, _weights
+from test_solver_nets import CONST_NET
+
+NET = """
+name: "small"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: %(batch)d dim: 2 dim: 8 dim: 8 } shape { dim: %(batch)d } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.1 }
+    bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+%(extra)s
+layer { name: "ip" type: "InnerProduct" bottom: "%(ip_in)s" top: "ip"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
+  %(loss)s }
+"""
+BN = """layer { name: "bn" type: "BatchNorm" bottom: "pool" top: "bn" }"""
+STEPS = 3
+
+
+def _train(replicas, batch=8, loss="", extra="", ip_in="pool", solver_type="SGD"):
+    """(smoothed loss and accuracy after each step, weights, the solver's replica pids
+    during the run) of STEPS steps of NET in one process or across ``replicas``."""
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.001,
+                                   lr_policy="fixed", display=0, random_seed=1701,
+                                   snapshot_after_train=False, type=solver_type,
+                                   solver_mode=caffe_pb2.SolverParameter.CPU)
+    text_format.Parse(NET % dict(batch=batch, loss=loss, extra=extra, ip_in=ip_in),
+                      sp.net_param)
+    s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
+    rs = np.random.RandomState(0)
+    s.net.blobs["data"].data[...] = rs.randn(batch, 2, 8, 8)
+    s.net.blobs["label"].data[...] = rs.randint(0, 5, batch)
+    seen, pids = [], set()
+    try:
+        for _ in range(STEPS):
+            s.step(1)
+            seen.append((float(s.smoothed_loss), float(s.net.blobs["accuracy"].data)))
+            pids.update(s.replica_pids())
+        weights = [b.data.copy() for blobs in s.net.params.values() for b in blobs]
+    finally:
+        s.close()
+    return np.array(seen), weights, pids
+
+
+def _same(a, b):
+    seen1, w1, _ = a
+    seen2, w2, _ = b
+    np.testing.assert_allclose(seen2, seen1, rtol=1e-5, atol=1e-6)
+    assert len(w1) == len(w2)
+    for x, y in zip(w1, w2):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [8, 7])     # slices 4+4, and 3+4
+@pytest.mark.parametrize("solver_type", ["SGD", "Adam"])
+def test_two_replicas_train_as_one_process(batch, solver_type):
+    one = _train(1, batch=batch, solver_type=solver_type)
+    two = _train(2, batch=batch, solver_type=solver_type)
+    assert not one[2] and len(two[2]) == 2        # two workers ran, none for one process
+    _same(one, two)
+    assert not multiprocessing.active_children()  # close() joined them
+
+
+@pytest.mark.parametrize("replicas", [2, 5])     # 3+4; 1+1+2+1+2
+def test_normalization_none_sums_the_slices(replicas):
+    loss = "loss_param { normalization: NONE }"
+    _same(_train(1, batch=7, loss=loss), _train(replicas, batch=7, loss=loss))
+
+
+def test_the_same_bits_run_to_run():
+    a, b = _train(3, batch=7), _train(3, batch=7)
+    assert np.array_equal(a[0], b[0])
+    assert all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("extra,ip_in,loss,words", [
+    (BN, "bn", "", "layer 'bn' (BatchNorm): its mean and variance span the batch"),
+    ("", "pool", "loss_param { ignore_label: 4 }",
+     "layer 'loss' (SoftmaxWithLoss): normalization VALID with an ignore_label"),
+])
+def test_a_net_that_cannot_be_split_says_why_and_trains_in_one_process(
+        caplog, extra, ip_in, loss, words):
+    caplog.set_level("INFO", logger=log.logger.name)
+    one = _train(1, extra=extra, ip_in=ip_in, loss=loss)
+    caplog.clear()
+    two = _train(2, extra=extra, ip_in=ip_in, loss=loss)
+    said = _warnings(caplog)
+    assert len(said) == 1 and said[0].startswith("--replicas 2: not split: ") and \
+        words in said[0] and said[0].endswith("training runs in one process"), said
+    assert not two[2]                          # no worker started
+    assert np.array_equal(one[0], two[0])      # the one-process run, bit for bit
+    assert all(np.array_equal(x, y) for x, y in zip(one[1], two[1]))
+
+
+def _shm():
+    return {f for f in os.listdir("/dev/shm")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_a_killed_replica_ends_the_run_in_one_line_and_leaves_nothing():
+    before = _shm()
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed", display=0,
+                                   random_seed=1, snapshot_after_train=False,
+                                   solver_mode=caffe_pb2.SolverParameter.CPU)
+    text_format.Parse(NET % dict(batch=8, loss="", extra="", ip_in="pool"), sp.net_param)
+    s = get_solver(sp, config=RunConfig(cpu_replicas=2))
+    try:
+        s.step(1)
+        pids = s.replica_pids()
+        assert len(pids) == 2 and not _shm() - before    # unlinked once mapped
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(MinicaffeError) as e:
+            s.step(1)
+        assert str(e.value) == (f"replica 1 (pid {pids[1]}) died (killed by SIGKILL); "
+                                "training stops")
+        assert not multiprocessing.active_children()
+        assert s.replica_pids() == []
+    finally:
+        s.close()
+    assert not multiprocessing.active_children()
+    assert not _shm() - before
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_stop_the_replicas(tmp_path, sig):
+    """The signal goes to the whole process group (a terminal's Ctrl-C, systemd's stop):
+    the workers ignore it, the training process stops after the iteration and stops
+    them; nothing is left."""
+    before = _shm()
+    _setup(tmp_path, net=CONST_NET, solver=LONG_SOLVER)
+    proc = _Proc(tmp_path, "--replicas", "2")
+    i = proc.wait_for(r"CPU replicas: 2 worker processes")
+    pids = [int(x) for x in re.search(r"pids ([\d, ]+)\)", proc.lines[i]).group(1).split(",")]
+    proc.wait_for(r"Iteration \d+ \(")
+    for pid in pids + [proc.p.pid]:     # as to a process group (not pytest's own)
+        os.kill(pid, getattr(signal, sig))
+    rc = proc.finish()
+    assert rc == (128 + signal.SIGTERM if sig == "SIGTERM" else 0), proc.lines[-5:]
+    msgs = [l.split("] ", 1)[-1] for l in proc.lines]
+    assert any(m.startswith(f"Stopped by {sig} at iteration ") for m in msgs), msgs[-5:]
+    assert not any("Traceback" in l or "replica" in l and "died" in l for l in proc.lines)
+    assert not [p for p in pids if _alive(p)]
+    assert not _shm() - before
+
+
+def test_no_room_in_dev_shm_is_one_line(monkeypatch):
+    """A container's /dev/shm too small for the replicas' file: one line, not a SIGBUS."""
+    import errno
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = _shm()
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed", display=0,
+                                   snapshot_after_train=False,
+                                   solver_mode=caffe_pb2.SolverParameter.CPU)
+    text_format.Parse(NET % dict(batch=8, loss="", extra="", ip_in="pool"), sp.net_param)
+    s = get_solver(sp, config=RunConfig(cpu_replicas=2))
+    try:
+        with pytest.raises(MinicaffeError, match=r"no room for [\d.]+ MiB of shared memory "
+                                                 r"\(No space left on device\).*--shm-size"):
+            s.step(1)
+    finally:
+        s.close()
+    assert not _shm() - before and not multiprocessing.active_children()
+
+
+def test_run_config_refuses_a_bad_count():
+    for bad in (0, -2, "many", 1.5, True):
+        with pytest.raises(ConfigError, match="expected a whole number of worker processes"):
+            RunConfig(cpu_replicas=bad)
+    assert RunConfig(cpu_replicas="3").cpu_replicas == 3
+
+
+@pytest.mark.parametrize("value,words", [
+    ("0", "--replicas 0: expected a whole number of worker processes, at least 1"),
+    ("-2", "--replicas -2: expected a whole number"),
+    ("many", "illegal value 'many' specified for int32 flag 'replicas'"),
+    ("100000", "more than 4x")])
+def test_bad_replicas_is_one_line(cli, tmp_path, value, words):
+    _setup(tmp_path)
+    for command in (("train", "--solver", "solver.prototxt"),
+                    ("time", "--model", "net.prototxt"),
+                    ("bench", "--model", "net.prototxt")):
+        rc, out, err = cli(*command, "--replicas", value)
+        assert rc == 1 and words in _error_line(err), (command, err)
+        assert not os.listdir(tmp_path / "snap")       # nothing ran
+
+
+def test_train_with_replicas_gives_the_weights_of_one_process(cli, tmp_path):
+    """The CLI end to end: data layer (DummyData) in the main process, test net, display,
+    snapshots; the snapshot's weights match a one-process run's."""
+    _setup(tmp_path)
+    rc, out, err = cli("train", "--solver", "solver.prototxt")
+    assert rc == 0, err
+    one = _weights(tmp_path / "snap" / "dummy_iter_10.caffemodel")
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--replicas", "2")
+    assert rc == 0, err
+    said = [m for m in _messages(err) if m.startswith("CPU replicas")]
+    assert len(said) == 1 and "2 worker processes" in said[0] and "slices 4+4" in said[0]
+    two = _weights(tmp_path / "snap" / "dummy_iter_10.caffemodel")
+    assert one.keys() == two.keys()
+    for k in one:
+        np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-6)
+    # resumed from iteration 5 with replicas: the uninterrupted replicas run's bits
+    os.remove(tmp_path / "snap" / "dummy_iter_10.caffemodel")
+    rc, out, err = cli("train", "--solver", "solver.prototxt", "--replicas", "2",
+                       "--snapshot", "snap/dummy_iter_5.solverstate")
+    assert rc == 0, err
+    resumed = _weights(tmp_path / "snap" / "dummy_iter_10.caffemodel")
+    for k in two:
+        assert np.array_equal(resumed[k], two[k]), k
+    assert not multiprocessing.active_children()
+
+
+def test_time_with_replicas(cli, tmp_path):
+    _setup(tmp_path)
+    rc, out, err = cli("time", "--model", "net.prototxt", "--iterations", "2",
+                       "--replicas", "2")
+    assert rc == 0, err
+    msgs = _messages(err)
+    assert any(m.startswith("CPU replicas: 2 worker processes") for m in msgs)
+    assert any(m.startswith("Average Forward-Backward (2 replicas): ") for m in msgs), msgs
+    assert not multiprocessing.active_children()
+
+
+def test_bench_with_replicas(cli, tmp_path, monkeypatch):
+    from test_bench import LENET, QUICK
+    monkeypatch.setenv("GLOG_minloglevel", "0")      # bench's INFO lines too
+    rc, out, err = cli("bench", "--model", LENET, "--batch", "6", "--replicas", "2",
+                       "--json", "r.json", *QUICK)
+    assert rc == 0, err
+    assert "minicaffe: 2 replica processes of one thread each (--replicas)" in out
+    assert any(m.startswith("CPU replicas: 2 worker processes of one thread each, slices "
+                            "3+3 of the batch of 6") for m in _messages(err))
+    import json
+    assert json.loads((tmp_path / "r.json").read_text())["cpu_replicas"] == 2
+    assert not multiprocessing.active_children()          # the solver was closed
