@@ -526,6 +526,27 @@ def test_gpu_parity_softmax_loss_fused_kernels(text, ntop):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("C,ignore", [(1000, False), (1000, True), (130, False)])
+def test_gpu_parity_softmax_loss_wide_rows(C, ignore):
+    """Rows of many classes (one block per row on the GPU): the loss, the probabilities
+    and the gradient as the CPU's, an ignored label and a NaN row included."""
+    x = rs(7).randn(6, C).astype(np.float32) * 4
+    lab = rs(8).randint(0, C, 6).astype(np.float32)
+    text = 'type: "SoftmaxWithLoss" loss_weight: 1 loss_weight: 0'
+    if ignore:
+        lab[2] = 5
+        text = text.replace('"SoftmaxWithLoss"', '"SoftmaxWithLoss" loss_param { ignore_label: 5 }')
+    loss_c, out_c = _forward_backward(text, [x, lab], 2, [0], gpu=False)
+    loss_g, out_g = _forward_backward(text, [x, lab], 2, [0], gpu=True)
+    assert loss_g == pytest.approx(loss_c, rel=1e-5)
+    for c, g in zip(out_c, out_g):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-7)
+    x[3, 17] = np.nan
+    _, out_n = _forward_backward(text, [x, lab], 2, [0], gpu=True)
+    assert np.isnan(out_n[1][3]).all() and np.isfinite(np.delete(out_n[1], 3, axis=0)).all()
+
+
+@pytest.mark.gpu
 def test_gpu_softmax_loss_label_out_of_range_is_one_line():
     with pytest.raises(LayerError, match="label 7 is out of range") as e:
         _forward_backward('type: "SoftmaxWithLoss"',
