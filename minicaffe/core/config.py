@@ -103,10 +103,10 @@ VARIABLES = {
     "MINICAFFE_CONV_GEMM": (_bool, "1/0, true/false, yes/no, on/off", None,
                             "1x1 convolutions in channels-last as cuBLAS GEMMs: always (1), "
                             "never (0); unset: where timed faster than cuDNN"),
-    "MINICAFFE_CONV_PAD8": (_bool, "1/0, true/false, yes/no, on/off", None,
+    "MINICAFFE_CONV_PAD8": (_bool, "1/0, true/false, yes/no, on/off", False,
                             "a first convolution's input channels (fewer than 8) padded with "
-                            "zeros to 8 in channels-last: always (1), never (0); unset: "
-                            "where timed faster"),
+                            "zeros to 8 in channels-last for its forward and filter "
+                            "gradient (1); off by default"),
     "MINICAFFE_FUSE_BN_RELU": (_bool, "1/0, true/false, yes/no, on/off", True,
                                "the fused type BatchNorm+Scale+ReLU (on by default; 0: "
                                "BatchNorm+Scale, then the ReLU apart)"),
