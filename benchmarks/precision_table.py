@@ -130,15 +130,23 @@ def figures(kind, mode, report):
     """{'ms': ..., 'peak_mib': ..., ['eager_ms', 'eager_peak_mib']} of one run's JSON."""
     mib = 1 << 20
     if kind == "mc":
-        r = report["nets"][0]["results"][0]
-        return {"ms": r["ms_per_iter"], "peak_mib": r["peak_bytes"] / mib}
+        net = report["nets"][0]
+        r = net["results"][0]
+        graph = (net.get("gpu_step") or {}).get("cuda_graph")
+        return {"ms": r["ms_per_iter"], "peak_mib": r["peak_bytes"] / mib,
+                "cuda_graph": graph}
     return {"ms": report["graph"]["ms_per_iter"], "peak_mib": report["graph"]["peak_bytes"] / mib,
             "eager_ms": report["eager"]["ms_per_iter"],
             "eager_peak_mib": report["eager"]["peak_bytes"] / mib}
 
 
 def _fmt(cell, key, spec):
-    return "fail" if cell is None else format(cell[key], spec)
+    """A cell's figure; minicaffe's time marked "(eager)" where its step was not replayed
+    as a CUDA graph (a capture that failed falls back to the eager step: say so)."""
+    if cell is None:
+        return "fail"
+    eager = key == "ms" and cell.get("cuda_graph") is False
+    return format(cell[key], spec) + (" (eager)" if eager else "")
 
 
 def _rows(rows, key, spec):
@@ -232,9 +240,11 @@ def main(argv=None):
                     f = cells[(kind, mode)]
                     extra = (f", eager {f['eager_ms']:.2f} ms, peak {f['eager_peak_mib']:.1f} "
                              f"MiB" if "eager_ms" in f else "")
+                    how = " (graph)" if kind == "torch" else \
+                        " (eager: no CUDA graph)" if f.get("cuda_graph") is False else ""
                     print(f"{name} b{batch}: {LABEL[kind]} "
                           f"{mode}: {f['ms']:.2f} ms, peak {f['peak_mib']:.1f} MiB"
-                          f"{' (graph)' if kind == 'torch' else ''}{extra}", flush=True)
+                          f"{how}{extra}", flush=True)
                     report.append({"net": name, "batch": batch, "engine": kind, "mode": mode,
                                    **f})
             rows.append((name, batch, cells))

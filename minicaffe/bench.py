@@ -573,6 +573,10 @@ def _print_net_lines(row, out):
     print(f"{row['net']}: {layers} -> Input: {ins}", file=out)
     if row.get("solver"):
         print(f"{row['net']}: solver {row['solver']}", file=out)
+    st = row.get("gpu_step")
+    if st is not None:
+        print(f"{row['net']}: GPU step " + ("replayed as a CUDA graph" if st["cuda_graph"] else
+                                           "run eagerly (no CUDA graph)"), file=out)
     for note in row.get("notes", []):
         print(f"{row['net']}: torch twin: {note}", file=out)
 

@@ -369,3 +369,18 @@ def _has_torch():
         return True
     except ImportError:
         return False
+
+
+def test_a_gpu_row_says_whether_its_step_was_replayed_as_a_cuda_graph():
+    """A GPU net's lines say whether its step was replayed as a CUDA graph or ran eagerly
+    (a capture that failed falls back to the eager step: a slow figure should say why)."""
+    import io
+    row = {"net": "N", "replaced": [], "inputs": {}, "notes": []}
+    for graph, words in ((True, "N: GPU step replayed as a CUDA graph"),
+                         (False, "N: GPU step run eagerly (no CUDA graph)")):
+        out = io.StringIO()
+        bench._print_net_lines(dict(row, gpu_step={"cuda_graph": graph}), out)
+        assert words in out.getvalue().splitlines()
+    out = io.StringIO()
+    bench._print_net_lines(row, out)            # the CPU: no GPU step, no such line
+    assert "GPU step" not in out.getvalue()

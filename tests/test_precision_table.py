@@ -44,7 +44,8 @@ def test_figures_land_in_their_cells_and_a_failed_run_is_a_fail_cell(monkeypatch
         if kind == "mc":
             return {"machine": {"gpu": "G", "cpu": "C", "logical_cpus": 2},
                     "versions": {"python": "3", "cupy": "14"},
-                    "nets": [{"results": [{"ms_per_iter": t, "peak_bytes": 100 * t * mib}]}]}, None
+                    "nets": [{"results": [{"ms_per_iter": t, "peak_bytes": 100 * t * mib}],
+                              "gpu_step": {"cuda_graph": mode != "tf32"}}]}, None
         return {"machine": {}, "versions": {"torch": "2", "torch_cudnn": 9},
                 "graph": {"ms_per_iter": t, "peak_bytes": 100 * t * mib},
                 "eager": {"ms_per_iter": 10 * t, "peak_bytes": 1000 * t * mib}}, None
@@ -54,7 +55,10 @@ def test_figures_land_in_their_cells_and_a_failed_run_is_a_fail_cell(monkeypatch
     assert m.main(["--nets", "lenet", "--json", str(out)]) == 1
     text = capsys.readouterr().out
     assert "LeNet b64: minicaffe fp16: failed (exit 1: boom)" in text
-    assert "| LeNet b64 | 1.00 | 2.00 | 3.00 | fail | 5.00 | 6.00 | 70.00 / 7.00 |" in text
+    # a step that was not replayed as a CUDA graph is marked, in its line and its cell
+    assert "LeNet b64: minicaffe tf32: 2.00 ms, peak 200.0 MiB (eager: no CUDA graph)" in text
+    assert ("| LeNet b64 | 1.00 | 2.00 (eager) | 3.00 | fail | 5.00 | 6.00 | 70.00 / 7.00 |"
+            in text)
     assert ("| LeNet b64 | 100.0 | 200.0 | 300.0 | fail | 500.0 | 600.0 | 7,000.0 / 700.0 |"
             in text)
     assert "torch 2 (cuDNN 9)" in text
