@@ -687,15 +687,8 @@ def _time_pool(net, flags):
     """The replicas of ``time --replicas N`` (engine/replicas.py), or None (one line says
     why: a GPU, or a net that cannot be split)."""
     from .engine import replicas
-    n = flags.replicas
-    why = "CPU mode only; ignored on a GPU" if context.is_gpu() else None
-    if why is None:
-        reason = replicas.refusal(net)
-        why = None if reason is None else f"not split: {reason}; timed in one process"
-    if why is not None:
-        log.warning("--replicas %d: %s", n, why)
-        return None
-    return replicas.ReplicaPool(net, n, flags.run_config)
+    return replicas.start(net, flags.replicas, flags.run_config,
+                          fallback="timed in one process")
 
 
 def _time_replicas(net, pool, flags):

@@ -213,8 +213,8 @@ def _view(buf, offset, count, dtype=np.float32):
 def _one_thread_env():
     """The BLAS variables at 1 while the workers start (they inherit them, so their BLAS
     starts no idle threads), the caller's after."""
-    saved = {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                                              "MKL_NUM_THREADS", "BLIS_NUM_THREADS")}
+    from ..core.threads import ENV_VARS
+    saved = {v: os.environ.get(v) for v in ENV_VARS}
     try:
         os.environ.update({v: "1" for v in saved})
         yield
@@ -224,6 +224,23 @@ def _one_thread_env():
                 os.environ.pop(v, None)
             else:
                 os.environ[v] = value
+
+
+def start(net, n, config, seed=None, why=None, fallback="training runs in one process"):
+    """``n`` replicas of ``net`` (a ReplicaPool), or None after one warning line saying why
+    not: ``why`` (the caller's reason), a GPU, or ``refusal(net)`` (then ``fallback``
+    says what runs instead)."""
+    from ..core import context
+    if why is None and context.is_gpu():
+        why = "CPU mode only; ignored on a GPU"
+    if why is None:
+        reason = refusal(net)
+        if reason is not None:
+            why = f"not split: {reason}; {fallback}"
+    if why is not None:
+        log.warning("--replicas %d: %s", n, why)
+        return None
+    return ReplicaPool(net, n, config, seed)
 
 
 class ReplicaPool:

@@ -392,18 +392,12 @@ class Solver:
             why = "not split: debug_info prints every layer's blobs, which one process holds"
         elif self.loss_scaler is not None:
             why = "not split: loss scaling runs in one process"
-        else:
-            reason = replicas.refusal(self.net)
-            if reason is not None:
-                why = f"not split: {reason}; training runs in one process"
-        if why is not None:
-            self._replicas_refused = True
-            if self.root:
-                log.warning("--replicas %d: %s", n, why)
-            return None
         seed = self.param.random_seed if self.param.random_seed >= 0 else None
-        self._replicas = replicas.ReplicaPool(self.net, n, self.config, seed)
-        return self._replicas
+        pool = None if why is not None and not self.root else \
+            replicas.start(self.net, n, self.config, seed, why=why)   # says why not
+        self._replicas = pool
+        self._replicas_refused = pool is None
+        return pool
 
     def replica_pids(self):
         """The process ids of this solver's CPU replicas (``config.cpu_replicas`` > 1, once
