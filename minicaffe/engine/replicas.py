@@ -51,9 +51,9 @@ Contract:
 import contextlib
 import multiprocessing
 import os
+import selectors
 import signal
 import weakref
-from multiprocessing import connection
 
 import numpy as np
 
@@ -268,6 +268,7 @@ class ReplicaPool:
         self.net = net
         self.closed = False
         self.procs, self.conns = [], []
+        self._selector = None
         self.path = None
         self.data_layers = [i for i in range(len(net.layers)) if not net.bottom_vecs[i]]
         tops = [(net.blob_names[b], net._blobs[b]) for i in self.data_layers
@@ -475,16 +476,18 @@ class ReplicaPool:
         self._wait(workers)
 
     def _wait(self, workers):
+        """Until each of ``workers`` has answered: one epoll set of every worker's pipe
+        and process sentinel, made once (a select per answer over all of them cost the
+        main process O(n^2) per phase).  A worker that is not waited for but is ready
+        has died (or said why it failed): that ends the pass too."""
+        if self._selector is None:
+            self._selector = selectors.DefaultSelector()
+            for k, (c, p) in enumerate(zip(self.conns, self.procs)):
+                self._selector.register(c.fileno(), selectors.EVENT_READ, k)
+                self._selector.register(p.sentinel, selectors.EVENT_READ, k)
         pending = set(workers)
         while pending:
-            objs = {}
-            for k in pending:
-                objs[self.conns[k]] = k
-                objs[self.procs[k].sentinel] = k
-            for obj in connection.wait(list(objs)):
-                k = objs[obj]
-                if k not in pending:
-                    continue
+            for k in {key.data for key, _ in self._selector.select()}:
                 c, p = self.conns[k], self.procs[k]
                 msg = None
                 try:
@@ -493,7 +496,7 @@ class ReplicaPool:
                 except (EOFError, OSError):
                     msg = None
                 if msg == b"K":
-                    pending.discard(k)
+                    pending.discard(k)     # (not waited for: never sent; dropped)
                 elif msg is not None and msg[:1] == b"E":
                     raise MinicaffeError(f"{self._who(k)} failed: "
                                          f"{msg[1:].decode(errors='replace')}")
@@ -518,6 +521,9 @@ class ReplicaPool:
             return
         self.closed = True
         self._unlink()
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
