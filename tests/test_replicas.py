@@ -38,22 +38,39 @@ layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
   %(loss)s }
 """
+# one parameter blob of 250 floats, which the flat parameter buffer holds in 256 (16 cache
+# lines of 16 floats): with 18 replicas, the gradient sum's last two shares are empty
+TINY = """
+name: "tiny"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: %(batch)d dim: 2 dim: 10 dim: 10 } shape { dim: %(batch)d } } }
+layer { name: "pool" type: "Pooling" bottom: "data" top: "pool"
+  pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"
+  inner_product_param { num_output: 5 bias_term: false
+    weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
+  %(loss)s }
+"""
 BN = """layer { name: "bn" type: "BatchNorm" bottom: "pool" top: "bn" }"""
 STEPS = 3
 
 
-def _train(replicas, batch=8, loss="", extra="", ip_in="pool", solver_type="SGD"):
+def _train(replicas, batch=8, loss="", extra="", ip_in="pool", solver_type="SGD", net=NET,
+           iter_size=1):
     """(smoothed loss and accuracy after each step, weights, the solver's replica pids
     during the run) of STEPS steps of NET in one process or across ``replicas``."""
     sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.001,
                                    lr_policy="fixed", display=0, random_seed=1701,
                                    snapshot_after_train=False, type=solver_type,
+                                   iter_size=iter_size,
                                    solver_mode=caffe_pb2.SolverParameter.CPU)
-    text_format.Parse(NET % dict(batch=batch, loss=loss, extra=extra, ip_in=ip_in),
+    text_format.Parse(net % dict(batch=batch, loss=loss, extra=extra, ip_in=ip_in),
                       sp.net_param)
     s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
     rs = np.random.RandomState(0)
-    s.net.blobs["data"].data[...] = rs.randn(batch, 2, 8, 8)
+    s.net.blobs["data"].data[...] = rs.randn(*s.net.blobs["data"].shape)
     s.net.blobs["label"].data[...] = rs.randint(0, 5, batch)
     seen, pids = [], set()
     try:
@@ -90,6 +107,44 @@ def test_two_replicas_train_as_one_process(batch, solver_type):
 def test_normalization_none_sums_the_slices(replicas):
     loss = "loss_param { normalization: NONE }"
     _same(_train(1, batch=7, loss=loss), _train(replicas, batch=7, loss=loss))
+
+
+@pytest.mark.parametrize("iter_size", [1, 2])
+def test_five_replicas_with_an_odd_batch(iter_size):
+    """A batch of 9 in 1+2+2+2+2, the gradients summed in five shares (16 floats apart
+    at most) by the workers: one process's losses and weights, the same bits twice."""
+    one = _train(1, batch=9, iter_size=iter_size)
+    five = _train(5, batch=9, iter_size=iter_size)
+    assert len(five[2]) == 5
+    _same(one, five)
+    again = _train(5, batch=9, iter_size=iter_size)
+    assert np.array_equal(five[0], again[0])
+    assert all(np.array_equal(x, y) for x, y in zip(five[1], again[1]))
+
+
+def test_more_replicas_than_cache_lines_of_parameters(monkeypatch):
+    """16 cache lines of parameters summed by 18 replicas: two shares are empty (their
+    workers are not woken for the sum); the result is one process's.  (18 replicas are
+    allowed from 5 CPUs on: the test says there are 8.)"""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    one = _train(1, batch=18, net=TINY)
+    many = _train(18, batch=18, net=TINY)
+    assert len(many[2]) == 18
+    _same(one, many)
+
+
+@pytest.mark.parametrize("total,n", [(431080, 2), (431080, 16), (45, 4), (3, 8),
+                                     (0, 3), (16 * 7 + 5, 7), (16 * 9, 4)])
+def test_the_sum_shares_cover_the_parameters_in_cache_lines(total, n):
+    from minicaffe.engine.replicas import shares
+    cuts = shares(total, n)
+    assert len(cuts) == n and cuts[0][0] == 0 and cuts[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))            # contiguous
+    assert all(lo % 16 == 0 for lo, _ in cuts)                          # whole lines
+    sizes = [hi - lo for lo, hi in cuts]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 16
+    if total < 16 * (n - 1):
+        assert 0 in sizes
 
 
 def test_the_same_bits_run_to_run():

@@ -29,13 +29,19 @@ Contract:
   tops, and per replica its parameter gradients and its outputs.
 - ``forward_backward()``: one pass: the main process runs the data layers (prefetch
   included) and copies their tops into the shared input; one byte wakes each worker,
-  which runs forward and backward on its slice and answers with one byte; the gradients
-  (one row per replica) are summed by one BLAS product, weighted by slice/batch for
-  losses normalised by the batch (1 for NONE), and added into the main net's diffs: the
-  same bits for the same ``n`` run to run (each element summed in the kernel's fixed
-  order), not the bits of one process; the loss and the other outputs of the train net
-  combined the same way (per-sample outputs concatenated).  Returns the pass's loss.
-  Nothing is pickled per step.
+  which runs forward and backward on its slice and answers with one byte.  Then the
+  gradients (one row per replica) are summed inside the workers, a reduce-scatter: one
+  byte wakes each worker whose share is not empty, which sums ``sum_k w_k grads[k]``
+  over its own contiguous share of the parameters' columns (``shares(total, n)``: fixed
+  for ``n``, cut at 16 floats, a cache line) into the shared ``summed`` row and answers
+  with one byte; the main process adds ``summed`` into the net's diffs (``iter_size``
+  passes accumulate there).  The weights ``w_k``, slice/batch for losses normalised by
+  the batch (1 for NONE), are written into the file once.  Each element is summed by
+  numpy in the fixed order k = 0, 1, ..., n-1, one rounding per product and per sum (no
+  BLAS kernel, no FMA): the same bits for the same ``n`` run to run, whatever the
+  shares and the machine, not the bits of one process.  The loss and the other outputs
+  of the train net are combined the same way (per-sample outputs concatenated) by the
+  main process.  Returns the pass's loss.  Nothing is pickled per step.
 - A worker that fails (an exception, a signal, kill -9) ends the pass with a
   MinicaffeError naming the replica, its pid and the cause; the pool is closed first, so
   no process is left.  Workers ignore SIGINT and SIGTERM (the training process decides
@@ -45,9 +51,9 @@ Contract:
 import contextlib
 import multiprocessing
 import os
+import selectors
 import signal
 import weakref
-from multiprocessing import connection
 
 import numpy as np
 
@@ -58,6 +64,7 @@ from ..data.workers import (death_cause, first_messages, main_hidden, map_shared
 
 START_TIMEOUT = 120.0     # seconds for a worker to start, build its net and map the file
 _ALIGN = 4096
+_LINE = 16                # float32 per cache line (64 bytes): the shares' unit
 
 # layer types that compute each sample from that sample alone (parameters shared),
 # with the field naming their axis where they have one: (parameter field, axis field,
@@ -192,6 +199,33 @@ def slices(batch, n):
     return [(batch * k // n, batch * (k + 1) // n) for k in range(n)]
 
 
+def shares(total, n):
+    """Contiguous [lo, hi) column ranges of ``total`` parameters for ``n`` replicas' sums:
+    whole cache lines of 16 floats, the first shares one line more where they do not
+    divide evenly, the last one the leftover floats; sizes differ by at most 16 floats,
+    and a share is empty (lo == hi) when there are fewer lines than replicas."""
+    lines, rest = divmod(int(total), _LINE)
+    q, r = divmod(lines, n)
+    cuts = [_LINE * (k * q + min(k, r)) for k in range(n)] + [int(total)]
+    return [(cuts[k], cuts[k + 1]) for k in range(n)]
+
+
+def weighted_sum(weights, rows, out, tmp):
+    """``out[...] = sum_k weights[k] * rows[k]`` in the fixed order k = 0, 1, ...: numpy's
+    elementwise multiply and add, each rounded once (a weight of 1 multiplies nothing).
+    ``tmp``: scratch of ``out``'s size."""
+    def term(k, dst):
+        if weights[k] == 1:
+            return rows[k]
+        np.multiply(rows[k], weights[k], out=dst)
+        return dst
+    first = term(0, out)
+    if first is not out:
+        out[...] = first
+    for k in range(1, len(rows)):
+        np.add(out, term(k, tmp), out=out)
+
+
 class _Region:
     """Offsets (bytes) of the shared file's arrays, laid out at 4 KiB boundaries."""
 
@@ -251,6 +285,7 @@ class ReplicaPool:
         self.net = net
         self.closed = False
         self.procs, self.conns = [], []
+        self._selector = None
         self.path = None
         self.data_layers = [i for i in range(len(net.layers)) if not net.bottom_vecs[i]]
         tops = [(net.blob_names[b], net._blobs[b]) for i in self.data_layers
@@ -279,18 +314,24 @@ class ReplicaPool:
             self.out_offsets.append(o)
             o += c * (big if per_sample else 1)
         n_results = o
-        # the gradients one after the other, one row each (``grads``: n x total, summed
-        # in one product), then the results
-        g_off = lay.add(self.n * total * 4)
-        per = [(g_off + k * total * 4, lay.add(8 * n_results)) for k in range(self.n)]
+        # the gradients one after the other, one row each starting on a cache line
+        # (``grads``: n x total), their weighted sum (``summed``) and the weights, then
+        # the results
+        stride = -(-total // _LINE) * _LINE
+        g_off = lay.add(self.n * stride * 4)
+        s_off = lay.add(total * 4)
+        wt_off = lay.add(self.n * 4)
+        per = [(g_off + k * stride * 4, lay.add(8 * n_results)) for k in range(self.n)]
+        self.shares = shares(total, self.n)
         self.path, self._mm = map_shared_file(lay.size, prefix="minicaffe-replicas")
         buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.weights = _view(buf, w_off, total)
         self.inputs = [(net.blob_by_name(name), _view(buf, off, int(np.prod(shape))).reshape(
             shape)) for name, shape, off in self.input_specs]
-        self.grads = _view(buf, g_off, self.n * total).reshape(self.n, total)
+        self.summed = _view(buf, s_off, total)
+        _view(buf, wt_off, self.n)[...] = self._weights("loss")
         self.results = [_view(buf, r, n_results, np.float64) for _, r in per]
-        self._tmp = np.empty(total, np.float32)
+        self.summers = [k for k, (lo, hi) in enumerate(self.shares) if hi > lo]
         self._attach_weights()
         net_param = self._replica_param()
         cfg = config.replace(cpu_replicas=1, data_workers=0)
@@ -300,6 +341,8 @@ class ReplicaPool:
                 spec = {"path": self.path, "size": lay.size, "net": net_param, "config": cfg,
                         "slice": (a, b), "inputs": self.input_specs, "weights": w_off,
                         "total": total, "counts": self.counts, "grads": per[k][0],
+                        "sum": {"grads": (g_off, stride), "summed": s_off,
+                                "weights": wt_off, "n": self.n, "share": self.shares[k]},
                         "results": (per[k][1], n_results),
                         "outputs": [(o[0], off) for o, off in zip(self.outputs,
                                                                   self.out_offsets)],
@@ -409,24 +452,16 @@ class ReplicaPool:
                                      f"{shared.shape} to {tuple(blob.shape)}")
             shared[...] = blob.cpu_data()
         try:
-            for k, c in enumerate(self.conns):
-                try:
-                    c.send_bytes(b"S")
-                except (OSError, ValueError):
-                    pass         # a dead worker: the wait says which and why
-            self._wait()
+            self._phase(b"S", range(self.n))       # forward and backward on each slice
+            self._phase(b"A", self.summers)        # each share of sum_k w_k grads[k]
         except BaseException:
             self.close()
             raise
+        # added into the diffs (iter_size passes accumulate there)
         diff = fb.diff.mutable_cpu_data()
-        weights = self._weights("loss")
-        # sum_k w_k g_k as one BLAS product (each element's sum in the kernel's fixed
-        # order: the same bits for the same n run to run), added into the diffs (iter_size
-        # passes accumulate there)
-        np.dot(np.array(weights, np.float32), self.grads, out=self._tmp)
-        diff += self._tmp
+        diff += self.summed
         loss = 0.0
-        for w, r in zip(weights, self.results):
+        for w, r in zip(self._weights("loss"), self.results):
             loss += float(w) * float(r[0])
         self._combine_outputs()
         return loss
@@ -448,17 +483,28 @@ class ReplicaPool:
                     total += float(w) * r[o:o + count]
                 out[...] = total
 
-    def _wait(self):
-        pending = set(range(self.n))
+    def _phase(self, msg, workers):
+        """Wake ``workers`` with the byte ``msg`` and wait for each one's answer."""
+        for k in workers:
+            try:
+                self.conns[k].send_bytes(msg)
+            except (OSError, ValueError):
+                pass         # a dead worker: the wait says which and why
+        self._wait(workers)
+
+    def _wait(self, workers):
+        """Until each of ``workers`` has answered: one epoll set of every worker's pipe
+        and process sentinel, made once (a select per answer over all of them cost the
+        main process O(n^2) per phase).  A worker that is not waited for but is ready
+        has died (or said why it failed): that ends the pass too."""
+        if self._selector is None:
+            self._selector = selectors.DefaultSelector()
+            for k, (c, p) in enumerate(zip(self.conns, self.procs)):
+                self._selector.register(c.fileno(), selectors.EVENT_READ, k)
+                self._selector.register(p.sentinel, selectors.EVENT_READ, k)
+        pending = set(workers)
         while pending:
-            objs = {}
-            for k in pending:
-                objs[self.conns[k]] = k
-                objs[self.procs[k].sentinel] = k
-            for obj in connection.wait(list(objs)):
-                k = objs[obj]
-                if k not in pending:
-                    continue
+            for k in {key.data for key, _ in self._selector.select()}:
                 c, p = self.conns[k], self.procs[k]
                 msg = None
                 try:
@@ -467,7 +513,7 @@ class ReplicaPool:
                 except (EOFError, OSError):
                     msg = None
                 if msg == b"K":
-                    pending.discard(k)
+                    pending.discard(k)     # (not waited for: never sent; dropped)
                 elif msg is not None and msg[:1] == b"E":
                     raise MinicaffeError(f"{self._who(k)} failed: "
                                          f"{msg[1:].decode(errors='replace')}")
@@ -492,6 +538,9 @@ class ReplicaPool:
             return
         self.closed = True
         self._unlink()
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
@@ -511,7 +560,7 @@ def _worker_main(conn, spec):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
-        net, inputs, outputs, results = _worker_net(spec)
+        net, inputs, outputs, results, summing = _worker_net(spec)
     except Exception as e:  # reported by the pool as one line
         conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
         return
@@ -522,15 +571,18 @@ def _worker_main(conn, spec):
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the training process is gone
-        if msg != b"S":
+        if msg not in (b"S", b"A"):
             return
         try:
-            for blob, shared in inputs:
-                blob.mutable_cpu_data()[...] = shared[a:b]
-            net.clear_param_diffs()
-            results[0] = net.forward_backward()
-            for blob, o in outputs:
-                results[o:o + blob.count()] = blob.cpu_data().reshape(-1)
+            if msg == b"A":
+                weighted_sum(*summing)
+            else:
+                for blob, shared in inputs:
+                    blob.mutable_cpu_data()[...] = shared[a:b]
+                net.clear_param_diffs()
+                results[0] = net.forward_backward()
+                for blob, o in outputs:
+                    results[o:o + blob.count()] = blob.cpu_data().reshape(-1)
         except Exception as e:
             try:
                 conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
@@ -567,4 +619,12 @@ def _worker_net(spec):
               for name, shape, off in spec["inputs"]]
     outputs = [(net.blob_by_name(name), o) for name, o in spec["outputs"]]
     results = _view(buf, *spec["results"], np.float64)
-    return net, inputs, outputs, results
+    # this replica's share of the gradients' weighted sum: every replica's rows over
+    # columns [lo, hi), into the same columns of ``summed``
+    s = spec["sum"]
+    (g_off, stride), n, (lo, hi) = s["grads"], s["n"], s["share"]
+    rows = _view(buf, g_off, n * stride).reshape(n, stride)[:, lo:hi]
+    weights = [np.float32(w) for w in _view(buf, s["weights"], n)]
+    summing = (weights, rows, _view(buf, s["summed"], spec["total"])[lo:hi],
+               np.empty(hi - lo, np.float32))
+    return net, inputs, outputs, results, summing
