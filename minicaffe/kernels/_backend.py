@@ -110,3 +110,20 @@ def launch(kernel, n: int, args) -> None:
         return
     blocks = min((n + CUDA_NUM_THREADS - 1) // CUDA_NUM_THREADS, 1 << 20)
     kernel((blocks,), (CUDA_NUM_THREADS,), tuple(args))
+
+
+_SPIN_SRC = r"""
+extern "C" __global__ void mc_spin(const unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+def gpu_spin(ms: float) -> None:
+    """Keep the current stream busy for ``ms`` milliseconds (one thread reading the
+    global timer): the host's launches queue behind it, so CUDA events recorded around
+    work launched meanwhile time the device's work alone, not the host's launch cost."""
+    k = raw_kernel(_SPIN_SRC, "mc_spin", "float")
+    k((1,), (1,), (np.uint64(int(ms * 1e6)),))
