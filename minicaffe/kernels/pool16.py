@@ -531,6 +531,22 @@ def _i32(*vals):
     return tuple(np.int32(v) for v in vals)
 
 
+def _launch16(name, storage, N, C, pixels, arrays, H, W, *rest):
+    """Launch kernel ``name`` with one thread per (image of N, pixel of ``pixels``, V
+    channels of C) on ``arrays`` (the 2-byte words and argmax bytes; V the widest they
+    allow), passing H, W, C / V and ``rest``."""
+    v = _width(C, *arrays)
+    n = N * pixels * (C // v)
+    wide, nn = _idx(n, max(a.size for a in arrays))
+    launch(_kernel(storage, v, wide, name), n, (nn,) + tuple(arrays) + _i32(H, W, C // v, *rest))
+
+
+def _fold(N, C, nchw):
+    """(images, channels, channels folded into each image: the argmax kernels' CM) of maps
+    held N, H, W, C, or N, C, H, W (``nchw``: N*C images of one channel)."""
+    return (N * C, 1, C) if nchw else (N, C, 1)
+
+
 def max_pool_forward(x, y, shape, kernel, stride, pad, storage, out_hw=None, nchw=False):
     """``y`` (N, PH, PW, C words) = the MAX pooling of ``x`` (N, H, W, C words of
     ``storage``, ``shape`` = (N, C, H, W)) over disjoint windows; ``out_hw``: (PH, PW)
@@ -544,12 +560,8 @@ def max_pool_forward(x, y, shape, kernel, stride, pad, storage, out_hw=None, nch
     _check_size(y, N * C * PH * PW, "y")
     if not is_cupy_array(x):
         return _np_forward(x, y, storage, g)
-    xw, yw = _words(x, storage), _words(y, storage)
-    v = _width(C, xw, yw)
-    n = N * PH * PW * (C // v)
-    wide, nn = _idx(n, xw.size)
-    launch(_kernel(storage, v, wide, "mc_max_pool16_fwd"), n,
-           (nn, xw, yw) + _i32(H, W, C // v, PH, PW, kh, kw, sh, sw, ph, pw))
+    _launch16("mc_max_pool16_fwd", storage, N, C, PH * PW,
+              (_words(x, storage), _words(y, storage)), H, W, PH, PW, kh, kw, sh, sw, ph, pw)
     return y
 
 
@@ -566,13 +578,9 @@ def max_pool_backward(x, dy, dx, shape, kernel, stride, pad, storage, out_hw=Non
     _check_size(dy, N * C * PH * PW, "dy")
     if not is_cupy_array(x):
         return _np_backward(x, dy, dx, storage, g)
-    xw, dyw, dxw = _words(x, storage), _words(dy, storage), _words(dx, storage)
-    v = _width(C, xw, dyw, dxw)
-    n = N * CH * CW * (C // v)
-    wide, nn = _idx(n, xw.size)
-    launch(_kernel(storage, v, wide, "mc_max_pool16_bwd"), n,
-           (nn, xw, dyw, dxw) + _i32(H, W, C // v, PH, PW, CH, CW, kh, kw, sh, sw,
-                                               ph, pw))
+    _launch16("mc_max_pool16_bwd", storage, N, C, CH * CW,
+              (_words(x, storage), _words(dy, storage), _words(dx, storage)),
+              H, W, PH, PW, CH, CW, kh, kw, sh, sw, ph, pw)
     return dx
 
 
@@ -642,16 +650,10 @@ def max_pool_forward_argmax(x, y, mask, shape, kernel, stride, pad, storage, out
         _np_call(_np_argmax_forward, g, nchw, [(x, (H, W))], [(y, (PH, PW)), (mask, None)],
                  storage)
         return y
-    xw, yw = _words(x, storage), _words(y, storage)
-    m = mask.reshape(-1)
-    cm = C if nchw else 1
-    if nchw:
-        N, C = N * C, 1
-    v = _width(C, xw, yw, m)
-    n = N * PH * PW * (C // v)
-    wide, nn = _idx(n, xw.size)
-    launch(_kernel(storage, v, wide, "mc_max_pool16_argmax_fwd"), n,
-           (nn, xw, yw, m) + _i32(H, W, C // v, PH, PW, cm, kh, kw, sh, sw, ph, pw))
+    N, C, cm = _fold(N, C, nchw)
+    _launch16("mc_max_pool16_argmax_fwd", storage, N, C, PH * PW,
+              (_words(x, storage), _words(y, storage), mask.reshape(-1)),
+              H, W, PH, PW, cm, kh, kw, sh, sw, ph, pw)
     return y
 
 
@@ -669,16 +671,10 @@ def max_pool_backward_argmax(dy, mask, dx, shape, kernel, stride, pad, storage, 
         _np_call(_np_argmax_backward, g, nchw, [(dy, (PH, PW)), (mask, None)],
                  [(dx, (H, W))], storage)
         return dx
-    dyw, dxw = _words(dy, storage), _words(dx, storage)
-    m = mask.reshape(-1)
-    cm = C if nchw else 1
-    if nchw:
-        N, C = N * C, 1
-    v = _width(C, dyw, dxw, m)
-    n = N * H * W * (C // v)
-    wide, nn = _idx(n, dxw.size)
-    launch(_kernel(storage, v, wide, "mc_max_pool16_argmax_bwd"), n,
-           (nn, dyw, m, dxw) + _i32(H, W, C // v, PH, PW, cm, kh, kw, sh, sw, ph, pw))
+    N, C, cm = _fold(N, C, nchw)
+    _launch16("mc_max_pool16_argmax_bwd", storage, N, C, H * W,
+              (_words(dy, storage), mask.reshape(-1), _words(dx, storage)),
+              H, W, PH, PW, cm, kh, kw, sh, sw, ph, pw)
     return dx
 
 
@@ -694,12 +690,8 @@ def ave_pool_forward(x, y, shape, kernel, stride, pad, storage, out_hw=None, nch
     if not is_cupy_array(x):
         _np_ave_forward(x, y, storage, g)
         return y
-    xw, yw = _words(x, storage), _words(y, storage)
-    v = _width(C, xw, yw)
-    n = N * PH * PW * (C // v)
-    wide, nn = _idx(n, xw.size)
-    launch(_kernel(storage, v, wide, "mc_ave_pool16_fwd"), n,
-           (nn, xw, yw) + _i32(H, W, C // v, PH, PW, kh, kw, sh, sw, ph, pw))
+    _launch16("mc_ave_pool16_fwd", storage, N, C, PH * PW,
+              (_words(x, storage), _words(y, storage)), H, W, PH, PW, kh, kw, sh, sw, ph, pw)
     return y
 
 
@@ -716,10 +708,6 @@ def ave_pool_backward(dy, dx, shape, kernel, stride, pad, storage, out_hw=None, 
     if not is_cupy_array(dy):
         _np_ave_backward(dy, dx, storage, g)
         return dx
-    dyw, dxw = _words(dy, storage), _words(dx, storage)
-    v = _width(C, dyw, dxw)
-    n = N * H * W * (C // v)
-    wide, nn = _idx(n, dxw.size)
-    launch(_kernel(storage, v, wide, "mc_ave_pool16_bwd"), n,
-           (nn, dyw, dxw) + _i32(H, W, C // v, PH, PW, kh, kw, sh, sw, ph, pw))
+    _launch16("mc_ave_pool16_bwd", storage, N, C, H * W,
+              (_words(dy, storage), _words(dx, storage)), H, W, PH, PW, kh, kw, sh, sw, ph, pw)
     return dx
