@@ -6,7 +6,9 @@ and for ``engine: DEFAULT`` when cuDNN loads (``registry.choose_class``).  A lay
 parameters cuDNN cannot compute exactly as Caffe does (a leaky ReLU, STOCHASTIC pooling,
 an LRN window over 16...: each class's ``cudnn_refuses``) is built by the registry with
 Caffe's class, once, with one log line; so is one whose top a later layer rewrites in
-place where its cuDNN backward reads that top (the Net's ``top_rewritten``).  What only a
+place where its cuDNN backward reads that top (the Net's ``top_rewritten``; a 2-byte
+pooling, whose own kernels read no top, keeps its class and refuses cuDNN itself:
+``CuDNNPoolingLayer``).  What only a
 shape tells (a pooling window clipped by Caffe's ceil-mode shape, an input that is not
 4-D, a data type cuDNN does not take) is decided once, at the layer's first reshape on a
 GPU (``_ChosenOnce``), with one line naming the layer and the reason when it takes
