@@ -191,6 +191,40 @@ def test_a_layer_whose_top_a_later_layer_rewrites_in_place_is_chosen_at_creation
     assert np.isfinite(net.blobs["tanh"].data).all()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16", None])
+def test_a_two_byte_max_pooling_whose_top_is_rewritten_keeps_the_cudnn_class(
+        precision, monkeypatch, caplog):
+    """In bf16 or fp16 a MAX pooling whose top a later layer rewrites in place (CIFAR-10
+    quick's pool1 and its ReLU) is built with the cuDNN class, told so
+    (``top_rewritten``): its own 2-byte kernels read no top (kernels/pool16.py), and it
+    refuses cuDNN itself where those do not run.  In fp32 the registry builds Caffe's
+    class, as before, with its line.  On the CPU both run Caffe's body: the same
+    numbers."""
+    import logging
+    from minicaffe import Net
+    from minicaffe.core.config import RunConfig
+    from minicaffe.layers import registry
+    monkeypatch.setattr(registry, "cudnn_available", lambda: (True, ""))
+    text = """
+    layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 9 dim: 9 } } }
+    layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+    layer { name: "relu" type: "ReLU" bottom: "pool" top: "pool" }
+    layer { name: "keep" type: "Pooling" bottom: "data" top: "keep" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+    """
+    with caplog.at_level(logging.INFO):
+        net = Net(text, phase=1, config=RunConfig(precision=precision))
+    pool, keep = net.layer_by_name("pool"), net.layer_by_name("keep")
+    assert (pool.top_rewritten, keep.top_rewritten) == (True, False)
+    assert pool.engine_name == ("CAFFE" if precision is None else "CUDNN")
+    assert keep.engine_name == "CUDNN"
+    lines = [r.getMessage() for r in caplog.records if "cuDNN cannot" in r.getMessage()]
+    assert len(lines) == (precision is None), lines
+    x = np.random.RandomState(0).randn(2, 3, 9, 9).astype(np.float32)
+    net.blobs["data"].data[...] = x
+    net.forward()
+    assert np.array_equal(net.blobs["pool"].data, np.maximum(net.blobs["keep"].data, 0))
+
+
 @pytest.mark.gpu
 def test_an_engine_a_shape_decides_is_chosen_once_with_one_line(caplog):
     """Pooling whose Caffe ceil-mode shape cuDNN cannot give takes Caffe's engine at its

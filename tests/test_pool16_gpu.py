@@ -1,16 +1,20 @@
-"""MAX pooling of channels-last 2-byte maps over disjoint windows by our own kernels
-(kernels/pool16.py, issue 20), where cuDNN's channels-last backward was slow: the CUDA
+"""MAX and AVE pooling of channels-last 2-byte maps by our own kernels (kernels/pool16.py,
+issue 20): over disjoint windows, where cuDNN's channels-last backward was slow, the CUDA
 kernels against their numpy body (the CPU tests hold that against Caffe's kernels) and
-against cuDNN's channels-last pooling, bit for bit, ties, NaN and -inf included; the
-layers in a net's channels-last plan against the NCHW plan (cuDNN) of the same net.  And
-a first convolution's 3 input channels padded to 8 (kernels/pad16.py)."""
+against cuDNN's channels-last pooling, bit for bit, ties, NaN and -inf included; over
+overlapping windows (argmax bytes) and AVE, the kernels against their numpy body (the CPU
+tests hold that against a naive loop over Caffe's formulas) at V = 8, 4, 2 and 1; the
+layers in a net's channels-last plan against the NCHW plan (cuDNN or Caffe's kernels) of
+the same net, and a bf16/fp16 training step against fp32.  And a first convolution's 3
+input channels padded to 8 (kernels/pad16.py)."""
 import numpy as np
 import pytest
 
 from minicaffe.core import backend
 from minicaffe.core import precision as P
 from minicaffe.kernels import pool16
-from kernels.test_pool16 import GEOMETRIES, KINDS, nhwc, tied_maps, values, words
+from kernels.test_pool16 import (GEOMETRIES, KINDS, OVERLAP_GEOMETRIES, nhwc, special_maps,
+                                  tied_maps, values, words)
 from test_channels_last_gpu import _close, _nets
 from test_storage16_gpu import TOL
 
@@ -212,9 +216,9 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
 def test_a_vgg_like_chain_matches_the_nchw_plan(prec, monkeypatch):
     """conv-ReLU-pool three times (16, 12 channels: 16-byte and 8-byte vectors; conv3's
-    7x7 map: Caffe's ceil output 4x4, which cuDNN's floor does not give -- Caffe's engine
-    pools it in both plans) against the NCHW plan, within the channels-last tests'
-    tolerances."""
+    7x7 map: Caffe's ceil output 4x4, which cuDNN's floor does not give -- our kernels
+    pool it in the channels-last plan, Caffe's engine in the NCHW one) against the NCHW
+    plan, within the channels-last tests' tolerances."""
     nchw, nhwc_net, plans = _nets(VGGISH, prec, monkeypatch)
     _step_against_nchw(nchw, nhwc_net, TOL[prec],
                        ("conv1", "pool1", "conv2", "pool2", "conv3", "pool3"))
@@ -222,8 +226,8 @@ def test_a_vgg_like_chain_matches_the_nchw_plan(prec, monkeypatch):
     for name in ("pool1", "pool2"):
         assert nhwc_net.layer_dict[name].last_body == "mc_nhwc16", name
         assert nchw.layer_dict[name].last_body == "cudnn", name
-    for n in (nchw, nhwc_net):
-        assert n.layer_dict["pool3"].last_body == "caffe"
+    assert nhwc_net.layer_dict["pool3"].last_body == "mc_nhwc16"
+    assert nchw.layer_dict["pool3"].last_body == "caffe"
     for p in plans:
         p.release()
 
@@ -267,3 +271,183 @@ def test_a_first_convolution_on_padded_channels_matches_the_nchw_plan(pad, monke
     _step_against_nchw(nchw, nhwc_net, TOL["bf16"], ("conv1", "pool1", "conv2"))
     for p in plans:
         p.release()
+
+
+# -- overlapping MAX (argmax bytes) and AVE ----------------------------------------------------
+# beside the CPU tests' (C = 1..7: V = 1 or 2): C a multiple of 8 (16-byte vectors), of 4, of
+# 2; ResNet's pool1 geometry (3x3/2, CEIL past the edge), CIFAR's, a FLOOR layer's
+OVERLAP_GPU = OVERLAP_GEOMETRIES + [
+    ((4, 64, 23, 23), 3, 2, 0, None),
+    ((3, 24, 15, 14), 3, 2, 1, None),
+    ((2, 20, 9, 9), 3, 1, 1, None),
+    ((2, 18, 10, 13), (3, 2), (2, 1), 0, None),
+    ((2, 32, 16, 16), 3, 2, 0, (7, 7)),
+]
+
+
+def _geo(geo):
+    shape, k, s, p, hw = geo
+    PH, PW = hw or pool16.output_shape(shape[2], shape[3], k, s, p)
+    return shape, k, s, p, hw, PH, PW
+
+
+def _placed(xp, a, offset):
+    """``a`` copied to ``xp`` at ``offset`` elements into a larger buffer (a misaligned
+    view: the kernels take fewer lanes)."""
+    buf = xp.zeros(a.size + offset, a.dtype)
+    buf[offset:] = xp.asarray(a.reshape(-1))
+    return buf[offset:]
+
+
+def _overlap_both(x, geo, kind, method, layout, offset, dy=None):
+    """[(kernels' words, numpy body's words, argmax bytes or None)] of the forward, then,
+    with ``dy``, the backward (on each side's own argmax bytes)."""
+    cp = backend.gpu_module()
+    shape, k, s, p, hw, PH, PW = _geo(geo)
+    to = nhwc if layout == "nhwc" else np.ascontiguousarray
+    opt = dict(out_hw=hw, nchw=layout == "nchw")
+    xw = words(to(x), kind)
+    out = []
+    for xp in (cp, np):
+        xx = _placed(xp, xw, offset)
+        y = _placed(xp, np.full(shape[0] * shape[1] * PH * PW, 7, xw.dtype), offset)
+        m = xp.full(y.size, 77, np.uint8)
+        if method == "max":
+            pool16.max_pool_forward_argmax(xx, y, m, shape, k, s, p, kind, **opt)
+        else:
+            pool16.ave_pool_forward(xx, y, shape, k, s, p, kind, **opt)
+        got = [y, m if method == "max" else None]
+        if dy is not None:
+            d = _placed(xp, words(to(dy), kind), offset)
+            dx = _placed(xp, np.full(xw.size, 7, xw.dtype), offset)     # every value written
+            if method == "max":
+                pool16.max_pool_backward_argmax(d, m, dx, shape, k, s, p, kind, **opt)
+            else:
+                pool16.ave_pool_backward(d, dx, shape, k, s, p, kind, **opt)
+            got.append(dx)
+        out.append([None if a is None else (cp.asnumpy(a) if xp is cp else a) for a in got])
+    return out
+
+
+def _same_words(a, b, kind):
+    """Equal words, except that a NaN only has to be a NaN (fp16's conversion of a NaN
+    sum may keep another payload)."""
+    bt = P.buffer_dtype(kind)
+    va, vb = values(a.view(bt), kind), values(b.view(bt), kind)
+    na, nb = np.isnan(va), np.isnan(vb)
+    return np.array_equal(na, nb) and np.array_equal(a.view(np.uint16)[~na],
+                                                     b.view(np.uint16)[~nb])
+
+
+@pytest.mark.parametrize("method", ["max", "ave"])
+@pytest.mark.parametrize("layout,offset", [("nhwc", 0), ("nhwc", 1), ("nchw", 0)])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("geo", OVERLAP_GPU)
+def test_the_overlap_and_ave_kernels_are_their_numpy_body(geo, kind, layout, offset, method):
+    """Maps with ties, NaN, -inf and an all -inf corner; channels-last (aligned: V = 8, 4,
+    2 or 1 as C allows; one element off: V = 1) and NCHW: y, the argmax bytes and dx."""
+    shape, k, s, p, hw, PH, PW = _geo(geo)
+    x = special_maps(shape, 21, kind)
+    rs = np.random.RandomState(22)
+    dy = values(words(rs.standard_normal((shape[0], shape[1], PH, PW)), kind), kind)
+    (gy, gm, gdx), (ry, rm, rdx) = _overlap_both(x, geo, kind, method, layout, offset, dy)
+    assert _same_words(gy, ry, kind)
+    if method == "max":
+        assert np.array_equal(gy.view(np.uint16), ry.view(np.uint16))   # the selected word
+        assert np.array_equal(gm, rm)
+    assert _same_words(gdx, rdx, kind)
+    assert (values(rdx.view(P.buffer_dtype(kind)), kind) != 0).any()
+
+
+# -- the layers in a net: channels-last plan (our kernels) against the NCHW plan ---------------
+OVERLAP_NET = """
+name: "overlap"
+force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 20 dim: 12 dim: 12 } shape { dim: 8 } } }
+layer { name: "relu" type: "ReLU" bottom: "data" top: "r" }
+layer { name: "pool1" type: "Pooling" bottom: "r" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }
+layer { name: "pool2" type: "Pooling" bottom: "pool1" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool2" top: "ip"
+  inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_overlapping_max_and_ave_pool_as_caffes_kernels_do(prec, monkeypatch):
+    """CIFAR-10 quick's pools: MAX 3x3/2 whose top a ReLU rewrites in place and AVE 3x3/2,
+    both in Caffe's CEIL shape (12 -> 6 -> 3, which cuDNN's floor does not give).  The
+    channels-last plan runs our kernels, with no cast op around them and the argmax
+    bytes as pool1's state; the NCHW plan Caffe's fp32 kernels between casts.  The same
+    rounded input: the pooled maps and the gradients routed back are the same bits."""
+    nchw, nhwc_net, plans = _nets(OVERLAP_NET, prec, monkeypatch)
+    rs = np.random.RandomState(12)
+    x = rs.randint(-4, 5, size=nchw.blobs["data"].shape).astype(np.float32) * 0.25
+    for n in (nchw, nhwc_net):
+        n.blobs["data"].data[...] = x
+        n.forward()
+    assert nhwc_net.blobs["pool1"].data_mem.layout is not None
+    for name in ("r", "pool1", "pool2"):
+        assert np.array_equal(nhwc_net.blobs[name].data, nchw.blobs[name].data), name
+    for n in (nchw, nhwc_net):
+        n.backward(end="pool1")
+    for name in ("pool1", "r"):
+        d = nchw.blobs[name].diff
+        assert (d != 0).any()
+        assert np.array_equal(nhwc_net.blobs[name].diff, d), name
+    pool1, pool2 = nhwc_net.layer_dict["pool1"], nhwc_net.layer_dict["pool2"]
+    assert (pool1.last_body, pool2.last_body) == ("mc_nhwc16_argmax", "mc_nhwc16_ave")
+    assert pool1.top_rewritten and pool1.engine_name == "CUDNN"
+    assert [nchw.layer_dict[n].last_body for n in ("pool1", "pool2")] == ["caffe", "caffe"]
+    names = nhwc_net.layer_names
+    rows = {r["layer"]: r["state"] for r in plans[1].rows}
+    assert rows["pool1"] == 8 * 20 * 6 * 6 and rows["pool2"] == 0
+    pools = {names.index("pool1"), names.index("pool2")}
+    assert not [g for g in plans[1].cast_groups if g.casts and {g.first, g.last} & pools]
+    assert [g for g in plans[0].cast_groups if g.casts and {g.first, g.last} & pools]
+    for p in plans:
+        p.release()
+
+
+CIFARISH = """
+name: "cifarish"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 16 dim: 3 dim: 16 dim: 16 } shape { dim: 16 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "uniform" min: 0 max: 3.99 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 16 kernel_size: 5 pad: 2 weight_filler { type: "msra" }
+    bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+  convolution_param { num_output: 24 kernel_size: 3 pad: 1 weight_filler { type: "msra" }
+    bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool2" top: "ip"
+  inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("prec,tol", [("bf16", 0.05), ("fp16", 0.01)])
+def test_a_reduced_step_with_these_pools_tracks_fp32(prec, tol):
+    """Five SGD steps (the GPU step: plan, CUDA graph) of a CIFAR-like net in bf16/fp16
+    against fp32, within test_precision_gpu.py's tolerances; our kernels pooled."""
+    from test_precision_gpu import solver, weights
+    ref = solver(None, net=CIFARISH)
+    ref.step(5)
+    low = solver(prec, net=CIFARISH)
+    low.step(5)
+    for a, b in zip(weights(ref), weights(low)):
+        assert np.abs(a - b).max() <= tol * np.abs(a).max()
+    assert [low.net.layer_dict[n].last_body for n in ("pool1", "pool2")] == \
+        ["mc_nhwc16_argmax", "mc_nhwc16_ave"]
+    assert ref.net.layer_dict["pool1"].engine_name == "CAFFE"    # fp32: top rewritten
+    assert ref.net.layer_dict["pool2"].last_body == "caffe"           # fp32: CEIL shape

@@ -276,3 +276,58 @@ def test_memory_cli_lists_channels_last_layers_when_switched_on(cli, tmp_path, m
     assert rc == 0, err
     assert "  conv2 (Convolution): native BFLOAT16 channels-last" in out
     assert "  fc (InnerProduct): native BFLOAT16" in out.splitlines()
+
+
+CIFAR_POOLS = """
+name: "pools"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 20 dim: 12 dim: 12 } shape { dim: 8 } } }
+layer { name: "relu" type: "ReLU" bottom: "data" top: "r" }
+layer { name: "pool1" type: "Pooling" bottom: "r" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }
+layer { name: "pool2" type: "Pooling" bottom: "pool1" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool2" top: "ip"
+  inner_product_param { num_output: 4 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("nhwc", [True, False])
+def test_two_byte_channels_last_pools_plan_no_casts_and_keep_argmax_bytes(nhwc, monkeypatch):
+    """The GPU engine's plan, its decisions stood in for on the CPU (cuDNN 'available',
+    GPU mode answered at the pools' reshape and in the plan): CIFAR-10 quick's MAX 3x3/2
+    whose top a ReLU rewrites and AVE 3x3/2, both in Caffe's CEIL shape, in bf16 held
+    channels-last run our kernels (kernels/pool16.py): no cast op around them, pool1's
+    state its argmax bytes (one per output element and channel), neither pool retaining
+    a map.  Held NCHW, pool1 takes Caffe's body between casts (cuDNN refused: its top is
+    rewritten), with its int32 mask."""
+    from minicaffe.core import context
+    from minicaffe.layers import registry
+    monkeypatch.setattr(registry, "cudnn_available", lambda: (True, ""))
+    net = _net("bf16", CIFAR_POOLS, nhwc=nhwc)
+    monkeypatch.setattr(context, "is_gpu", lambda: True)
+    names = net.layer_names
+    pools = ["pool1", "pool2"] if nhwc else ["pool1"]     # (pool2 NCHW asks cuDNN itself)
+    for n in pools:
+        i = names.index(n)
+        net.layers[i].reshape(net.bottom_vecs[i], net.top_vecs[i])
+    pool1 = net.layers[names.index("pool1")]
+    assert pool1.engine_name == "CUDNN" and pool1.top_rewritten
+    assert not pool1.uses_cudnn
+    plan = MemoryPlan(net, reduced_storage=True)
+    state = {r["layer"]: r["state"] for r in plan.rows}
+    cast_at = {names[g.first] for g in plan.cast_groups if g.casts}
+    if nhwc:
+        layers = [net.layers[names.index(n)] for n in pools]
+        assert [(l.reduced_body, l.retain_inputs, l.retain_outputs) for l in layers] == \
+            [(True, (), ())] * 2
+        assert state["pool1"] == 8 * 20 * 6 * 6 and state["pool2"] == 0
+        assert not cast_at & {"pool1", "pool2"} and "ip" in cast_at
+        assert plan.buffers and all(b.layout is not None for b in plan.buffers
+                                    if b.names[0] in ("r", "pool1") and b.kind == "data")
+    else:
+        assert not pool1.reduced_body
+        assert state["pool1"] == 8 * 20 * 6 * 6 * 4
+        assert "pool1" in cast_at

@@ -6,7 +6,9 @@ and for ``engine: DEFAULT`` when cuDNN loads (``registry.choose_class``).  A lay
 parameters cuDNN cannot compute exactly as Caffe does (a leaky ReLU, STOCHASTIC pooling,
 an LRN window over 16...: each class's ``cudnn_refuses``) is built by the registry with
 Caffe's class, once, with one log line; so is one whose top a later layer rewrites in
-place where its cuDNN backward reads that top (the Net's ``top_rewritten``).  What only a
+place where its cuDNN backward reads that top (the Net's ``top_rewritten``; a 2-byte
+pooling, whose own kernels read no top, keeps its class and refuses cuDNN itself:
+``CuDNNPoolingLayer``).  What only a
 shape tells (a pooling window clipped by Caffe's ceil-mode shape, an input that is not
 4-D, a data type cuDNN does not take) is decided once, at the layer's first reshape on a
 GPU (``_ChosenOnce``), with one line naming the layer and the reason when it takes
@@ -794,17 +796,43 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
 _Pool = caffe_pb2.PoolingParameter
 
 
+def _storage16(param):
+    """FLOAT16 or BFLOAT16 when the types in LayerParameter ``param`` (written there by a
+    Net that resolved reduced precision) store its data and diffs in that one 2-byte
+    type, else None."""
+    if not param.HasField("forward_type"):
+        return None
+    name = caffe_pb2.Type.Name
+    ft = name(param.forward_type)
+    bt = name(param.backward_type) if param.HasField("backward_type") else ft
+    return ft if ft == bt and ft in (precision.FLOAT16, precision.BFLOAT16) else None
+
+
+# what ``last_body`` says for each of our 2-byte bodies (kernels/pool16.py)
+_BODY16 = {"max": "mc_nhwc16", "argmax": "mc_nhwc16_argmax", "ave": "mc_nhwc16_ave"}
+
+
 @register_cudnn("Pooling")
 class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape and windows are
     Caffe's (no ceil-mode window past the padded input, one top); Caffe's kernels
     otherwise.  MAX's backward reads the top data, so a MAX pooling whose top a later
-    layer rewrites in place is built with Caffe's mask-based class (``cudnn_reads_top``).
-    MAX over disjoint windows (stride >= kernel: VGG's 2x2/2) on 2-byte maps held
-    channels-last runs our own kernels instead (kernels/pool16.py: a gather backward that
-    recomputes each window's argmax from x, where cuDNN's took 6.5 ms of VGG-16 b64's bf16
-    step: docs/precision.md; the same bits, ties included); ``last_body`` says which body ran.  They read what cuDNN's read (x in
-    the backward; y is kept as for cuDNN), so the memory plan's figures do not change."""
+    layer rewrites in place takes Caffe's mask-based body (``cudnn_reads_top``;
+    ``top_rewritten``).
+
+    A layer whose types store its maps in one 2-byte type (bf16, fp16), in a run that
+    holds such maps channels-last in the GPU step's plan (``RunConfig.nhwc``, not
+    offloaded), runs our own kernels instead, whatever cuDNN would say of its shape or
+    wiring (kernels/pool16.py; ``last_body`` says which ran): MAX over disjoint windows
+    (stride >= kernel: VGG's 2x2/2) a gather backward that recomputes each window's argmax
+    from x (cuDNN's took 6.5 ms of VGG-16 b64's bf16 step: docs/precision.md; the same
+    bits, ties included), MAX over overlapping windows (ResNet's and CIFAR's 3x3/2, kh*kw
+    <= 255) one argmax byte per output element and channel (the layer's state in the
+    memory plan: ``state_bytes``) and a gather of dy that reads no top, AVE Caffe's
+    formula; no fp32 copy, no cast op around them.  Maps the op holds NCHW in 2 bytes are
+    pooled by the same kernels (N*C images of one channel); fp32 buffers (a net run
+    outside the GPU step's plan, an op the plan casts to fp32) by Caffe's kernels, which
+    read what these declare (``retain_inputs``/``retain_outputs``)."""
 
     @classmethod
     def cudnn_refuses(cls, param):
@@ -816,15 +844,39 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
 
     @classmethod
     def cudnn_reads_top(cls, param):
-        return param.pooling_param.pool == _Pool.MAX
+        # a 2-byte MAX pooling may run our kernels, which read no top: it is built with
+        # this class whatever its wiring, and refuses cuDNN at its reshape when its top
+        # is rewritten (``top_rewritten``) and our kernels do not pool it
+        return param.pooling_param.pool == _Pool.MAX and _storage16(param) is None
+
+    _body16 = None      # our 2-byte body for the last reshape's blobs (``_own_body``)
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        self._use = self._cudnn_for(bottom, top)
+        self._body16 = self._own_body(bottom, top)
+        self._use = False if self._body16 else self._cudnn_for(bottom, top)
+
+    def _own_body(self, bottom, top):
+        """"max" (disjoint windows), "argmax" (overlapping) or "ave" when our kernels pool
+        this layer (see the class docstring), else None."""
+        if not context.is_gpu() or len(top) != 1 or bottom[0].dtype != np.float32 or \
+                _storage16(self.layer_param) is None or not self.config.nhwc or \
+                self.config.offloads:
+            return None
+        if self.method == _Pool.AVE:
+            return "ave"
+        if self.method != _Pool.MAX:
+            return None
+        if pool16.disjoint(self.kernel, self.stride):
+            return "max"
+        return "argmax" if self.kernel[0] * self.kernel[1] <= pool16.MAX_ARGMAX_WINDOW \
+            else None
 
     def shape_refuses(self, bottom, top):
         if len(top) != 1:
             return "a second top (the mask)"
+        if self.top_rewritten and self.method == _Pool.MAX:
+            return "a later layer rewrites its top in place, and cuDNN's backward reads it"
         key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
                self.method, options.deterministic)
         if getattr(self, "_desc_key", None) != key:
@@ -845,23 +897,33 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
             self._desc_key = key
         return self._why
 
-    # cuDNN's backward reads x and y; Caffe's, for MAX and AVE, neither (its own mask)
+    # cuDNN's backward reads x and y; our disjoint MAX x; our argmax MAX and AVE, and
+    # Caffe's MAX and AVE, neither (a mask of their own)
     @property
     def retain_inputs(self):
+        b = getattr(self, "_body16", None)
+        if b is not None:
+            return (0,) if b == "max" else ()
         return (0,) if getattr(self, "_use", False) else super().retain_inputs
 
     @property
     def retain_outputs(self):
+        if getattr(self, "_body16", None) is not None:
+            return ()
         return (0,) if getattr(self, "_use", False) else super().retain_outputs
 
     def state_bytes(self, bottom, top):
+        b = getattr(self, "_body16", None)
+        if b is not None:      # the argmax bytes (our other bodies keep nothing)
+            return pool16.argmax_bytes(bottom[0].shape, top[0].shape[2:]) if b == "argmax" \
+                else 0
         return 0 if getattr(self, "_use", False) else super().state_bytes(bottom, top)
 
     @property
     def reduced_body(self):
-        """cuDNN (and, for MAX over disjoint windows channels-last, kernels/pool16.py)
-        pools 2-byte buffers (bfloat16, float16) too (engine/precision.py)."""
-        return bool(getattr(self, "_use", False))
+        """cuDNN and our kernels (kernels/pool16.py) pool 2-byte buffers (bfloat16,
+        float16) too (engine/precision.py)."""
+        return getattr(self, "_body16", None) is not None or bool(getattr(self, "_use", False))
 
     def _descs(self, blob, top):
         """(x, y) descriptors for the type ``blob``'s buffers are held in now, and their
@@ -877,43 +939,59 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
                              cudnn.TensorDesc(self.y_desc.shape, dt, nhwc=nhwc), dt)
         return self._descs16[1:]
 
-    def _own16(self, x, y, diff=False):
-        """The reduced type when our channels-last MAX kernels (kernels/pool16.py) pool
-        these buffers: MAX over disjoint windows (stride >= kernel) on 2-byte maps held
-        channels-last (a top of one pixel is the same memory either way); else None
-        (cuDNN pools them).  ``diff``: the backward's buffers (x's data, both diffs)."""
-        if self.method != _Pool.MAX or not pool16.disjoint(self.kernel, self.stride):
+    def _held16(self, bufs):
+        """(storage, nchw) of ``bufs`` [(blob, diff)] when they are held in this layer's
+        2-byte type (``nchw``: the maps of more than one pixel NCHW, else channels-last);
+        None when they are all fp32 (Caffe's body pools them)."""
+        kinds = {r16.storage(b, d) for b, d in bufs}
+        if kinds == {None}:
             return None
-        s = r16.storage(x)
-        if s is None:
-            return None
-        bufs = [(x, False), (y, False)] if not diff else [(x, False), (x, True), (y, True)]
-        for b, d in bufs:
-            if r16.storage(b, d) != s or (r16.layout(b, d) is None and
-                                          (b is x or b.count(2) > 1)):
-                return None
-        return s
+        s = _storage16(self.layer_param)
+        lay = {r16.layout(b, d) is None for b, d in bufs if b.count(2) > 1}
+        if kinds != {s} or len(lay) > 1:
+            raise self.error(f"buffers held in {sorted(map(str, kinds))}, "
+                             f"{'mixed layouts' if len(lay) > 1 else 'one layout'}: "
+                             f"the {s} pooling takes one 2-byte type in one layout")
+        return s, lay == {True}
 
     def _geo16(self, bottom, top):
         return (tuple(bottom[0].shape), self.kernel, self.stride, self.pad, top[0].shape[2:])
 
+    def _argmax(self, shape, out_hw):
+        """The argmax bytes (the layer's state): one buffer for the layer's life at a
+        fixed address, made at the first (eager) forward of a shape."""
+        n = pool16.argmax_bytes(shape, out_hw)
+        m = getattr(self, "_argmax_buf", None)
+        if m is None or m.size != n:
+            m = self._argmax_buf = backend.gpu_module().empty(n, dtype=np.uint8)
+        return m
+
     @property
     def last_body(self):
-        """Which body pooled this layer's last forward or backward on a GPU: "mc_nhwc16"
-        (kernels/pool16.py), "cudnn" or "caffe" (None before any)."""
+        """Which body pooled this layer's last forward or backward on a GPU: ours
+        (kernels/pool16.py) "mc_nhwc16" (MAX, disjoint windows), "mc_nhwc16_argmax" (MAX,
+        overlapping) or "mc_nhwc16_ave"; "cudnn" or "caffe" (None before any)."""
         return getattr(self, "_last_body", None)
 
     def forward_gpu(self, bottom, top):
+        b = self._body16
+        held = self._held16([(bottom[0], False), (top[0], False)]) if b else None
+        if held is not None:
+            s, nchw = held
+            shape, k, st, pad, hw = self._geo16(bottom, top)
+            x, y = bottom[0].gpu_data(), top[0].mutable_gpu_data()
+            if b == "max":
+                pool16.max_pool_forward(x, y, shape, k, st, pad, s, out_hw=hw, nchw=nchw)
+            elif b == "argmax":
+                pool16.max_pool_forward_argmax(x, y, self._argmax(shape, hw), shape, k, st,
+                                               pad, s, out_hw=hw, nchw=nchw)
+            else:
+                pool16.ave_pool_forward(x, y, shape, k, st, pad, s, out_hw=hw, nchw=nchw)
+            self._last_body = _BODY16[b]
+            return
         if not self._use:
             self._last_body = "caffe"
             return super().forward_gpu(bottom, top)
-        s = self._own16(bottom[0], top[0])
-        if s is not None:
-            self._last_body = "mc_nhwc16"
-            shape, k, st, pad, hw = self._geo16(bottom, top)
-            pool16.max_pool_forward(bottom[0].gpu_data(), top[0].mutable_gpu_data(), shape,
-                                    k, st, pad, s, out_hw=hw)
-            return
         self._last_body = "cudnn"
         xd, yd, dt = self._descs(bottom[0], top[0])
         cudnn.call("cudnnPoolingForward", cudnn.handle(), self.pool_desc.ptr, cudnn.one(dt),
@@ -921,18 +999,33 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
                    _ptr(top[0].mutable_gpu_data()))
 
     def backward_gpu(self, top, propagate_down, bottom):
+        b = self._body16
+        if b and not propagate_down[0]:
+            return
+        bufs = [(bottom[0], True), (top[0], True)] + ([(bottom[0], False)] if b == "max"
+                                                       else [])
+        held = self._held16(bufs) if b else None
+        if held is not None:
+            s, nchw = held
+            shape, k, st, pad, hw = self._geo16(bottom, top)
+            dy, dx = top[0].gpu_diff(), bottom[0].mutable_gpu_diff()
+            if b == "max":
+                pool16.max_pool_backward(bottom[0].gpu_data(), dy, dx, shape, k, st, pad, s,
+                                         out_hw=hw, nchw=nchw)
+            elif b == "argmax":
+                m = getattr(self, "_argmax_buf", None)
+                if m is None or m.size != pool16.argmax_bytes(shape, hw):
+                    raise self.error("MAX pooling backward needs its forward first")
+                pool16.max_pool_backward_argmax(dy, m, dx, shape, k, st, pad, s, out_hw=hw,
+                                                nchw=nchw)
+            else:
+                pool16.ave_pool_backward(dy, dx, shape, k, st, pad, s, out_hw=hw, nchw=nchw)
+            self._last_body = _BODY16[b]
+            return
         if not self._use:
             self._last_body = "caffe"
             return super().backward_gpu(top, propagate_down, bottom)
         if not propagate_down[0]:
-            return
-        s = self._own16(bottom[0], top[0], diff=True)
-        if s is not None:
-            self._last_body = "mc_nhwc16"
-            shape, k, st, pad, hw = self._geo16(bottom, top)
-            pool16.max_pool_backward(bottom[0].gpu_data(), top[0].gpu_diff(),
-                                     bottom[0].mutable_gpu_diff(), shape, k, st, pad, s,
-                                     out_hw=hw)
             return
         self._last_body = "cudnn"
         xd, yd, dt = self._descs(bottom[0], top[0])

@@ -39,6 +39,11 @@ class Layer:
     graph_prologue = False
     allow_in_place = True   # False: a top may not be one of the bottoms
     engine_name = "CAFFE"   # which engine's class this is (registry: 'CUDNN' for cuDNN's)
+    # a later layer of the net rewrites a top of this one in place (the Net's
+    # ``top_rewritten``), as the registry's ``create_layer`` built it: a cuDNN class chosen
+    # so (its ``cudnn_reads_top`` said it may be) refuses cuDNN where its backward would
+    # read that top
+    top_rewritten = False
     in_place = False        # set by setup: a top is one of the bottoms
     # GPU: the bodies read and write 2-byte buffers of the layer's reduced type (real
     # 16-bit storage, engine/precision.py); False: the engine casts around the layer

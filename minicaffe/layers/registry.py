@@ -6,7 +6,9 @@ The engine is chosen once, here: a cuDNN class declares what of a layer's parame
 cannot compute as Caffe does (``cudnn_refuses(param)``: a leaky ReLU, STOCHASTIC
 pooling...), and such a layer is built with Caffe's class and one log line saying why.
 The Net adds what its wiring tells (``top_rewritten``: a later layer rewrites this layer's
-top in place, and the cuDNN class's backward reads it: ``cudnn_reads_top(param)``).
+top in place, and the cuDNN class's backward reads it: ``cudnn_reads_top(param)``; a class
+that says its backward may not read it -- a 2-byte pooling with kernels of its own -- is
+built, and the layer, told ``top_rewritten``, refuses cuDNN itself where it would).
 The class's ``engine_name`` says which was chosen ('CAFFE' or 'CUDNN').  What only a
 shape can tell (a pooling window clipped by Caffe's ceil-mode shape, an input of 3 axes)
 the cuDNN class decides at its first reshape on a GPU, once, with one line when it takes
@@ -130,6 +132,9 @@ def layer_class(type_name, layer_name="?"):
 
 def create_layer(param, top_rewritten=False):
     """A new layer for LayerParameter ``param`` (engine chosen as Caffe does;
-    ``top_rewritten``: see ``choose_class``)."""
+    ``top_rewritten``: see ``choose_class``; the layer keeps it, ``Layer.top_rewritten``)."""
     _load_all()
-    return choose_class(param, top_rewritten)(param)
+    layer = choose_class(param, top_rewritten)(param)
+    if top_rewritten:
+        layer.top_rewritten = True
+    return layer
