@@ -1,6 +1,8 @@
-"""Where a CPU replicas step's time goes in the main process (prints figures, not a test).
+"""Where a CPU replicas step's time goes, in the main process and in the workers (prints
+figures, not a test).
 
-    python benchmarks/replica_phases.py --replicas 2 [--net LeNet] [--steps 200]
+    python benchmarks/replica_phases.py --replicas 2 [--net LeNet] [--steps 200] [--layers]
+                                        [--batch 8]
 
 The nets of cpu_vs_torch.py (LeNet b64, CIFAR-10 quick b100; Input layers, random inputs
 set once), trained ``--steps`` steps (after 5 to warm up) with ``--replicas N``, each step
@@ -12,20 +14,139 @@ cut by perf_counter stamps around the pool's waits (engine/replicas.py) into:
   main process sums them itself, as before the reduce-scatter);
 - ``after``: what follows the last wait in ``forward_backward`` -- the gradient sum where
   the main process does it, the add into the diffs, the outputs (main process);
-- ``update``: the rest of the step: the solver's update, the smoothed loss (main
-  process).
+- ``update``: the rest of the step: clearing the diffs, the solver's update (of which
+  ``apply`` is ``apply_update``, where the main process runs it), the smoothed loss
+  (main process).
 
 Printed: the median over the steps of each, in ms, and ``serial`` = before + after +
-update, the main process's own time per step.  Stamps wrap private methods: the figures
-are the step's phases, not an API.  Runs on the tree it sits in (``ROOT``).
+update, the main process's own time per step.
+
+The workers stamp their side too (perf_counter is CLOCK_MONOTONIC, one clock for every
+process): for the forward-backward message, ``wake`` (from the main process's first send
+to the worker's receive), ``input`` (copying its slice out of shared memory), ``clear``
+(zeroing its diffs), ``forward``, ``backward``, ``results`` (the outputs written back)
+and ``answer`` (from the last worker's send to the main process's wait returning); for
+the sum message ``wake``, ``sum`` and ``answer``; ``busy``: from receive to send.  Also counted
+(getrusage) between receive and answer: the minor page faults (temporaries the kernel
+maps afresh) and the workers preempted (an involuntary context switch: another process
+took the core).  Each step takes the largest of the workers'
+figures, and the line prints the median over the steps (so the workers' phases do not
+add up to ``replicas``: the slowest worker differs from phase to phase).  ``--layers``
+also prints worker 0's median forward and backward time per layer.
+
+Stamps wrap private functions (in the workers too: the pool's worker entry point is
+swapped for one that wraps it, before the workers start): the figures are the step's
+phases, not an API.  Runs on the tree it sits in (``ROOT``).
 """
 import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAMPS_DIR = "REPLICA_PHASES_DIR"     # where the workers leave their stamps (this script's)
+
+
+class _StampedConn:
+    """A worker's pipe that stamps each message received and each answer sent."""
+
+    def __init__(self, conn, stamps):
+        self.conn, self.stamps = conn, stamps
+
+    def recv_bytes(self):
+        msg = self.conn.recv_bytes()
+        self.stamps.append(("recv:" + msg[:1].decode(errors="replace"),
+                            time.perf_counter()))
+        self.stamps.append(("ru0", _rusage()))
+        return msg
+
+    def send_bytes(self, msg):
+        self.stamps.append(("send", time.perf_counter()))
+        self.stamps.append(("ru1", _rusage()))
+        return self.conn.send_bytes(msg)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def _rusage():
+    """(minor page faults, involuntary context switches) of this process so far."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return (r.ru_minflt, r.ru_nivcsw)
+
+
+def _stamped(stamps, name, fn):
+    def wrapper(*args, **kwargs):
+        stamps.append((name + "0", time.perf_counter()))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stamps.append((name + "1", time.perf_counter()))
+    return wrapper
+
+
+def timed_worker(conn, spec):
+    """The pool's worker entry point with stamps around its pieces; the stamps go to a
+    file in $REPLICA_PHASES_DIR when the worker ends."""
+    import pickle
+    from minicaffe.engine import replicas
+    from minicaffe.network.net import Net
+    stamps, layers = [], []
+    Net.clear_param_diffs = _stamped(stamps, "clear", Net.clear_param_diffs)
+    Net.forward_prefilled = _stamped(stamps, "fwd", Net.forward_prefilled)
+    Net.backward_from_to = _stamped(stamps, "bwd", Net.backward_from_to)
+    replicas.weighted_sum = _stamped(stamps, "sum", replicas.weighted_sum)
+    try:
+        from minicaffe.solvers import shares
+    except ImportError:      # a tree from before the workers' update
+        shares = None
+    if shares is not None:
+        bind = shares.ShareUpdate.bind
+
+        def stamped_bind(self, *args):
+            apply, sumsq = bind(self, *args)
+            return _stamped(stamps, "upd", apply), sumsq
+        shares.ShareUpdate.bind = stamped_bind
+    fl, bl = Net.forward_layer, Net.backward_layer
+
+    def forward_layer(self, i, fused):
+        t0 = time.perf_counter()
+        try:
+            return fl(self, i, fused)
+        finally:
+            layers.append(("f", i, self.layer_names[i], time.perf_counter() - t0))
+
+    def backward_layer(self, i):
+        t0 = time.perf_counter()
+        try:
+            return bl(self, i)
+        finally:
+            layers.append(("b", i, self.layer_names[i], time.perf_counter() - t0))
+    Net.forward_layer, Net.backward_layer = forward_layer, backward_layer
+    try:
+        replicas._worker_main(_StampedConn(conn, stamps), spec)
+    finally:
+        out = os.path.join(os.environ[STAMPS_DIR], f"{spec['slice'][0]}.pkl")
+        with open(out, "wb") as f:
+            pickle.dump((spec["slice"], stamps, layers), f)
+
+
+def _worker_phases(stamps):
+    """[(kind 'S'/'A', {phase: (start, end)})] of one worker's messages, in order."""
+    out, cur = [], None
+    for name, t in stamps:
+        if name.startswith("recv:"):
+            cur = (name[5:], {"recv": t})
+        elif name == "ru1" and cur is not None:
+            cur[1]["ru1"] = t
+            out.append(cur)
+            cur = None
+        elif cur is not None:
+            cur[1][name] = t
+    return out
 
 
 def main(argv=None):
@@ -33,17 +154,28 @@ def main(argv=None):
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--net", default="LeNet")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=0,
+                    help="another batch than the net's (b8 at --replicas 2: the slices of "
+                         "b64 at --replicas 16)")
+    ap.add_argument("--layers", action="store_true",
+                    help="also worker 0's median forward/backward time per layer")
     a = ap.parse_args(argv)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
+    here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, here)
+    import pickle
     from cpu_vs_torch import NETS, minicaffe_step
+    import replica_phases         # this file as a module the workers can import
     import minicaffe
     from minicaffe.engine import replicas
+    tmp = tempfile.TemporaryDirectory(prefix="replica-phases-")
+    os.environ[STAMPS_DIR] = tmp.name
+    replicas._worker_main = replica_phases.timed_worker
     stamps = []
     pool_cls = replicas.ReplicaPool
-    wait, fb = pool_cls._wait, pool_cls.forward_backward
+    wait, fb, phase = pool_cls._wait, pool_cls.forward_backward, pool_cls._phase
 
     def timed_wait(self, *args):
         t0 = time.perf_counter()
@@ -52,21 +184,29 @@ def main(argv=None):
         finally:
             stamps.append(("wait", t0, time.perf_counter()))
 
-    def timed_fb(self):
+    def timed_fb(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return fb(self)
+            return fb(self, *args, **kwargs)
         finally:
             stamps.append(("fb", t0, time.perf_counter()))
-    pool_cls._wait, pool_cls.forward_backward = timed_wait, timed_fb
+
+    def timed_phase(self, msg, *args):
+        stamps.append(("phase:" + msg[:1].decode().replace("G", "A"), time.perf_counter(),
+                       None))
+        return phase(self, msg, *args)
+    pool_cls._wait, pool_cls.forward_backward, pool_cls._phase = timed_wait, timed_fb, \
+        timed_phase
     path, batch, shape = NETS[a.net]
+    batch = a.batch or batch
     step, solver = minicaffe_step(path, batch, shape, a.replicas)
+    solver.apply_update = _stamped_main(stamps, solver.apply_update)
     print(f"minicaffe {minicaffe.__version__} ({ROOT}), {a.net} b{batch}, --replicas "
           f"{a.replicas}, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} "
           "at start")
     for _ in range(5):
         step()
-    rows = []
+    rows, sends = [], []
     try:
         for _ in range(a.steps):
             del stamps[:]
@@ -75,18 +215,105 @@ def main(argv=None):
             t1 = time.perf_counter()
             waits = [s for s in stamps if s[0] == "wait"]
             (_, f0, f1), = [s for s in stamps if s[0] == "fb"]
+            apply = [e - b for n, b, e in stamps if n == "apply"]
+            sends.append({n[6:]: b for n, b, _ in stamps if n.startswith("phase:")}
+                         | {"end:" + n[6:]: w[2] for (n, _, _), w in zip(
+                             [s for s in stamps if s[0].startswith("phase:")], waits)})
             rows.append({"before": waits[0][1] - f0, "replicas": waits[0][2] - waits[0][1],
                          "sum wait": sum(e - b for _, b, e in waits[1:]),
                          "after": f1 - waits[-1][2], "update": t1 - f1 + f0 - t0,
-                         "step": t1 - t0})
+                         "apply": sum(apply), "step": t1 - t0})
     finally:
         solver.close()
     for r in rows:
         r["serial"] = r["before"] + r["after"] + r["update"]
-    keys = ["before", "replicas", "sum wait", "after", "update", "serial", "step"]
+    keys = ["before", "replicas", "sum wait", "after", "update", "apply", "serial", "step"]
     print(", ".join(f"{k} {statistics.median(r[k] for r in rows) * 1e3:.3f}" for k in keys)
-          + f" ms (medians of {a.steps} steps)")
+          + f" ms (medians of {a.steps} steps; main process)")
+    workers = []
+    for name in sorted(os.listdir(tmp.name), key=lambda s: int(s.split(".")[0])):
+        with open(os.path.join(tmp.name, name), "rb") as f:
+            workers.append(pickle.load(f))
+    tmp.cleanup()
+    _print_workers(workers, sends, a)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+def _stamped_main(stamps, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stamps.append(("apply", t0, time.perf_counter()))
+    return wrapper
+
+
+def _print_workers(workers, sends, a):
+    """The workers' phases of the last ``len(sends)`` steps: per step the largest over
+    the workers, then the median over the steps."""
+    per = []        # per worker: its messages' phases, the timed steps' only
+    for _, stamps, _ in workers:
+        msgs = _worker_phases(stamps)
+        s_msgs = [m for m in msgs if m[0] == "S"][-len(sends):]
+        a_msgs = [m for m in msgs if m[0] in "AG"][-len(sends):]
+        per.append((s_msgs, a_msgs))
+    n_a = min(len(x[1]) for x in per if x[1]) if any(x[1] for x in per) else 0
+    s_rows, a_rows = [], []
+    for j, sent in enumerate(sends):
+        row = {}
+        for s_msgs, _ in per:
+            (_, t) = s_msgs[j]
+            ph = {"wake": t["recv"] - sent["S"], "input": t["clear0"] - t["recv"],
+                  "clear": t["clear1"] - t["clear0"], "forward": t["fwd1"] - t["fwd0"],
+                  "backward": t["bwd1"] - t["bwd0"], "results": t["send"] - t["bwd1"],
+                  "busy": t["send"] - t["recv"]}
+            for k, v in ph.items():
+                row[k] = max(row.get(k, 0.0), v)
+            faults = t["ru1"][0] - t["ru0"][0]
+            switches = t["ru1"][1] - t["ru0"][1]
+            row["faults"] = max(row.get("faults", 0), faults)
+            row["preempted"] = row.get("preempted", 0) + (switches > 0)
+        row["answer"] = sent["end:S"] - max(m[j][1]["send"] for m, _ in per)
+        s_rows.append(row)
+        if "A" in sent and n_a:
+            row = {}
+            for _, a_msgs in per:
+                if not a_msgs:
+                    continue
+                (_, t) = a_msgs[j - len(sends) + n_a] if j >= len(sends) - n_a else \
+                    (None, None)
+                if t is None:
+                    continue
+                ph = {"wake": t["recv"] - sent["A"], "sum": t["sum1"] - t["sum0"],
+                      "update": t["upd1"] - t["upd0"] if "upd1" in t else 0.0}
+                for k, v in ph.items():
+                    row[k] = max(row.get(k, 0.0), v)
+                row["last"] = max(row.get("last", 0.0), t["send"])
+            if row:
+                row["answer"] = sent["end:A"] - row.pop("last")
+                a_rows.append(row)
+
+    def line(rows):
+        return ", ".join(f"{k} {statistics.median(r[k] for r in rows) * 1e3:.3f}"
+                         for k in rows[0] if k not in ("faults", "preempted"))
+    print(f"workers, forward-backward: {line(s_rows)} ms (per step the largest of "
+          f"{len(workers)} workers, medians)")
+    print(f"workers, forward-backward: page faults {statistics.median(r['faults'] for r in s_rows):.0f} "
+          f"(median over the steps of the most in one worker); preempted "
+          f"{sum(r['preempted'] for r in s_rows) / len(s_rows):.2f} workers per step "
+          "(mean; an involuntary context switch between receive and answer)")
+    if a_rows:
+        print(f"workers, gradient sum: {line(a_rows)} ms")
+    if a.layers:
+        times = {}
+        for kind, i, name, dt in workers[0][2]:
+            times.setdefault((i, kind, name), []).append(dt)
+        fwd = sorted((i, n, statistics.median(v)) for (i, k, n), v in times.items()
+                     if k == "f")
+        bwd = {i: statistics.median(v) for (i, k, n), v in times.items() if k == "b"}
+        print("worker 0, per layer (median ms, forward / backward): " + ", ".join(
+            f"{n} {f * 1e3:.3f}/{bwd.get(i, 0) * 1e3:.3f}" for i, n, f in fwd))
 
 
 if __name__ == "__main__":

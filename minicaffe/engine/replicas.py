@@ -49,10 +49,12 @@ Contract:
   and reaps them; ``pids`` names them.
 """
 import contextlib
+import math
 import multiprocessing
 import os
 import selectors
 import signal
+import struct
 import weakref
 
 import numpy as np
@@ -65,6 +67,10 @@ from ..data.workers import (death_cause, first_messages, main_hidden, map_shared
 START_TIMEOUT = 120.0     # seconds for a worker to start, build its net and map the file
 _ALIGN = 4096
 _LINE = 16                # float32 per cache line (64 bytes): the shares' unit
+# the solver's pass message: b"G" + (flags, rate, clip scale, iteration)
+_G = struct.Struct("<Bddq")
+_SUM, _ACC, _SUMSQ, _UPDATE = 1, 2, 4, 8     # sum the share; into the diffs (+=); its
+#                                               sum of squares; then the update
 
 # layer types that compute each sample from that sample alone (parameters shared),
 # with the field naming their axis where they have one: (parameter field, axis field,
@@ -260,10 +266,11 @@ def _one_thread_env():
                 os.environ[v] = value
 
 
-def start(net, n, config, seed=None, why=None, fallback="training runs in one process"):
-    """``n`` replicas of ``net`` (a ReplicaPool), or None after one warning line saying why
-    not: ``why`` (the caller's reason), a GPU, or ``refusal(net)`` (then ``fallback``
-    says what runs instead)."""
+def start(net, n, config, seed=None, why=None, fallback="training runs in one process",
+          solver=None):
+    """``n`` replicas of ``net`` (a ReplicaPool; ``solver``: the solver training it, see
+    ReplicaPool), or None after one warning line saying why not: ``why`` (the caller's
+    reason), a GPU, or ``refusal(net)`` (then ``fallback`` says what runs instead)."""
     from ..core import context
     if why is None and context.is_gpu():
         why = "CPU mode only; ignored on a GPU"
@@ -274,16 +281,23 @@ def start(net, n, config, seed=None, why=None, fallback="training runs in one pr
     if why is not None:
         log.warning("--replicas %d: %s", n, why)
         return None
-    return ReplicaPool(net, n, config, seed)
+    return ReplicaPool(net, n, config, seed, solver)
 
 
 class ReplicaPool:
     """``n`` worker processes, each running ``net``'s layers on a slice of the batch (see
-    the module docstring)."""
+    the module docstring).  With ``solver`` (whose ``share_update()`` gives the update
+    the workers can run, solvers/shares.py), the net's diffs and the solver's history
+    move into the shared file too and ``forward_backward`` takes ``first``/``update``:
+    the workers sum their shares straight into the diffs and may apply the update."""
 
-    def __init__(self, net, n, config, seed=None):
+    def __init__(self, net, n, config, seed=None, solver=None):
         self.net = net
         self.closed = False
+        op = getattr(solver, "share_update", None)
+        self.update_op = op() if op is not None else None
+        self._history = solver.history_flat if self.update_op is not None else []
+        self._pending = None
         self.procs, self.conns = [], []
         self._selector = None
         self.path = None
@@ -313,7 +327,8 @@ class ReplicaPool:
         for _, _, c, per_sample in self.outputs:
             self.out_offsets.append(o)
             o += c * (big if per_sample else 1)
-        n_results = o
+        self._sumsq_at = o         # the worker's share's sum of squared diffs
+        n_results = o + 1
         # the gradients one after the other, one row each starting on a cache line
         # (``grads``: n x total), their weighted sum (``summed``) and the weights, then
         # the results
@@ -322,6 +337,7 @@ class ReplicaPool:
         s_off = lay.add(total * 4)
         wt_off = lay.add(self.n * 4)
         per = [(g_off + k * stride * 4, lay.add(8 * n_results)) for k in range(self.n)]
+        h_offs = [lay.add(total * 4) for _ in self._history]   # the solver's history sets
         self.shares = shares(total, self.n)
         self.path, self._mm = map_shared_file(lay.size, prefix="minicaffe-replicas")
         buf = np.frombuffer(self._mm, dtype=np.uint8)
@@ -332,6 +348,7 @@ class ReplicaPool:
         _view(buf, wt_off, self.n)[...] = self._weights("loss")
         self.results = [_view(buf, r, n_results, np.float64) for _, r in per]
         self.summers = [k for k, (lo, hi) in enumerate(self.shares) if hi > lo]
+        self.history = [_view(buf, off, total) for off in h_offs]
         self._attach_weights()
         net_param = self._replica_param()
         cfg = config.replace(cpu_replicas=1, data_workers=0)
@@ -342,7 +359,10 @@ class ReplicaPool:
                         "slice": (a, b), "inputs": self.input_specs, "weights": w_off,
                         "total": total, "counts": self.counts, "grads": per[k][0],
                         "sum": {"grads": (g_off, stride), "summed": s_off,
-                                "weights": wt_off, "n": self.n, "share": self.shares[k]},
+                                "weights": wt_off, "n": self.n, "share": self.shares[k],
+                                "sumsq": self._sumsq_at},
+                        "update": None if self.update_op is None else
+                        (self.update_op, h_offs),
                         "results": (per[k][1], n_results),
                         "outputs": [(o[0], off) for o, off in zip(self.outputs,
                                                                   self.out_offsets)],
@@ -420,15 +440,21 @@ class ReplicaPool:
 
     def _attach_weights(self):
         """Move the main net's flat parameter data into the shared file (again after a
-        reshape or a restore replaced it)."""
+        reshape or a restore replaced it); with the solver's update, its diffs (the
+        workers' sum) and the solver's history too."""
         fb = self.net.flat_params()
-        if fb.data.host_array is self.weights:
-            return fb
-        if list(fb.counts) != self.counts:
-            raise MinicaffeError("--replicas: the net's parameters changed shape during "
-                                 "training")
-        self.weights[...] = fb.data.cpu_data()
-        fb.data.set_cpu_data(self.weights)
+        pairs = [(fb.data, self.weights)]
+        if self.update_op is not None:
+            pairs += [(fb.diff, self.summed)] + [(h.data, mine) for h, mine in
+                                                 zip(self._history, self.history)]
+        for mem, shared in pairs:
+            if mem.host_array is shared:
+                continue
+            if list(fb.counts) != self.counts:
+                raise MinicaffeError("--replicas: the net's parameters changed shape during "
+                                     "training")
+            shared[...] = mem.cpu_data()
+            mem.set_cpu_data(shared)
         return fb
 
     @property
@@ -436,9 +462,16 @@ class ReplicaPool:
         return [p.pid for p in self.procs]
 
     # -- one pass -------------------------------------------------------------------------
-    def forward_backward(self):
+    def forward_backward(self, first=True, update=None):
         """One forward and backward over the whole batch (see the module docstring); the
-        gradients are added into the main net's diffs; returns the weighted loss."""
+        gradients are added into the main net's diffs; returns the weighted loss.
+
+        With the solver's update (``update_op``): the workers write their shares of the
+        sum straight into the diffs, over what they hold where ``first`` (the first of
+        iter_size passes: no clearing needed); ``update`` = (rate, iteration): then they
+        apply the solver's update with that rate -- unless the loss is not finite (the
+        solver refuses it, weights untouched), or clip_gradients needs the norm first:
+        then each share's sum of squares is kept and ``finish_update`` applies it."""
         if self.closed:
             raise MinicaffeError("--replicas: the replica processes were stopped")
         net = self.net
@@ -453,18 +486,53 @@ class ReplicaPool:
             shared[...] = blob.cpu_data()
         try:
             self._phase(b"S", range(self.n))       # forward and backward on each slice
-            self._phase(b"A", self.summers)        # each share of sum_k w_k grads[k]
+            loss = 0.0
+            for w, r in zip(self._weights("loss"), self.results):
+                loss += float(w) * float(r[0])
+            if self.update_op is None:
+                self._phase(b"A", self.summers)    # each share of sum_k w_k grads[k]
+            else:
+                flags = _SUM | (0 if first else _ACC)
+                rate, it = update if update is not None else (0.0, 0)
+                if update is not None and math.isfinite(loss):
+                    flags |= _SUMSQ if self.update_op.clips else _UPDATE
+                    self._pending = (rate, it) if self.update_op.clips else None
+                self._phase(b"G" + _G.pack(flags, rate, 1.0, it), self.summers)
         except BaseException:
             self.close()
             raise
-        # added into the diffs (iter_size passes accumulate there)
-        diff = fb.diff.mutable_cpu_data()
-        diff += self.summed
-        loss = 0.0
-        for w, r in zip(self._weights("loss"), self.results):
-            loss += float(w) * float(r[0])
+        if self.update_op is None:
+            # added into the diffs (iter_size passes accumulate there)
+            diff = fb.diff.mutable_cpu_data()
+            diff += self.summed
         self._combine_outputs()
         return loss
+
+    def sumsq(self):
+        """The diffs' sum of squares (float32), added share by share in order: after a
+        pass given ``update`` with clip_gradients set."""
+        total = np.float32(0)
+        for k in self.summers:
+            total = np.float32(total + np.float32(self.results[k][self._sumsq_at]))
+        return total
+
+    @property
+    def update_pending(self):
+        """True after a pass that left the update to ``finish_update``."""
+        return self._pending is not None
+
+    def finish_update(self, scale=None):
+        """The update the last pass left pending (clip_gradients: ``scale``, the factor
+        from ``sumsq()``, None for none), applied by the workers to their shares."""
+        if self._pending is None:
+            return
+        (rate, it), self._pending = self._pending, None
+        msg = b"G" + _G.pack(_UPDATE, rate, 1.0 if scale is None else float(scale), it)
+        try:
+            self._phase(msg, self.summers)
+        except BaseException:
+            self.close()
+            raise
 
     def _weights(self, kind):
         if kind == "loss" and self.mode == "sum":
@@ -560,7 +628,8 @@ def _worker_main(conn, spec):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
-        net, inputs, outputs, results, summing = _worker_net(spec)
+        net, inputs, outputs, results, summing, update = _worker_net(spec)
+        sumsq_at = spec["sum"]["sumsq"]
     except Exception as e:  # reported by the pool as one line
         conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
         return
@@ -571,11 +640,13 @@ def _worker_main(conn, spec):
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the training process is gone
-        if msg not in (b"S", b"A"):
+        if msg[:1] not in (b"S", b"A", b"G"):
             return
         try:
             if msg == b"A":
                 weighted_sum(*summing)
+            elif msg[:1] == b"G":
+                _solver_pass(msg, summing, update, results, sumsq_at)
             else:
                 for blob, shared in inputs:
                     blob.mutable_cpu_data()[...] = shared[a:b]
@@ -625,6 +696,30 @@ def _worker_net(spec):
     (g_off, stride), n, (lo, hi) = s["grads"], s["n"], s["share"]
     rows = _view(buf, g_off, n * stride).reshape(n, stride)[:, lo:hi]
     weights = [np.float32(w) for w in _view(buf, s["weights"], n)]
-    summing = (weights, rows, _view(buf, s["summed"], spec["total"])[lo:hi],
-               np.empty(hi - lo, np.float32))
-    return net, inputs, outputs, results, summing
+    summed = _view(buf, s["summed"], spec["total"])
+    summing = (weights, rows, summed[lo:hi], np.empty(hi - lo, np.float32))
+    update = None
+    if spec["update"] is not None:      # the solver's update of this share
+        op, h_offs = spec["update"]
+        update = op.bind(_view(buf, spec["weights"], spec["total"]), summed,
+                         [_view(buf, off, spec["total"]) for off in h_offs], lo, hi) + \
+            (np.empty(hi - lo, np.float32),)
+    return net, inputs, outputs, results, summing, update
+
+
+def _solver_pass(msg, summing, update, results, sumsq_at):
+    """The message b"G": this share of sum_k w_k grads[k] into the diffs (or added to
+    them), its sum of squares, the solver's update of the share (``_G``'s flags)."""
+    flags, rate, scale, it = _G.unpack(msg[1:])
+    weights, rows, out, tmp = summing
+    apply, sumsq, acc = update
+    if flags & _SUM:
+        if flags & _ACC:
+            weighted_sum(weights, rows, acc, tmp)
+            np.add(out, acc, out=out)
+        else:
+            weighted_sum(weights, rows, out, tmp)
+    if flags & _SUMSQ:
+        results[sumsq_at] = float(sumsq())
+    if flags & _UPDATE:
+        apply(rate, it, scale)
