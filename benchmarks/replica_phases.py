@@ -36,7 +36,7 @@ also prints worker 0's median forward and backward time per layer.
 
 Stamps wrap private functions (in the workers too: the pool's worker entry point is
 swapped for one that wraps it, before the workers start): the figures are the step's
-phases, not an API.  Runs on the tree it sits in (``ROOT``).
+phases, not an API.  Runs on the tree it sits in, or ``--tree``'s.
 """
 import argparse
 import os
@@ -157,14 +157,17 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=0,
                     help="another batch than the net's (b8 at --replicas 2: the slices of "
                          "b64 at --replicas 16)")
+    ap.add_argument("--tree", default=ROOT,
+                    help="the minicaffe tree to measure (default: the one this file sits "
+                         "in), e.g. another checkout, to compare with this script's stamps")
     ap.add_argument("--layers", action="store_true",
                     help="also worker 0's median forward/backward time per layer")
     a = ap.parse_args(argv)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, ROOT)
     sys.path.insert(0, here)
+    sys.path.insert(0, os.path.abspath(a.tree))
     import pickle
     from cpu_vs_torch import NETS, minicaffe_step
     import replica_phases         # this file as a module the workers can import
@@ -201,7 +204,8 @@ def main(argv=None):
     batch = a.batch or batch
     step, solver = minicaffe_step(path, batch, shape, a.replicas)
     solver.apply_update = _stamped_main(stamps, solver.apply_update)
-    print(f"minicaffe {minicaffe.__version__} ({ROOT}), {a.net} b{batch}, --replicas "
+    tree = os.path.dirname(minicaffe.__path__[0])
+    print(f"minicaffe {minicaffe.__version__} ({tree}), {a.net} b{batch}, --replicas "
           f"{a.replicas}, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} "
           "at start")
     for _ in range(5):
@@ -299,7 +303,8 @@ def _print_workers(workers, sends, a):
                          for k in rows[0] if k not in ("faults", "preempted"))
     print(f"workers, forward-backward: {line(s_rows)} ms (per step the largest of "
           f"{len(workers)} workers, medians)")
-    print(f"workers, forward-backward: page faults {statistics.median(r['faults'] for r in s_rows):.0f} "
+    faults = statistics.median(r["faults"] for r in s_rows)
+    print(f"workers, forward-backward: page faults {faults:.0f} "
           f"(median over the steps of the most in one worker); preempted "
           f"{sum(r['preempted'] for r in s_rows) / len(s_rows):.2f} workers per step "
           "(mean; an involuntary context switch between receive and answer)")
