@@ -29,7 +29,8 @@ and ``answer`` (from the last worker's send to the main process's wait returning
 the sum message ``wake``, ``sum`` and ``answer``; ``busy``: from receive to send.  Also counted
 (getrusage) between receive and answer: the minor page faults (temporaries the kernel
 maps afresh) and the workers preempted (an involuntary context switch: another process
-took the core).  Each step takes the largest of the workers'
+took the core).  ``--spin-us`` (an experiment, no library option) makes each worker poll
+its pipe without sleeping for that long before it blocks.  Each step takes the largest of the workers'
 figures, and the line prints the median over the steps (so the workers' phases do not
 add up to ``replicas``: the slowest worker differs from phase to phase).  ``--layers``
 also prints worker 0's median forward and backward time per layer.
@@ -47,15 +48,20 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAMPS_DIR = "REPLICA_PHASES_DIR"     # where the workers leave their stamps (this script's)
+SPIN = "REPLICA_PHASES_SPIN_US"       # --spin-us, to the workers
 
 
 class _StampedConn:
     """A worker's pipe that stamps each message received and each answer sent."""
 
-    def __init__(self, conn, stamps):
-        self.conn, self.stamps = conn, stamps
+    def __init__(self, conn, stamps, spin=0.0):
+        self.conn, self.stamps, self.spin = conn, stamps, spin
 
     def recv_bytes(self):
+        if self.spin:        # poll without sleeping for up to ``spin`` seconds first
+            end = time.perf_counter() + self.spin
+            while not self.conn.poll(0) and time.perf_counter() < end:
+                pass
         msg = self.conn.recv_bytes()
         self.stamps.append(("recv:" + msg[:1].decode(errors="replace"),
                             time.perf_counter()))
@@ -127,7 +133,8 @@ def timed_worker(conn, spec):
             layers.append(("b", i, self.layer_names[i], time.perf_counter() - t0))
     Net.forward_layer, Net.backward_layer = forward_layer, backward_layer
     try:
-        replicas._worker_main(_StampedConn(conn, stamps), spec)
+        replicas._worker_main(_StampedConn(conn, stamps,
+                                           float(os.environ.get(SPIN, 0)) * 1e-6), spec)
     finally:
         out = os.path.join(os.environ[STAMPS_DIR], f"{spec['slice'][0]}.pkl")
         with open(out, "wb") as f:
@@ -160,6 +167,10 @@ def main(argv=None):
     ap.add_argument("--tree", default=ROOT,
                     help="the minicaffe tree to measure (default: the one this file sits "
                          "in), e.g. another checkout, to compare with this script's stamps")
+    ap.add_argument("--spin-us", type=float, default=0,
+                    help="an experiment: each worker polls its pipe without sleeping for "
+                         "up to this many microseconds before it blocks (is the wake-up "
+                         "latency the kernel's?)")
     ap.add_argument("--layers", action="store_true",
                     help="also worker 0's median forward/backward time per layer")
     a = ap.parse_args(argv)
@@ -175,6 +186,7 @@ def main(argv=None):
     from minicaffe.engine import replicas
     tmp = tempfile.TemporaryDirectory(prefix="replica-phases-")
     os.environ[STAMPS_DIR] = tmp.name
+    os.environ[SPIN] = str(a.spin_us)
     replicas._worker_main = replica_phases.timed_worker
     stamps = []
     pool_cls = replicas.ReplicaPool
@@ -205,8 +217,9 @@ def main(argv=None):
     step, solver = minicaffe_step(path, batch, shape, a.replicas)
     solver.apply_update = _stamped_main(stamps, solver.apply_update)
     tree = os.path.dirname(minicaffe.__path__[0])
+    spin = f", workers spinning {a.spin_us:g} us" if a.spin_us else ""
     print(f"minicaffe {minicaffe.__version__} ({tree}), {a.net} b{batch}, --replicas "
-          f"{a.replicas}, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} "
+          f"{a.replicas}{spin}, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} "
           "at start")
     for _ in range(5):
         step()
