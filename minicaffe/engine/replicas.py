@@ -42,6 +42,17 @@ Contract:
   shares and the machine, not the bits of one process.  The loss and the other outputs
   of the train net are combined the same way (per-sample outputs concatenated) by the
   main process.  Returns the pass's loss.  Nothing is pickled per step.
+- With the solver (``ReplicaPool(..., solver=)``, what ``Solver`` passes; its
+  ``share_update()``, solvers/shares.py): the main net's diffs and the solver's history
+  sets live in the file too, the workers write their shares of the sum straight into
+  the diffs (the first of iter_size passes overwrites them: no clearing), and with
+  ``forward_backward(update=(rate, iteration))`` each then applies the solver's update
+  (normalise, regularise, the rule, ``w -= update``) to its share -- the main process
+  does no pass over the parameters.  Not where the loss is not finite (the solver
+  refuses it with the weights untouched); with clip_gradients each worker adds its
+  share's sum of squares first and ``finish_update(scale)`` sends the scale.  The
+  executor (engine/executor.py) keeps the update in the main process for a step with
+  an ``on_gradients_ready`` callback; the bits are the same either way.
 - A worker that fails (an exception, a signal, kill -9) ends the pass with a
   MinicaffeError naming the replica, its pid and the cause; the pool is closed first, so
   no process is left.  Workers ignore SIGINT and SIGTERM (the training process decides
