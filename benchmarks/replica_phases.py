@@ -33,7 +33,11 @@ took the core).  ``--spin-us`` (an experiment, no library option) makes each wor
 its pipe without sleeping for that long before it blocks.  Each step takes the largest of the workers'
 figures, and the line prints the median over the steps (so the workers' phases do not
 add up to ``replicas``: the slowest worker differs from phase to phase).  ``--layers``
-also prints worker 0's median forward and backward time per layer.
+also prints worker 0's median forward and backward time per layer.  ``--independent N``
+runs the same work without the pool: N processes at once, each the whole net on batch/N
+images (one thread, in step: a barrier before each pass), printing the forward-backward
+time (per step the largest of the N) and process 0's forward per layer -- what the
+machine itself costs N busy workers (shared cores, clocks, memory), apart from the pipes.
 
 Stamps wrap private functions (in the workers too: the pool's worker entry point is
 swapped for one that wraps it, before the workers start): the figures are the step's
@@ -141,6 +145,60 @@ def timed_worker(conn, spec):
             pickle.dump((spec["slice"], stamps, layers), f)
 
 
+def independent(k, n, net, batch, steps, barrier, queue):
+    """``--independent``: process k of n runs the net's forward-backward on ``batch``
+    images on one thread, in step with the others (a barrier before each pass), no pool."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cpu_vs_torch import NETS, minicaffe_step
+    from minicaffe.network.net import Net
+    path, _, shape = NETS[net]
+    _, solver = minicaffe_step(path, batch, shape, 1)
+    layers, times = {}, []
+    fl = Net.forward_layer
+
+    def forward_layer(self, i, fused):
+        t0 = time.perf_counter()
+        try:
+            return fl(self, i, fused)
+        finally:
+            layers.setdefault(self.layer_names[i], []).append(time.perf_counter() - t0)
+    Net.forward_layer = forward_layer
+    n_net = solver.net
+    for j in range(steps + 5):
+        barrier.wait()
+        t0 = time.perf_counter()
+        n_net.clear_param_diffs()
+        n_net.forward_backward()
+        if j >= 5:
+            times.append(time.perf_counter() - t0)
+    queue.put((k, times, {name: statistics.median(v[5:]) for name, v in layers.items()}))
+
+
+def _independent(a, batch):
+    """The workers' work without the pool: ``a.independent`` processes at once, each a
+    whole net on batch / n images, lock-stepped by a barrier: the machine's own
+    slowdown under n busy cores (shared cores, clocks, memory), apart from any IPC."""
+    import multiprocessing
+    n = a.independent
+    each = max(1, batch // n)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=independent, args=(k, n, a.net, each, a.steps, barrier,
+                                                   queue)) for k in range(n)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    worst = [max(t[1][j] for t in got) for j in range(a.steps)]
+    med = statistics.median(statistics.median(t[1]) for t in got)
+    print(f"{n} independent processes (no pool), {a.net} b{each} each, one thread: "
+          f"forward-backward {statistics.median(worst) * 1e3:.3f} ms (per step the largest "
+          f"of {n}, median), {med * 1e3:.3f} (median process's median)")
+    print("process 0, forward per layer (median ms): " + ", ".join(
+        f"{name} {v * 1e3:.3f}" for name, v in got[0][2].items()))
+
+
 def _worker_phases(stamps):
     """[(kind 'S'/'A', {phase: (start, end)})] of one worker's messages, in order."""
     out, cur = [], None
@@ -171,6 +229,9 @@ def main(argv=None):
                     help="an experiment: each worker polls its pipe without sleeping for "
                          "up to this many microseconds before it blocks (is the wake-up "
                          "latency the kernel's?)")
+    ap.add_argument("--independent", type=int, default=0,
+                    help="instead: this many independent processes, each running the net "
+                         "on batch/N images in step, no pool (the machine's slowdown)")
     ap.add_argument("--layers", action="store_true",
                     help="also worker 0's median forward/backward time per layer")
     a = ap.parse_args(argv)
@@ -214,6 +275,8 @@ def main(argv=None):
         timed_phase
     path, batch, shape = NETS[a.net]
     batch = a.batch or batch
+    if a.independent:
+        return _independent(a, batch)
     step, solver = minicaffe_step(path, batch, shape, a.replicas)
     solver.apply_update = _stamped_main(stamps, solver.apply_update)
     tree = os.path.dirname(minicaffe.__path__[0])
