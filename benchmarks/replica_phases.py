@@ -26,18 +26,20 @@ process): for the forward-backward message, ``wake`` (from the main process's fi
 to the worker's receive), ``input`` (copying its slice out of shared memory), ``clear``
 (zeroing its diffs), ``forward``, ``backward``, ``results`` (the outputs written back)
 and ``answer`` (from the last worker's send to the main process's wait returning); for
-the sum message ``wake``, ``sum`` and ``answer``; ``busy``: from receive to send.  Also counted
+the sum message ``wake``, ``sum``, ``update`` (the solver's update of the share, where
+the workers run it) and ``answer``; ``busy``: from receive to send.  Also counted
 (getrusage) between receive and answer: the minor page faults (temporaries the kernel
 maps afresh) and the workers preempted (an involuntary context switch: another process
 took the core).  ``--spin-us`` (an experiment, no library option) makes each worker poll
-its pipe without sleeping for that long before it blocks.  Each step takes the largest of the workers'
-figures, and the line prints the median over the steps (so the workers' phases do not
-add up to ``replicas``: the slowest worker differs from phase to phase).  ``--layers``
-also prints worker 0's median forward and backward time per layer.  ``--independent N``
-runs the same work without the pool: N processes at once, each the whole net on batch/N
-images (one thread, in step: a barrier before each pass), printing the forward-backward
-time (per step the largest of the N) and process 0's forward per layer -- what the
-machine itself costs N busy workers (shared cores, clocks, memory), apart from the pipes.
+its pipe without sleeping for that long before it blocks.  Each step takes the largest
+of the workers' figures, and the line prints the median over the steps (so the workers'
+phases do not add up to ``replicas``: the slowest worker differs from phase to phase).
+``--layers`` also prints worker 0's median forward and backward time per layer.
+``--independent N`` runs the same work without the pool: N processes at once, each the
+whole net on batch/N images (one thread, in step: a barrier before each pass), printing
+the forward-backward time (per step the largest of the N) and process 0's forward per
+layer -- what the machine itself costs N busy workers (shared cores, clocks, memory),
+apart from the pipes.
 
 Stamps wrap private functions (in the workers too: the pool's worker entry point is
 swapped for one that wraps it, before the workers start): the figures are the step's
