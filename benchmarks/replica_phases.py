@@ -107,10 +107,16 @@ def timed_worker(conn, spec):
     from minicaffe.engine import replicas
     from minicaffe.network.net import Net
     stamps, layers = [], []
-    Net.clear_param_diffs = _stamped(stamps, "clear", Net.clear_param_diffs)
+    if not hasattr(replicas, "_clear"):       # a tree from before the gathered weights
+        Net.clear_param_diffs = _stamped(stamps, "clear", Net.clear_param_diffs)
     Net.forward_prefilled = _stamped(stamps, "fwd", Net.forward_prefilled)
     Net.backward_from_to = _stamped(stamps, "bwd", Net.backward_from_to)
-    replicas.weighted_sum = _stamped(stamps, "sum", replicas.weighted_sum)
+    if hasattr(replicas, "_share_sum"):      # the whole share's sum, gathered rows too
+        replicas._share_sum = _stamped(stamps, "sum", replicas._share_sum)
+    else:
+        replicas.weighted_sum = _stamped(stamps, "sum", replicas.weighted_sum)
+    if hasattr(replicas, "_clear"):
+        replicas._clear = _stamped(stamps, "clear", replicas._clear)
     try:
         from minicaffe.solvers import shares
     except ImportError:      # a tree from before the workers' update

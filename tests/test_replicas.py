@@ -486,3 +486,90 @@ def test_the_history_in_the_shared_file_snapshots_and_restores(tmp_path):
             np.testing.assert_allclose(x.data, y.data, rtol=1e-5, atol=1e-6)
     resumed.close()
     straight.close()
+
+
+# -- the InnerProduct weight gradients computed over the whole batch ----------------------
+# 'big' (40 x 128 weights: more than batch 7 x (40 + 128) floats of inputs and top diffs)
+# is gathered; with ``share``, 'big2' shares its weights and neither is
+WIDE = """
+name: "wide"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 7 dim: 2 dim: 8 dim: 8 } shape { dim: 7 } } }
+layer { name: "big" type: "InnerProduct" bottom: "data" top: "big" %(param)s
+  inner_product_param { num_output: 40 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "big" top: "big" }
+%(extra)s
+layer { name: "out" type: "InnerProduct" bottom: "%(out_in)s" top: "out"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+"""
+SHARED = dict(param='param { name: "w" } param { name: "b" }', out_in="both", extra="""
+layer { name: "flat" type: "Flatten" bottom: "data" top: "flat" }
+layer { name: "big2" type: "InnerProduct" bottom: "flat" top: "big2"
+  param { name: "w" } param { name: "b" }
+  inner_product_param { num_output: 40 } }
+layer { name: "sum" type: "Eltwise" bottom: "big" bottom: "big2" top: "both" }""")
+
+
+def _train_wide(replicas, callback=None, steps=STEPS, iter_size=1, solver_type="SGD",
+                **net):
+    fields = {"param": "", "extra": "", "out_in": "big", **net}
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.001,
+                                   lr_policy="fixed", display=0, random_seed=1701,
+                                   snapshot_after_train=False, iter_size=iter_size,
+                                   type=solver_type,
+                                   solver_mode=caffe_pb2.SolverParameter.CPU)
+    if solver_type == "Adam":
+        sp.base_lr, sp.momentum2 = 0.01, 0.999
+    text_format.Parse(WIDE % fields, sp.net_param)
+    s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
+    if callback is not None:
+        s.add_callback(callback)
+    rs = np.random.RandomState(0)
+    s.net.blobs["data"].data[...] = rs.randn(7, 2, 8, 8)
+    s.net.blobs["label"].data[...] = rs.randint(0, 5, 7)
+    seen = []
+    try:
+        for _ in range(steps):
+            s.step(1)
+            seen.append(float(s.smoothed_loss))
+    finally:
+        params = [b for blobs in s.net.params.values() for b in blobs]
+        weights = [b.data.copy() for b in params]
+        diffs = [b.diff.copy() for b in params]
+        s.close()
+    return np.array(seen), weights, diffs
+
+
+def _gathered_lines(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("CPU replicas: the weight gradient of")]
+
+
+@pytest.mark.parametrize("iter_size,solver_type", [(1, "SGD"), (2, "SGD"), (1, "Adam")])
+def test_a_wide_inner_product_weight_gradient_over_the_whole_batch(iter_size, solver_type,
+                                                                   caplog):
+    """The workers compute 'big''s weight gradient as one product over the batch's
+    inputs and top diffs, each on the rows of its share (4 replicas: a batch of 7 in
+    1+2+2+2): one process's losses, weights and diffs up to rounding; the same bits run to
+    run and with the update in the main process."""
+    one = _train_wide(1, iter_size=iter_size, solver_type=solver_type)
+    with caplog.at_level("INFO"):
+        four = _train_wide(4, iter_size=iter_size, solver_type=solver_type)
+    assert _gathered_lines(caplog) == [
+        "CPU replicas: the weight gradient of 'big' computed over the whole batch by the "
+        "workers, each on its share of the rows"]
+    _close(one, four)
+    _bits(four, _train_wide(4, iter_size=iter_size, solver_type=solver_type))
+    _bits(four, _train_wide(4, callback=_Ready(), iter_size=iter_size,
+                            solver_type=solver_type))
+
+
+def test_shared_inner_product_weights_are_summed_as_the_others(caplog):
+    """Two layers sharing one weight: its gradient has two parts, so it is not gathered;
+    the run is one process's up to rounding."""
+    one = _train_wide(1, **SHARED)
+    with caplog.at_level("INFO"):
+        three = _train_wide(3, **SHARED)
+    assert not _gathered_lines(caplog)
+    _close(one, three)

@@ -52,7 +52,14 @@ Contract:
   refuses it with the weights untouched); with clip_gradients each worker adds its
   share's sum of squares first and ``finish_update(scale)`` sends the scale.  The
   executor (engine/executor.py) keeps the update in the main process for a step with
-  an ``on_gradients_ready`` callback; the bits are the same either way.
+  an ``on_gradients_ready`` callback; the bits are the same either way.  Also with the
+  solver: an InnerProduct layer whose weights outweigh the whole batch's inputs and
+  top diffs (``ReplicaPool._gathered``; LeNet's ip1) has its weight gradient computed
+  once over the batch instead of per replica: each worker writes its slice's inputs and
+  top diffs (times its weight ``w_k``) into the file after that layer's backward (no
+  dense N x K gradient per worker, nothing to clear there), and in the sum message each
+  computes the rows of ``dW = DY^T X`` holding its share's columns (one BLAS product:
+  the same bits run to run for the same ``n``, not those of the per-slice sum).
 - A worker that fails (an exception, a signal, kill -9) ends the pass with a
   MinicaffeError naming the replica, its pid and the cause; the pool is closed first, so
   no process is left.  Workers ignore SIGINT and SIGTERM (the training process decides
@@ -349,6 +356,10 @@ class ReplicaPool:
         wt_off = lay.add(self.n * 4)
         per = [(g_off + k * stride * 4, lay.add(8 * n_results)) for k in range(self.n)]
         h_offs = [lay.add(total * 4) for _ in self._history]   # the solver's history sets
+        # the InnerProduct layers whose weight gradient is one product over the batch
+        # (each worker writes its slice's inputs and weighted top diffs)
+        self.gathered = [g + (lay.add(self.batch * g[3] * 4), lay.add(self.batch * g[2] * 4))
+                         for g in (self._gathered(fb) if self.update_op is not None else [])]
         self.shares = shares(total, self.n)
         self.path, self._mm = map_shared_file(lay.size, prefix="minicaffe-replicas")
         buf = np.frombuffer(self._mm, dtype=np.uint8)
@@ -359,6 +370,10 @@ class ReplicaPool:
         _view(buf, wt_off, self.n)[...] = self._weights("loss")
         self.results = [_view(buf, r, n_results, np.float64) for _, r in per]
         self.summers = [k for k, (lo, hi) in enumerate(self.shares) if hi > lo]
+        if self.gathered:
+            log.info("CPU replicas: the weight gradient of %s computed over the whole batch "
+                     "by the workers, each on its share of the rows",
+                     ", ".join(f"'{g[0]}'" for g in self.gathered))
         self.history = [_view(buf, off, total) for off in h_offs]
         self._attach_weights()
         net_param = self._replica_param()
@@ -367,13 +382,14 @@ class ReplicaPool:
         try:
             for k, (a, b) in enumerate(self.slices):
                 spec = {"path": self.path, "size": lay.size, "net": net_param, "config": cfg,
-                        "slice": (a, b), "inputs": self.input_specs, "weights": w_off,
+                        "index": k, "slice": (a, b), "inputs": self.input_specs, "weights": w_off,
                         "total": total, "counts": self.counts, "grads": per[k][0],
                         "sum": {"grads": (g_off, stride), "summed": s_off,
                                 "weights": wt_off, "n": self.n, "share": self.shares[k],
                                 "sumsq": self._sumsq_at},
                         "update": None if self.update_op is None else
                         (self.update_op, h_offs),
+                        "gathered": self.gathered, "batch": self.batch,
                         "results": (per[k][1], n_results),
                         "outputs": [(o[0], off) for o, off in zip(self.outputs,
                                                                   self.out_offsets)],
@@ -428,6 +444,30 @@ class ReplicaPool:
             else:
                 raise MinicaffeError(f"--replicas: the train net's output '{name}' is "
                                      "neither a loss, an accuracy nor one value per sample")
+        return out
+
+    def _gathered(self, fb):
+        """[(layer name, its weight's offset in the flat buffer, N, K)] of the
+        InnerProduct layers whose weight gradient the workers compute as one product over
+        the whole batch (``dW = sum_k w_k dy_k^T x_k``: the slices' inputs and weighted top
+        diffs side by side, each worker the rows of dW in its share) instead of each
+        worker writing a dense N x K gradient that the sum then reads back: where N * K
+        exceeds batch * (N + K), the floats of the inputs and top diffs of the whole
+        batch (LeNet's ip1, 500 x 800 at batch 64; not CIFAR-10 quick's layers).  Only a
+        layer whose weight (axis 1, not transposed) is its own, learnt, and shared with
+        no other layer."""
+        net, out = self.net, []
+        owners = set(net.param_owners)
+        for pid, (i, j) in enumerate(net.param_layer_indices):
+            layer = net.layers[i]
+            if j != 0 or layer.layer_param.type != "InnerProduct" or layer.transpose or \
+                    net.param_owners[pid] != -1 or pid in owners or \
+                    not layer.get_param_propagate_down(0) or layer.M != self.batch:
+                continue
+            n, k = layer.N, layer.K
+            if n * k > self.batch * (n + k):
+                lid = net.learnable_param_ids[pid]
+                out.append((net.layer_names[i], fb.offsets[lid], n, k))
         return out
 
     def _replica_param(self):
@@ -639,7 +679,7 @@ def _worker_main(conn, spec):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
-        net, inputs, outputs, results, summing, update = _worker_net(spec)
+        net, inputs, outputs, results, summing, update, cleared = _worker_net(spec)
         sumsq_at = spec["sum"]["sumsq"]
     except Exception as e:  # reported by the pool as one line
         conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
@@ -661,7 +701,7 @@ def _worker_main(conn, spec):
             else:
                 for blob, shared in inputs:
                     blob.mutable_cpu_data()[...] = shared[a:b]
-                net.clear_param_diffs()
+                _clear(net, cleared)
                 results[0] = net.forward_backward()
                 for blob, o in outputs:
                     results[o:o + blob.count()] = blob.cpu_data().reshape(-1)
@@ -709,27 +749,110 @@ def _worker_net(spec):
     weights = [np.float32(w) for w in _view(buf, s["weights"], n)]
     summed = _view(buf, s["summed"], spec["total"])
     summing = (weights, rows, summed[lo:hi], np.empty(hi - lo, np.float32))
-    update = None
+    update, cleared = None, None
     if spec["update"] is not None:      # the solver's update of this share
         op, h_offs = spec["update"]
-        update = op.bind(_view(buf, spec["weights"], spec["total"]), summed,
-                         [_view(buf, off, spec["total"]) for off in h_offs], lo, hi) + \
-            (np.empty(hi - lo, np.float32),)
-    return net, inputs, outputs, results, summing, update
+        apply, sumsq = op.bind(_view(buf, spec["weights"], spec["total"]), summed,
+                               [_view(buf, off, spec["total"]) for off in h_offs], lo, hi)
+        parts, cleared = _gather(net, spec, buf, weights[spec["index"]], rows, summed)
+        update = (apply, sumsq, parts)
+    return net, inputs, outputs, results, summing, update, cleared
+
+
+def _clear(net, ranges):
+    """The worker's parameter diffs zeroed before its pass: all of them, or only
+    ``ranges`` (those not gathered: the gathered weights' diffs are never written)."""
+    if ranges is None:
+        net.clear_param_diffs()
+        return
+    diff = net.flat_params().diff.mutable_cpu_data()
+    for lo, hi in ranges:
+        diff[lo:hi] = 0
+
+
+def _gather(net, spec, buf, w, rows, summed):
+    """The gathered layers (``ReplicaPool._gathered``) in this worker: their weights'
+    gradients no longer computed by the layer; an after-backward hook writing the
+    slice's inputs and top diffs times ``w`` into the shared arrays.  Returns this
+    share's work for the solver's sum message -- [("sum", rows, out, tmp, acc)] over
+    the columns not gathered, [("gemm", dy, x, out, scratch, start)] over those of the
+    gathered weights -- and the diff ranges a pass must clear (None: all)."""
+    a, b = spec["slice"]
+    lo, hi = spec["sum"]["share"]
+    batch, total = spec["batch"], spec["total"]
+    skip, work, hooks = [], [], {}
+    for name, off, n, k, x_off, dy_off in spec["gathered"]:
+        i = net.layer_names.index(name)
+        net.layers[i].set_param_propagate_down(0, False)
+        x = _view(buf, x_off, batch * k).reshape(batch, k)
+        dy = _view(buf, dy_off, batch * n).reshape(batch, n)
+        hooks[i] = (x[a:b], dy[a:b])
+        skip.append((off, off + n * k))
+        c0, c1 = max(lo, off), min(hi, off + n * k)
+        if c0 < c1:     # the rows [r0, r1) of dW that hold this share's columns
+            r0, r1 = (c0 - off) // k, -(-(c1 - off) // k)
+            work.append(("gemm", dy[:, r0:r1], x, summed[c0:c1],
+                         np.empty((r1 - r0, k), np.float32), c0 - off - r0 * k))
+
+    def after_backward(i):
+        if i in hooks:
+            x, dy = hooks[i]
+            x[...] = net.bottom_vecs[i][0].cpu_data().reshape(x.shape)
+            np.multiply(net.top_vecs[i][0].cpu_diff().reshape(dy.shape), w, out=dy)
+    if not hooks:
+        return [("sum",) + _sum_part(rows, summed, lo, hi)], None
+    net.add_hook("after_backward", after_backward)
+    keep, start = [], 0       # [start, end) ranges of the flat buffer not gathered
+    for s0, s1 in sorted(skip):
+        if s0 > start:
+            keep.append((start, s0))
+        start = s1
+    if start < total:
+        keep.append((start, total))
+    for k0, k1 in keep:
+        c0, c1 = max(lo, k0), min(hi, k1)
+        if c0 < c1:
+            work.append(("sum",) + _sum_part(rows, summed, c0, c1, lo))
+    return work, keep
+
+
+def _sum_part(rows, summed, c0, c1, lo=None):
+    """The reduce-scatter's work on columns [c0, c1) (``rows``: the share's columns of
+    every replica's gradients, starting at ``lo``)."""
+    lo = c0 if lo is None else lo
+    return (rows[:, c0 - lo:c1 - lo], summed[c0:c1], np.empty(c1 - c0, np.float32),
+            np.empty(c1 - c0, np.float32))
+
+
+def _share_sum(work, weights, accumulate):
+    """This share of the gradients' sum into the diffs (added to them where
+    ``accumulate``): the weighted sum over the replicas' rows, and the gathered
+    weights' rows of dW = DY^T X (one product over the whole batch)."""
+    for item in work:
+        if item[0] == "sum":
+            _, rows, out, tmp, acc = item
+            if accumulate:
+                weighted_sum(weights, rows, acc, tmp)
+                np.add(out, acc, out=out)
+            else:
+                weighted_sum(weights, rows, out, tmp)
+        else:
+            _, dy, x, out, scratch, start = item
+            np.matmul(dy.T, x, out=scratch)
+            part = scratch.reshape(-1)[start:start + out.size]
+            if accumulate:
+                np.add(out, part, out=out)
+            else:
+                out[...] = part
 
 
 def _solver_pass(msg, summing, update, results, sumsq_at):
     """The message b"G": this share of sum_k w_k grads[k] into the diffs (or added to
     them), its sum of squares, the solver's update of the share (``_G``'s flags)."""
     flags, rate, scale, it = _G.unpack(msg[1:])
-    weights, rows, out, tmp = summing
-    apply, sumsq, acc = update
+    apply, sumsq, work = update
     if flags & _SUM:
-        if flags & _ACC:
-            weighted_sum(weights, rows, acc, tmp)
-            np.add(out, acc, out=out)
-        else:
-            weighted_sum(weights, rows, out, tmp)
+        _share_sum(work, summing[0], flags & _ACC)
     if flags & _SUMSQ:
         results[sumsq_at] = float(sumsq())
     if flags & _UPDATE:
