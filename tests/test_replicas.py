@@ -367,6 +367,12 @@ def _train_update(replicas, solver_type="SGD", callback=None, steps=STEPS, data=
     for k, v in {**SOLVER_FIELDS[solver_type], **fields}.items():
         setattr(sp, k, v)
     text_format.Parse(MULTS % dict(batch=7, loss="", extra="", ip_in="pool"), sp.net_param)
+    return _run(sp, replicas, callback, steps, data)
+
+
+def _run(sp, replicas, callback, steps, data=None):
+    """(smoothed losses, weights, diffs) of ``steps`` steps of the solver ``sp`` (a
+    batch of 7, random data unless ``data``), ``callback`` added."""
     s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
     if callback is not None:
         s.add_callback(callback)
@@ -522,23 +528,7 @@ def _train_wide(replicas, callback=None, steps=STEPS, iter_size=1, solver_type="
     if solver_type == "Adam":
         sp.base_lr, sp.momentum2 = 0.01, 0.999
     text_format.Parse(WIDE % fields, sp.net_param)
-    s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
-    if callback is not None:
-        s.add_callback(callback)
-    rs = np.random.RandomState(0)
-    s.net.blobs["data"].data[...] = rs.randn(7, 2, 8, 8)
-    s.net.blobs["label"].data[...] = rs.randint(0, 5, 7)
-    seen = []
-    try:
-        for _ in range(steps):
-            s.step(1)
-            seen.append(float(s.smoothed_loss))
-    finally:
-        params = [b for blobs in s.net.params.values() for b in blobs]
-        weights = [b.data.copy() for b in params]
-        diffs = [b.diff.copy() for b in params]
-        s.close()
-    return np.array(seen), weights, diffs
+    return _run(sp, replicas, callback, steps)
 
 
 def _gathered_lines(caplog):
