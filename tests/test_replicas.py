@@ -330,3 +330,236 @@ def test_bench_with_replicas(cli, tmp_path, monkeypatch):
     import json
     assert json.loads((tmp_path / "r.json").read_text())["cpu_replicas"] == 2
     assert not multiprocessing.active_children()          # the solver was closed
+
+
+# -- the solver's update in the workers (solvers/shares.py) ------------------------------
+# conv's weights at lr_mult 1, its bias at lr_mult 2 without decay; ip at lr_mult 0.5
+MULTS = NET.replace('convolution_param {', 'param { lr_mult: 1 } param { lr_mult: 2 '
+                    'decay_mult: 0 }\n  convolution_param {').replace(
+    'inner_product_param {', 'param { lr_mult: 0.5 decay_mult: 3 }\n  inner_product_param {')
+SOLVER_FIELDS = {"SGD": {}, "Nesterov": {}, "AdaGrad": {"momentum": 0.0},
+                 "RMSProp": {"momentum": 0.0, "rms_decay": 0.95},
+                 "AdaDelta": {"base_lr": 1.0, "momentum": 0.95, "delta": 1e-6},
+                 "Adam": {"base_lr": 0.01, "momentum2": 0.999}}
+
+
+class _Ready:
+    """An on_gradients_ready callback: the update then runs in the main process."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def on_start(self):
+        pass
+
+    def on_gradients_ready(self):
+        self.calls += 1
+
+
+def _train_update(replicas, solver_type="SGD", callback=None, steps=STEPS, data=None,
+                  **fields):
+    """(smoothed losses, weights, diffs after the last step) of ``steps`` steps of MULTS
+    (batch 7, lr policy step) with ``fields`` set on the solver."""
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.001,
+                                   lr_policy="step", gamma=0.5, stepsize=2, display=0,
+                                   random_seed=1701, snapshot_after_train=False,
+                                   type=solver_type, solver_mode=caffe_pb2.SolverParameter.CPU)
+    for k, v in {**SOLVER_FIELDS[solver_type], **fields}.items():
+        setattr(sp, k, v)
+    text_format.Parse(MULTS % dict(batch=7, loss="", extra="", ip_in="pool"), sp.net_param)
+    return _run(sp, replicas, callback, steps, data)
+
+
+def _run(sp, replicas, callback, steps, data=None):
+    """(smoothed losses, weights, diffs) of ``steps`` steps of the solver ``sp`` (a
+    batch of 7, random data unless ``data``), ``callback`` added."""
+    s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
+    if callback is not None:
+        s.add_callback(callback)
+    rs = np.random.RandomState(0)
+    s.net.blobs["data"].data[...] = rs.randn(*s.net.blobs["data"].shape) \
+        if data is None else data
+    s.net.blobs["label"].data[...] = rs.randint(0, 5, 7)
+    seen = []
+    try:
+        for _ in range(steps):
+            s.step(1)
+            seen.append(float(s.smoothed_loss))
+    finally:
+        params = [b for blobs in s.net.params.values() for b in blobs]
+        weights = [b.data.copy() for b in params]
+        diffs = [b.diff.copy() for b in params]
+        s.close()
+    return np.array(seen), weights, diffs
+
+
+def _bits(a, b):
+    assert np.array_equal(a[0], b[0])
+    for x, y in zip(a[1] + a[2], b[1] + b[2]):
+        assert np.array_equal(x, y)
+
+
+def _close(one, many, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(many[0], one[0], rtol=rtol, atol=atol)
+    for x, y in zip(one[1] + one[2], many[1] + many[2]):
+        np.testing.assert_allclose(y, x, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("solver_type", sorted(SOLVER_FIELDS))
+def test_the_workers_update_gives_the_main_process_update_bits(solver_type):
+    """Every solver type, lr_mult/decay_mult per parameter, a step lr policy: the workers'
+    update of their shares gives the bits of the update in the main process (which a
+    callback wanting the summed gradients first makes it run), and one process's weights,
+    diffs (the update value, as Caffe leaves it) and losses up to rounding."""
+    ready = _Ready()
+    main = _train_update(3, solver_type, callback=ready)
+    assert ready.calls == STEPS
+    workers = _train_update(3, solver_type)
+    _bits(main, workers)
+    _close(_train_update(1, solver_type), workers)
+
+
+@pytest.mark.parametrize("fields", [{"iter_size": 2}, {"regularization_type": "L1"},
+                                    {"clip_gradients": 0.05}])
+def test_the_workers_update_with_iter_size_l1_and_clipping(fields, caplog):
+    """iter_size 2 (the first pass's sum overwrites the diffs, the second adds), L1 decay,
+    clip_gradients (each share's sum of squares, the scale sent back): one process's
+    results up to rounding, the same bits run to run; the clipping is logged as one
+    process logs it."""
+    one = _train_update(1, "Nesterov", **fields)
+    with caplog.at_level("INFO"):
+        five = _train_update(5, "Nesterov", **fields)
+    _close(one, five)
+    _bits(five, _train_update(5, "Nesterov", **fields))
+    clipped = [r.getMessage() for r in caplog.records if "Gradient clipping" in r.getMessage()]
+    assert len(clipped) == (STEPS if "clip_gradients" in fields else 0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_non_finite_loss_stops_before_the_workers_update(replicas):
+    """A NaN in a weight: the run stops on the loss, in one process and with replicas,
+    the weights as they were (the workers are not told to update)."""
+    from minicaffe.solvers import NonFiniteLossError
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, lr_policy="fixed",
+                                   display=0, random_seed=1701, snapshot_after_train=False,
+                                   solver_mode=caffe_pb2.SolverParameter.CPU)
+    text_format.Parse(MULTS % dict(batch=7, loss="", extra="", ip_in="pool"), sp.net_param)
+    s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
+    try:
+        s.net.blobs["data"].data[...] = np.random.RandomState(0).randn(7, 2, 8, 8)
+        s.net.params["ip"][0].data[0, 0] = np.nan
+        before = [b.data.copy() for blobs in s.net.params.values() for b in blobs]
+        with pytest.raises(NonFiniteLossError):
+            s.step(1)
+        after = [b.data.copy() for blobs in s.net.params.values() for b in blobs]
+        assert len(s.replica_pids()) == (replicas if replicas > 1 else 0)
+    finally:
+        s.close()
+    for x, y in zip(before, after):
+        assert np.array_equal(x, y, equal_nan=True)
+
+
+def test_the_history_in_the_shared_file_snapshots_and_restores(tmp_path):
+    """The solver's history lives in the replicas' shared file: a snapshot after 3 steps
+    with replicas, restored in one process and trained 2 more steps, gives one process's
+    5 steps up to rounding."""
+    def solver(replicas, prefix):
+        sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.001,
+                                       lr_policy="fixed", display=0, random_seed=1701,
+                                       snapshot_after_train=False, type="Adam",
+                                       momentum2=0.999, snapshot_prefix=str(prefix),
+                                       solver_mode=caffe_pb2.SolverParameter.CPU)
+        text_format.Parse(MULTS % dict(batch=7, loss="", extra="", ip_in="pool"),
+                          sp.net_param)
+        s = get_solver(sp, config=RunConfig.from_environment(cpu_replicas=replicas))
+        rs = np.random.RandomState(0)
+        s.net.blobs["data"].data[...] = rs.randn(*s.net.blobs["data"].shape)
+        s.net.blobs["label"].data[...] = rs.randint(0, 5, 7)
+        return s
+    s = solver(3, tmp_path / "rep")
+    try:
+        s.step(3)
+        s.snapshot()
+    finally:
+        s.close()
+    resumed = solver(1, tmp_path / "one")
+    resumed.restore(str(tmp_path / "rep_iter_3.solverstate"))
+    resumed.step(2)
+    straight = solver(1, tmp_path / "one")
+    straight.step(5)
+    for a, b in zip(resumed.net.params.values(), straight.net.params.values()):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x.data, y.data, rtol=1e-5, atol=1e-6)
+    resumed.close()
+    straight.close()
+
+
+# -- the InnerProduct weight gradients computed over the whole batch ----------------------
+# 'big' (40 x 128 weights: more than batch 7 x (40 + 128) floats of inputs and top diffs)
+# is gathered; with ``share``, 'big2' shares its weights and neither is
+WIDE = """
+name: "wide"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 7 dim: 2 dim: 8 dim: 8 } shape { dim: 7 } } }
+layer { name: "big" type: "InnerProduct" bottom: "data" top: "big" %(param)s
+  inner_product_param { num_output: 40 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu" type: "ReLU" bottom: "big" top: "big" }
+%(extra)s
+layer { name: "out" type: "InnerProduct" bottom: "%(out_in)s" top: "out"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+"""
+SHARED = dict(param='param { name: "w" } param { name: "b" }', out_in="both", extra="""
+layer { name: "flat" type: "Flatten" bottom: "data" top: "flat" }
+layer { name: "big2" type: "InnerProduct" bottom: "flat" top: "big2"
+  param { name: "w" } param { name: "b" }
+  inner_product_param { num_output: 40 } }
+layer { name: "sum" type: "Eltwise" bottom: "big" bottom: "big2" top: "both" }""")
+
+
+def _train_wide(replicas, callback=None, steps=STEPS, iter_size=1, solver_type="SGD",
+                **net):
+    fields = {"param": "", "extra": "", "out_in": "big", **net}
+    sp = caffe_pb2.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=0.001,
+                                   lr_policy="fixed", display=0, random_seed=1701,
+                                   snapshot_after_train=False, iter_size=iter_size,
+                                   type=solver_type,
+                                   solver_mode=caffe_pb2.SolverParameter.CPU)
+    if solver_type == "Adam":
+        sp.base_lr, sp.momentum2 = 0.01, 0.999
+    text_format.Parse(WIDE % fields, sp.net_param)
+    return _run(sp, replicas, callback, steps)
+
+
+def _gathered_lines(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("CPU replicas: the weight gradient of")]
+
+
+@pytest.mark.parametrize("iter_size,solver_type", [(1, "SGD"), (2, "SGD"), (1, "Adam")])
+def test_a_wide_inner_product_weight_gradient_over_the_whole_batch(iter_size, solver_type,
+                                                                   caplog):
+    """The workers compute 'big''s weight gradient as one product over the batch's
+    inputs and top diffs, each on the rows of its share (4 replicas: a batch of 7 in
+    1+2+2+2): one process's losses, weights and diffs up to rounding; the same bits run to
+    run and with the update in the main process."""
+    one = _train_wide(1, iter_size=iter_size, solver_type=solver_type)
+    with caplog.at_level("INFO"):
+        four = _train_wide(4, iter_size=iter_size, solver_type=solver_type)
+    assert _gathered_lines(caplog) == [
+        "CPU replicas: the weight gradient of 'big' computed over the whole batch by the "
+        "workers, each on its share of the rows"]
+    _close(one, four)
+    _bits(four, _train_wide(4, iter_size=iter_size, solver_type=solver_type))
+    _bits(four, _train_wide(4, callback=_Ready(), iter_size=iter_size,
+                            solver_type=solver_type))
+
+
+def test_shared_inner_product_weights_are_summed_as_the_others(caplog):
+    """Two layers sharing one weight: its gradient has two parts, so it is not gathered;
+    the run is one process's up to rounding."""
+    one = _train_wide(1, **SHARED)
+    with caplog.at_level("INFO"):
+        three = _train_wide(3, **SHARED)
+    assert not _gathered_lines(caplog)
+    _close(one, three)

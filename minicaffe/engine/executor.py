@@ -45,6 +45,8 @@ The protocol, in the order the loop calls it each iteration::
 
 ``rate`` is the learning rate the executor took for this iteration when the Solver must
 log it itself (device modes), else None (the rule logs its own)."""
+import math
+
 from .schedule import schedule_for
 
 
@@ -85,6 +87,7 @@ class Executor:
         self.step = step
         self.replicas = replicas
         self.rate = None
+        self._replica_rate = None   # the rate the replicas' workers update with
         if step is None:
             self.schedule = schedule_for(self.net, solver.param.iter_size)
             self.fused = False
@@ -103,8 +106,8 @@ class Executor:
         return "replayed" if self.step.graphs_on else "device"
 
     def before_iteration(self):
-        if self.step is None:
-            self.net.clear_param_diffs()
+        if self.step is None and (self.replicas is None or self.replicas.update_op is None):
+            self.net.clear_param_diffs()     # (the replicas' first sum overwrites them)
 
     def full(self):
         return self.step is not None and self.step.full()
@@ -123,10 +126,7 @@ class Executor:
 
     def forward_backward(self):
         if self.replicas is not None:
-            loss = 0.0
-            for _ in range(self.solver.param.iter_size):
-                loss += self.replicas.forward_backward()
-            return loss
+            return self._replicas_forward_backward()
         if self.step is None:
             loss = 0.0
             for pass_loss in run_ops(self.schedule, self.net):
@@ -136,12 +136,36 @@ class Executor:
             self.step.forward_backward(first=k == 0, with_update=self.fused)
         return None
 
+    def _replicas_forward_backward(self):
+        """The passes of one iteration across the replicas; the solver's update goes with
+        the last pass's sum into the workers (solvers/shares.py) unless a callback wants
+        the summed gradients first (``on_gradients_ready``), which the update then
+        follows in this process."""
+        s, pool = self.solver, self.replicas
+        self._replica_rate = None
+        if pool.update_op is not None and not any(
+                getattr(cb, "on_gradients_ready", None) for cb in s.callbacks):
+            self._replica_rate = s.get_learning_rate()
+        loss, n = 0.0, s.param.iter_size
+        for k in range(n):
+            update = None
+            if self._replica_rate is not None and k == n - 1 and math.isfinite(loss):
+                update = (self._replica_rate, s.iter)
+            loss += pool.forward_backward(first=k == 0, update=update)
+        return loss
+
     def abandon(self):
         if self.step is not None:
             self.step.abandon()
 
     def update(self):
-        if self.step is None:
+        if self._replica_rate is not None:     # the workers update (or finish it now)
+            s, pool = self.solver, self.replicas
+            s.log_rate(self._replica_rate)
+            if pool.update_pending:
+                pool.finish_update(s.clip_scale(pool.sumsq()))
+            self._replica_rate = None
+        elif self.step is None:
             self.solver.apply_update()
         elif not self.fused:
             self.step.apply_update()

@@ -42,6 +42,24 @@ Contract:
   shares and the machine, not the bits of one process.  The loss and the other outputs
   of the train net are combined the same way (per-sample outputs concatenated) by the
   main process.  Returns the pass's loss.  Nothing is pickled per step.
+- With the solver (``ReplicaPool(..., solver=)``, what ``Solver`` passes; its
+  ``share_update()``, solvers/shares.py): the main net's diffs and the solver's history
+  sets live in the file too, the workers write their shares of the sum straight into
+  the diffs (the first of iter_size passes overwrites them: no clearing), and with
+  ``forward_backward(update=(rate, iteration))`` each then applies the solver's update
+  (normalise, regularise, the rule, ``w -= update``) to its share -- the main process
+  does no pass over the parameters.  Not where the loss is not finite (the solver
+  refuses it with the weights untouched); with clip_gradients each worker adds its
+  share's sum of squares first and ``finish_update(scale)`` sends the scale.  The
+  executor (engine/executor.py) keeps the update in the main process for a step with
+  an ``on_gradients_ready`` callback; the bits are the same either way.  Also with the
+  solver: an InnerProduct layer whose weights outweigh the whole batch's inputs and
+  top diffs (``ReplicaPool._gathered``; LeNet's ip1) has its weight gradient computed
+  once over the batch instead of per replica: each worker writes its slice's inputs and
+  top diffs (times its weight ``w_k``) into the file after that layer's backward (no
+  dense N x K gradient per worker, nothing to clear there), and in the sum message each
+  computes the rows of ``dW = DY^T X`` holding its share's columns (one BLAS product:
+  the same bits run to run for the same ``n``, not those of the per-slice sum).
 - A worker that fails (an exception, a signal, kill -9) ends the pass with a
   MinicaffeError naming the replica, its pid and the cause; the pool is closed first, so
   no process is left.  Workers ignore SIGINT and SIGTERM (the training process decides
@@ -49,10 +67,12 @@ Contract:
   and reaps them; ``pids`` names them.
 """
 import contextlib
+import math
 import multiprocessing
 import os
 import selectors
 import signal
+import struct
 import weakref
 
 import numpy as np
@@ -65,6 +85,10 @@ from ..data.workers import (death_cause, first_messages, main_hidden, map_shared
 START_TIMEOUT = 120.0     # seconds for a worker to start, build its net and map the file
 _ALIGN = 4096
 _LINE = 16                # float32 per cache line (64 bytes): the shares' unit
+# the solver's pass message: b"G" + (flags, rate, clip scale, iteration)
+_G = struct.Struct("<Bddq")
+_SUM, _ACC, _SUMSQ, _UPDATE = 1, 2, 4, 8     # sum the share; into the diffs (+=); its
+#                                               sum of squares; then the update
 
 # layer types that compute each sample from that sample alone (parameters shared),
 # with the field naming their axis where they have one: (parameter field, axis field,
@@ -260,10 +284,11 @@ def _one_thread_env():
                 os.environ[v] = value
 
 
-def start(net, n, config, seed=None, why=None, fallback="training runs in one process"):
-    """``n`` replicas of ``net`` (a ReplicaPool), or None after one warning line saying why
-    not: ``why`` (the caller's reason), a GPU, or ``refusal(net)`` (then ``fallback``
-    says what runs instead)."""
+def start(net, n, config, seed=None, why=None, fallback="training runs in one process",
+          solver=None):
+    """``n`` replicas of ``net`` (a ReplicaPool; ``solver``: the solver training it, see
+    ReplicaPool), or None after one warning line saying why not: ``why`` (the caller's
+    reason), a GPU, or ``refusal(net)`` (then ``fallback`` says what runs instead)."""
     from ..core import context
     if why is None and context.is_gpu():
         why = "CPU mode only; ignored on a GPU"
@@ -274,16 +299,23 @@ def start(net, n, config, seed=None, why=None, fallback="training runs in one pr
     if why is not None:
         log.warning("--replicas %d: %s", n, why)
         return None
-    return ReplicaPool(net, n, config, seed)
+    return ReplicaPool(net, n, config, seed, solver)
 
 
 class ReplicaPool:
     """``n`` worker processes, each running ``net``'s layers on a slice of the batch (see
-    the module docstring)."""
+    the module docstring).  With ``solver`` (whose ``share_update()`` gives the update
+    the workers can run, solvers/shares.py), the net's diffs and the solver's history
+    move into the shared file too and ``forward_backward`` takes ``first``/``update``:
+    the workers sum their shares straight into the diffs and may apply the update."""
 
-    def __init__(self, net, n, config, seed=None):
+    def __init__(self, net, n, config, seed=None, solver=None):
         self.net = net
         self.closed = False
+        op = getattr(solver, "share_update", None)
+        self.update_op = op() if op is not None else None
+        self._history = solver.history_flat if self.update_op is not None else []
+        self._pending = None
         self.procs, self.conns = [], []
         self._selector = None
         self.path = None
@@ -313,7 +345,8 @@ class ReplicaPool:
         for _, _, c, per_sample in self.outputs:
             self.out_offsets.append(o)
             o += c * (big if per_sample else 1)
-        n_results = o
+        self._sumsq_at = o         # the worker's share's sum of squared diffs
+        n_results = o + 1
         # the gradients one after the other, one row each starting on a cache line
         # (``grads``: n x total), their weighted sum (``summed``) and the weights, then
         # the results
@@ -322,6 +355,11 @@ class ReplicaPool:
         s_off = lay.add(total * 4)
         wt_off = lay.add(self.n * 4)
         per = [(g_off + k * stride * 4, lay.add(8 * n_results)) for k in range(self.n)]
+        h_offs = [lay.add(total * 4) for _ in self._history]   # the solver's history sets
+        # the InnerProduct layers whose weight gradient is one product over the batch
+        # (each worker writes its slice's inputs and weighted top diffs)
+        self.gathered = [g + (lay.add(self.batch * g[3] * 4), lay.add(self.batch * g[2] * 4))
+                         for g in (self._gathered(fb) if self.update_op is not None else [])]
         self.shares = shares(total, self.n)
         self.path, self._mm = map_shared_file(lay.size, prefix="minicaffe-replicas")
         buf = np.frombuffer(self._mm, dtype=np.uint8)
@@ -332,6 +370,11 @@ class ReplicaPool:
         _view(buf, wt_off, self.n)[...] = self._weights("loss")
         self.results = [_view(buf, r, n_results, np.float64) for _, r in per]
         self.summers = [k for k, (lo, hi) in enumerate(self.shares) if hi > lo]
+        if self.gathered:
+            log.info("CPU replicas: the weight gradient of %s computed over the whole batch "
+                     "by the workers, each on its share of the rows",
+                     ", ".join(f"'{g[0]}'" for g in self.gathered))
+        self.history = [_view(buf, off, total) for off in h_offs]
         self._attach_weights()
         net_param = self._replica_param()
         cfg = config.replace(cpu_replicas=1, data_workers=0)
@@ -339,10 +382,14 @@ class ReplicaPool:
         try:
             for k, (a, b) in enumerate(self.slices):
                 spec = {"path": self.path, "size": lay.size, "net": net_param, "config": cfg,
-                        "slice": (a, b), "inputs": self.input_specs, "weights": w_off,
+                        "index": k, "slice": (a, b), "inputs": self.input_specs, "weights": w_off,
                         "total": total, "counts": self.counts, "grads": per[k][0],
                         "sum": {"grads": (g_off, stride), "summed": s_off,
-                                "weights": wt_off, "n": self.n, "share": self.shares[k]},
+                                "weights": wt_off, "n": self.n, "share": self.shares[k],
+                                "sumsq": self._sumsq_at},
+                        "update": None if self.update_op is None else
+                        (self.update_op, h_offs),
+                        "gathered": self.gathered, "batch": self.batch,
                         "results": (per[k][1], n_results),
                         "outputs": [(o[0], off) for o, off in zip(self.outputs,
                                                                   self.out_offsets)],
@@ -399,6 +446,30 @@ class ReplicaPool:
                                      "neither a loss, an accuracy nor one value per sample")
         return out
 
+    def _gathered(self, fb):
+        """[(layer name, its weight's offset in the flat buffer, N, K)] of the
+        InnerProduct layers whose weight gradient the workers compute as one product over
+        the whole batch (``dW = sum_k w_k dy_k^T x_k``: the slices' inputs and weighted top
+        diffs side by side, each worker the rows of dW in its share) instead of each
+        worker writing a dense N x K gradient that the sum then reads back: where N * K
+        exceeds batch * (N + K), the floats of the inputs and top diffs of the whole
+        batch (LeNet's ip1, 500 x 800 at batch 64; not CIFAR-10 quick's layers).  Only a
+        layer whose weight (axis 1, not transposed) is its own, learnt, and shared with
+        no other layer."""
+        net, out = self.net, []
+        owners = set(net.param_owners)
+        for pid, (i, j) in enumerate(net.param_layer_indices):
+            layer = net.layers[i]
+            if j != 0 or layer.layer_param.type != "InnerProduct" or layer.transpose or \
+                    net.param_owners[pid] != -1 or pid in owners or \
+                    not layer.get_param_propagate_down(0) or layer.M != self.batch:
+                continue
+            n, k = layer.N, layer.K
+            if n * k > self.batch * (n + k):
+                lid = net.learnable_param_ids[pid]
+                out.append((net.layer_names[i], fb.offsets[lid], n, k))
+        return out
+
     def _replica_param(self):
         """The train net's NetParameter with its data layers as Input layers of the first
         replica's slice (each worker sets its own batch), serialised."""
@@ -420,15 +491,21 @@ class ReplicaPool:
 
     def _attach_weights(self):
         """Move the main net's flat parameter data into the shared file (again after a
-        reshape or a restore replaced it)."""
+        reshape or a restore replaced it); with the solver's update, its diffs (the
+        workers' sum) and the solver's history too."""
         fb = self.net.flat_params()
-        if fb.data.host_array is self.weights:
-            return fb
-        if list(fb.counts) != self.counts:
-            raise MinicaffeError("--replicas: the net's parameters changed shape during "
-                                 "training")
-        self.weights[...] = fb.data.cpu_data()
-        fb.data.set_cpu_data(self.weights)
+        pairs = [(fb.data, self.weights)]
+        if self.update_op is not None:
+            pairs += [(fb.diff, self.summed)] + [(h.data, mine) for h, mine in
+                                                 zip(self._history, self.history)]
+        for mem, shared in pairs:
+            if mem.host_array is shared:
+                continue
+            if list(fb.counts) != self.counts:
+                raise MinicaffeError("--replicas: the net's parameters changed shape during "
+                                     "training")
+            shared[...] = mem.cpu_data()
+            mem.set_cpu_data(shared)
         return fb
 
     @property
@@ -436,9 +513,16 @@ class ReplicaPool:
         return [p.pid for p in self.procs]
 
     # -- one pass -------------------------------------------------------------------------
-    def forward_backward(self):
+    def forward_backward(self, first=True, update=None):
         """One forward and backward over the whole batch (see the module docstring); the
-        gradients are added into the main net's diffs; returns the weighted loss."""
+        gradients are added into the main net's diffs; returns the weighted loss.
+
+        With the solver's update (``update_op``): the workers write their shares of the
+        sum straight into the diffs, over what they hold where ``first`` (the first of
+        iter_size passes: no clearing needed); ``update`` = (rate, iteration): then they
+        apply the solver's update with that rate -- unless the loss is not finite (the
+        solver refuses it, weights untouched), or clip_gradients needs the norm first:
+        then each share's sum of squares is kept and ``finish_update`` applies it."""
         if self.closed:
             raise MinicaffeError("--replicas: the replica processes were stopped")
         net = self.net
@@ -453,18 +537,53 @@ class ReplicaPool:
             shared[...] = blob.cpu_data()
         try:
             self._phase(b"S", range(self.n))       # forward and backward on each slice
-            self._phase(b"A", self.summers)        # each share of sum_k w_k grads[k]
+            loss = 0.0
+            for w, r in zip(self._weights("loss"), self.results):
+                loss += float(w) * float(r[0])
+            if self.update_op is None:
+                self._phase(b"A", self.summers)    # each share of sum_k w_k grads[k]
+            else:
+                flags = _SUM | (0 if first else _ACC)
+                rate, it = update if update is not None else (0.0, 0)
+                if update is not None and math.isfinite(loss):
+                    flags |= _SUMSQ if self.update_op.clips else _UPDATE
+                    self._pending = (rate, it) if self.update_op.clips else None
+                self._phase(b"G" + _G.pack(flags, rate, 1.0, it), self.summers)
         except BaseException:
             self.close()
             raise
-        # added into the diffs (iter_size passes accumulate there)
-        diff = fb.diff.mutable_cpu_data()
-        diff += self.summed
-        loss = 0.0
-        for w, r in zip(self._weights("loss"), self.results):
-            loss += float(w) * float(r[0])
+        if self.update_op is None:
+            # added into the diffs (iter_size passes accumulate there)
+            diff = fb.diff.mutable_cpu_data()
+            diff += self.summed
         self._combine_outputs()
         return loss
+
+    def sumsq(self):
+        """The diffs' sum of squares (float32), added share by share in order: after a
+        pass given ``update`` with clip_gradients set."""
+        total = np.float32(0)
+        for k in self.summers:
+            total = np.float32(total + np.float32(self.results[k][self._sumsq_at]))
+        return total
+
+    @property
+    def update_pending(self):
+        """True after a pass that left the update to ``finish_update``."""
+        return self._pending is not None
+
+    def finish_update(self, scale=None):
+        """The update the last pass left pending (clip_gradients: ``scale``, the factor
+        from ``sumsq()``, None for none), applied by the workers to their shares."""
+        if self._pending is None:
+            return
+        (rate, it), self._pending = self._pending, None
+        msg = b"G" + _G.pack(_UPDATE, rate, 1.0 if scale is None else float(scale), it)
+        try:
+            self._phase(msg, self.summers)
+        except BaseException:
+            self.close()
+            raise
 
     def _weights(self, kind):
         if kind == "loss" and self.mode == "sum":
@@ -560,7 +679,8 @@ def _worker_main(conn, spec):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
-        net, inputs, outputs, results, summing = _worker_net(spec)
+        net, inputs, outputs, results, summing, update, cleared = _worker_net(spec)
+        sumsq_at = spec["sum"]["sumsq"]
     except Exception as e:  # reported by the pool as one line
         conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
         return
@@ -571,15 +691,17 @@ def _worker_main(conn, spec):
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the training process is gone
-        if msg not in (b"S", b"A"):
+        if msg[:1] not in (b"S", b"A", b"G"):
             return
         try:
             if msg == b"A":
                 weighted_sum(*summing)
+            elif msg[:1] == b"G":
+                _solver_pass(msg, summing, update, results, sumsq_at)
             else:
                 for blob, shared in inputs:
                     blob.mutable_cpu_data()[...] = shared[a:b]
-                net.clear_param_diffs()
+                _clear(net, cleared)
                 results[0] = net.forward_backward()
                 for blob, o in outputs:
                     results[o:o + blob.count()] = blob.cpu_data().reshape(-1)
@@ -625,6 +747,113 @@ def _worker_net(spec):
     (g_off, stride), n, (lo, hi) = s["grads"], s["n"], s["share"]
     rows = _view(buf, g_off, n * stride).reshape(n, stride)[:, lo:hi]
     weights = [np.float32(w) for w in _view(buf, s["weights"], n)]
-    summing = (weights, rows, _view(buf, s["summed"], spec["total"])[lo:hi],
-               np.empty(hi - lo, np.float32))
-    return net, inputs, outputs, results, summing
+    summed = _view(buf, s["summed"], spec["total"])
+    summing = (weights, rows, summed[lo:hi], np.empty(hi - lo, np.float32))
+    update, cleared = None, None
+    if spec["update"] is not None:      # the solver's update of this share
+        op, h_offs = spec["update"]
+        apply, sumsq = op.bind(_view(buf, spec["weights"], spec["total"]), summed,
+                               [_view(buf, off, spec["total"]) for off in h_offs], lo, hi)
+        parts, cleared = _gather(net, spec, buf, weights[spec["index"]], rows, summed)
+        update = (apply, sumsq, parts)
+    return net, inputs, outputs, results, summing, update, cleared
+
+
+def _clear(net, ranges):
+    """The worker's parameter diffs zeroed before its pass: all of them, or only
+    ``ranges`` (those not gathered: the gathered weights' diffs are never written)."""
+    if ranges is None:
+        net.clear_param_diffs()
+        return
+    diff = net.flat_params().diff.mutable_cpu_data()
+    for lo, hi in ranges:
+        diff[lo:hi] = 0
+
+
+def _gather(net, spec, buf, w, rows, summed):
+    """The gathered layers (``ReplicaPool._gathered``) in this worker: their weights'
+    gradients no longer computed by the layer; an after-backward hook writing the
+    slice's inputs and top diffs times ``w`` into the shared arrays.  Returns this
+    share's work for the solver's sum message -- [("sum", rows, out, tmp, acc)] over
+    the columns not gathered, [("gemm", dy, x, out, scratch, start)] over those of the
+    gathered weights -- and the diff ranges a pass must clear (None: all)."""
+    a, b = spec["slice"]
+    lo, hi = spec["sum"]["share"]
+    batch, total = spec["batch"], spec["total"]
+    skip, work, hooks = [], [], {}
+    for name, off, n, k, x_off, dy_off in spec["gathered"]:
+        i = net.layer_names.index(name)
+        net.layers[i].set_param_propagate_down(0, False)
+        x = _view(buf, x_off, batch * k).reshape(batch, k)
+        dy = _view(buf, dy_off, batch * n).reshape(batch, n)
+        hooks[i] = (x[a:b], dy[a:b])
+        skip.append((off, off + n * k))
+        c0, c1 = max(lo, off), min(hi, off + n * k)
+        if c0 < c1:     # the rows [r0, r1) of dW that hold this share's columns
+            r0, r1 = (c0 - off) // k, -(-(c1 - off) // k)
+            work.append(("gemm", dy[:, r0:r1], x, summed[c0:c1],
+                         np.empty((r1 - r0, k), np.float32), c0 - off - r0 * k))
+
+    def after_backward(i):
+        if i in hooks:
+            x, dy = hooks[i]
+            x[...] = net.bottom_vecs[i][0].cpu_data().reshape(x.shape)
+            np.multiply(net.top_vecs[i][0].cpu_diff().reshape(dy.shape), w, out=dy)
+    if not hooks:
+        return [("sum",) + _sum_part(rows, summed, lo, hi)], None
+    net.add_hook("after_backward", after_backward)
+    keep, start = [], 0       # [start, end) ranges of the flat buffer not gathered
+    for s0, s1 in sorted(skip):
+        if s0 > start:
+            keep.append((start, s0))
+        start = s1
+    if start < total:
+        keep.append((start, total))
+    for k0, k1 in keep:
+        c0, c1 = max(lo, k0), min(hi, k1)
+        if c0 < c1:
+            work.append(("sum",) + _sum_part(rows, summed, c0, c1, lo))
+    return work, keep
+
+
+def _sum_part(rows, summed, c0, c1, lo=None):
+    """The reduce-scatter's work on columns [c0, c1) (``rows``: the share's columns of
+    every replica's gradients, starting at ``lo``)."""
+    lo = c0 if lo is None else lo
+    return (rows[:, c0 - lo:c1 - lo], summed[c0:c1], np.empty(c1 - c0, np.float32),
+            np.empty(c1 - c0, np.float32))
+
+
+def _share_sum(work, weights, accumulate):
+    """This share of the gradients' sum into the diffs (added to them where
+    ``accumulate``): the weighted sum over the replicas' rows, and the gathered
+    weights' rows of dW = DY^T X (one product over the whole batch)."""
+    for item in work:
+        if item[0] == "sum":
+            _, rows, out, tmp, acc = item
+            if accumulate:
+                weighted_sum(weights, rows, acc, tmp)
+                np.add(out, acc, out=out)
+            else:
+                weighted_sum(weights, rows, out, tmp)
+        else:
+            _, dy, x, out, scratch, start = item
+            np.matmul(dy.T, x, out=scratch)
+            part = scratch.reshape(-1)[start:start + out.size]
+            if accumulate:
+                np.add(out, part, out=out)
+            else:
+                out[...] = part
+
+
+def _solver_pass(msg, summing, update, results, sumsq_at):
+    """The message b"G": this share of sum_k w_k grads[k] into the diffs (or added to
+    them), its sum of squares, the solver's update of the share (``_G``'s flags)."""
+    flags, rate, scale, it = _G.unpack(msg[1:])
+    apply, sumsq, work = update
+    if flags & _SUM:
+        _share_sum(work, summing[0], flags & _ACC)
+    if flags & _SUMSQ:
+        results[sumsq_at] = float(sumsq())
+    if flags & _UPDATE:
+        apply(rate, it, scale)

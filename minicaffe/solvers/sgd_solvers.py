@@ -68,7 +68,7 @@ def solver_class(name, source="solver"):
 
 # the steps of the array-side update that the fused GPU kernel does all of
 _FUSED_STEPS = ("apply_update", "clip_gradients", "normalize", "regularize",
-                "compute_update_value", "_update_inputs", "_local_rate")
+                "compute_update_value", "_update_inputs", "_local_rate", "update_params")
 
 
 class SGDSolver(Solver):
@@ -131,12 +131,20 @@ class SGDSolver(Solver):
 
     # -- the update ---------------------------------------------------------------------
     def apply_update(self):
-        p = self.param
         rate = self.get_learning_rate()
+        self.log_rate(rate)
+        self.clip_gradients()
+        self.update_params(context.xp(), rate)
+
+    def log_rate(self, rate):
+        """Caffe's "Iteration N, lr = ..." line, at the display iterations."""
+        p = self.param
         if self.root and p.display and self.iter % p.display == 0:
             log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
-        self.clip_gradients()
-        xp = context.xp()
+
+    def update_params(self, xp, rate):
+        """After the clipping: each learnable parameter's normalisation, regularisation and
+        rule, then ``w -= update``."""
         for i in range(len(self.net.learnable_params)):
             self.normalize(xp, i)
             self.regularize(xp, i)
@@ -144,21 +152,37 @@ class SGDSolver(Solver):
         self.net.update()
 
     def clip_gradients(self):
-        clip = np.float32(self.param.clip_gradients)
-        if clip < 0:
+        if np.float32(self.param.clip_gradients) < 0:
             return
         params = self.net.learnable_params
-        sumsq = np.float32(0)
-        for b in params:
-            sumsq = np.float32(sumsq + np.float32(b.sumsq_diff()))
-        l2norm = np.float32(math.sqrt(sumsq))
-        if l2norm > clip:
-            scale = np.float32(clip / l2norm)
-            if self.root:
-                log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale "
-                         "factor %s", _fmt(l2norm), _fmt(clip), _fmt(scale))
+        scale = self.clip_scale(sumsq_diffs(params))
+        if scale is not None:
             for b in params:
                 b.scale_diff(scale)
+
+    def clip_scale(self, sumsq):
+        """The factor clip_gradients scales every diff by, given the diffs' sum of squares
+        (float32), logged as Caffe logs it; None when the norm is within the clip."""
+        clip = np.float32(self.param.clip_gradients)
+        l2norm = np.float32(math.sqrt(sumsq))
+        if not l2norm > clip:
+            return None
+        scale = np.float32(clip / l2norm)
+        if self.root:
+            log.info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale "
+                     "factor %s", _fmt(l2norm), _fmt(clip), _fmt(scale))
+        return scale
+
+    def share_update(self):
+        """This solver's update for the CPU replicas' workers, each on its share of the
+        flat buffers (solvers/shares.py; engine/replicas.py runs it), or None where only
+        this process can run it: a solver class of the user's own (a worker could not
+        import it), or loss scaling."""
+        if type(self) is not _SOLVERS.get(self.type) or \
+                type(self).__module__ != __name__ or self.loss_scaler is not None:
+            return None
+        from .shares import ShareUpdate
+        return ShareUpdate(self)
 
     def normalize(self, xp, i):
         if self.param.iter_size == 1:
@@ -437,6 +461,15 @@ class AdamSolver(SGDSolver):
 
 
 register_solver("SGD")(SGDSolver)
+
+
+def sumsq_diffs(blobs):
+    """The diffs' sum of squares as clip_gradients adds it: each blob's, in order, in
+    float32."""
+    sumsq = np.float32(0)
+    for b in blobs:
+        sumsq = np.float32(sumsq + np.float32(b.sumsq_diff()))
+    return sumsq
 
 
 def get_solver(source, **kwargs):

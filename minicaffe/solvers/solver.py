@@ -394,7 +394,8 @@ class Solver:
             why = "not split: loss scaling runs in one process"
         seed = self.param.random_seed if self.param.random_seed >= 0 else None
         pool = None if why is not None and not self.root else \
-            replicas.start(self.net, n, self.config, seed, why=why)   # says why not
+            replicas.start(self.net, n, self.config, seed, why=why,   # says why not
+                           solver=self)
         self._replicas = pool
         self._replicas_refused = pool is None
         return pool
