@@ -96,21 +96,26 @@ def test_max_pooling_makes_no_mask_sized_temporaries(n):
     x = np.random.RandomState(5).randn(100, 32, 32, 32).astype(np.float32)
     y = np.empty((100, 32, 16, 16), np.float32)
     dx = np.empty_like(x)
+    # which pool thread takes which chunk is not fixed: on a loaded machine one thread
+    # can take both chunks of a call, and the other makes its scratch at a later call --
+    # so the steady state is the least of the calls after the first (the defect: every
+    # call's temporaries, whatever the call)
+    fwd, bwd = [], []
     try:
         threads.set_kernel_threads(n)
-        for _ in range(2):
+        for _ in range(5):
             tracemalloc.start()
             _, mask = pooling.max_pool_forward(x, 3, 2, out=y)
-            forward = tracemalloc.get_traced_memory()[1]
+            fwd.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()
             tracemalloc.start()
             pooling.max_pool_backward(y, mask, x.shape, out=dx)
-            backward = tracemalloc.get_traced_memory()[1]
+            bwd.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()
     finally:
         threads.set_kernel_threads(1)
-    assert forward < 1.2 * mask.nbytes, (forward, mask.nbytes)
-    assert backward < 0.2 * mask.nbytes, (backward, mask.nbytes)
+    assert min(fwd[1:]) < 1.2 * mask.nbytes, (fwd, mask.nbytes)
+    assert min(bwd[1:]) < 0.2 * mask.nbytes, (bwd, mask.nbytes)
 
 
 def test_cifar10_quick_training_steps_with_two_threads_match_one_thread(monkeypatch):
