@@ -290,7 +290,7 @@ def usable_cpus():
 def auto_replicas(cpus=None):
     """``--replicas auto``: the usable CPUs (``usable_cpus()``) less one for the main
     process, at least 1 (one process, no workers).  On the 16-CPU Xeon 16 replicas beside
-    the main process were preempted each step (LeNet's step 9.5-10.9 ms), 15 were not
+    the main process were preempted each step (LeNet's step 9.5 ms), 15 were not
     (5.9 ms): docs/performance.md, "CPU replicas"."""
     return max(1, (usable_cpus() if cpus is None else int(cpus)) - 1)
 

@@ -312,7 +312,7 @@ def warn_oversubscribed(n, cpus=None):
     if n + 1 <= cpus:
         return False
     log.warning("--replicas %d: the main process and %d workers share %d CPU(s), so workers "
-                "are preempted each step (16 replicas on 16 CPUs: LeNet's step 9.5-10.9 ms, "
+                "are preempted each step (16 replicas on 16 CPUs: LeNet's step 9.5 ms, "
                 "15: 5.9 ms); --replicas auto = %d here", n, n, cpus, auto_replicas(cpus))
     return True
 
