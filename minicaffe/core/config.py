@@ -290,8 +290,8 @@ def usable_cpus():
 def auto_replicas(cpus=None):
     """``--replicas auto``: the usable CPUs (``usable_cpus()``) less one for the main
     process, at least 1 (one process, no workers).  On the 16-CPU Xeon 16 replicas beside
-    the main process were preempted each step (LeNet's step 9.5 ms), 15 were not
-    (5.9 ms): docs/performance.md, "CPU replicas"."""
+    the main process lost a CPU each step (1.0-1.4 preempted; LeNet's step 9.5 ms), 15
+    seldom (0.23; 5.9 ms): docs/performance.md, "On 16 cores"."""
     return max(1, (usable_cpus() if cpus is None else int(cpus)) - 1)
 
 
