@@ -94,7 +94,7 @@ flags:
   --replicas N         train/time/bench (CPU): split each iteration's batch across N worker
                        processes of one thread each, their gradients summed before one
                        update (default 1: one process; auto: the usable CPUs less one for
-                       the main process; docs/cli.md#cpu-replicas---replicas-n)
+                       the main process, 2 on two; docs/cli.md#cpu-replicas---replicas-n)
   --quiet              print only the progress (display lines, test scores) and the result,
                        and warnings; a --log file still gets every line
   --minloglevel N      glog's: 0 INFO (default), 1 WARNING, 2 ERROR (as GLOG_minloglevel)

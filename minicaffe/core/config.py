@@ -24,8 +24,8 @@ the Solver, which hands it to its Nets, which hand it to their layers (``Layer.c
   nvImageCodec (``--gpu_decode``; False: the CPU workers decode, the default);
 - ``cpu_replicas``: CPU mode: the training iteration's batch split across this many
   worker processes of one thread each, their gradients summed before one update
-  (``--replicas N``; engine/replicas.py; 1, the default: one process; ``"auto"``: the
-  usable CPUs less one, ``auto_replicas()``, logged once).  Ignored on a GPU.
+  (``--replicas N``; engine/replicas.py; 1, the default: one process; ``"auto"``:
+  ``auto_replicas()``, the usable CPUs less one (2 on two), logged once).  Ignored on a GPU.
 
 Caffe has no such object (its settings are flags and the process-wide ``Caffe`` singleton);
 PyTorch keeps them in ``torch.backends`` flags.  Unset fields take the environment's values
@@ -289,14 +289,18 @@ def usable_cpus():
 
 def auto_replicas(cpus=None):
     """``--replicas auto``: the usable CPUs (``usable_cpus()``) less one for the main
-    process, at least 1 (one process, no workers).  On the 16-CPU Xeon 16 replicas beside
-    the main process lost a CPU each step (1.0-1.4 preempted; LeNet's step 9.5 ms), 15
-    seldom (0.23; 5.9 ms): docs/performance.md, "On 16 cores"."""
-    return max(1, (usable_cpus() if cpus is None else int(cpus)) - 1)
+    process, except on two CPUs, where it is 2 (and on one, 1: one process, no workers).
+    Measured (docs/performance.md, "On 16 cores" and the 2-CPU paragraph after it): on the
+    16-CPU Xeon 16 replicas beside the main process lost a CPU each step (1.0-1.4 workers
+    preempted; LeNet's step 9.5 ms), 15 seldom (0.23; 5.9 ms); on the 2-CPU machine 3
+    replicas likewise (1.5 preempted, 10.1-10.6 ms), while 2 were preempted 0.3 times a
+    step and took 6.7-7.0 ms against one process's 10.5-10.8."""
+    cpus = usable_cpus() if cpus is None else int(cpus)
+    return max(1, cpus if cpus <= 2 else cpus - 1)
 
 
 _REPLICAS_EXPECTED = ("expected a whole number of worker processes, at least 1 (1: one "
-                      "process), or auto (the usable CPUs less one)")
+                      "process), or auto (the usable CPUs less one for the main process)")
 
 
 def check_replicas(n, what="--replicas"):
@@ -322,8 +326,10 @@ def describe_auto_replicas():
     cpus = usable_cpus()
     n = auto_replicas(cpus)
     if n == 1:
-        return (f"replicas: auto = 1 ({cpus} CPU{'s' if cpus > 1 else ''}, one for the main "
-                "process: one process, no workers)")
+        return "replicas: auto = 1 (1 CPU: one process, no workers)"
+    if n == cpus:
+        return (f"replicas: auto = {n} ({cpus} CPUs: with two workers the main process "
+                "mostly waits)")
     return f"replicas: auto = {n} ({cpus} CPUs, one for the main process)"
 
 
