@@ -93,7 +93,8 @@ flags:
                        on one (docs/cli.md#cpu-threads)
   --replicas N         train/time/bench (CPU): split each iteration's batch across N worker
                        processes of one thread each, their gradients summed before one
-                       update (default 1: one process; docs/cli.md#cpu-threads)
+                       update (default 1: one process; auto: the usable CPUs less one for
+                       the main process, 2 on two; docs/cli.md#cpu-replicas---replicas-n)
   --quiet              print only the progress (display lines, test scores) and the result,
                        and warnings; a --log file still gets every line
   --minloglevel N      glog's: 0 INFO (default), 1 WARNING, 2 ERROR (as GLOG_minloglevel)
@@ -172,7 +173,7 @@ FLAGS = {
     "dashboard": ("str", ""),
     "tensorboard": ("str", ""),
     "threads": ("int", 0),
-    "replicas": ("int", 1),
+    "replicas": ("str", 1),     # a count or "auto" (config.check_replicas)
     "quiet": ("bool", False),
     "minloglevel": ("int", 0),
     "data_workers": ("int", -1),
@@ -1137,7 +1138,8 @@ def _run_command(command, flags, argv, stream):
         offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None,
         **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}),
         gpu_decode=bool(flags.gpu_decode), precision=flags.precision or None,
-        cpu_replicas=flags.replicas)
+        cpu_replicas=flags.replicas)        # "auto" is resolved (and said) there
+    flags.replicas = flags.run_config.cpu_replicas
     if command == "train":
         rc = train(flags, stream)
     else:

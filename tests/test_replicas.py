@@ -267,16 +267,66 @@ def test_no_room_in_dev_shm_is_one_line(monkeypatch):
 
 
 def test_run_config_refuses_a_bad_count():
-    for bad in (0, -2, "many", 1.5, True):
+    for bad in (0, -2, "many", "", 1.5, True):
         with pytest.raises(ConfigError, match="expected a whole number of worker processes"):
             RunConfig(cpu_replicas=bad)
     assert RunConfig(cpu_replicas="3").cpu_replicas == 3
 
 
+def _cpus(monkeypatch, n, affinity=True):
+    """This process may run on ``n`` CPUs (its affinity mask; or, ``affinity=False``, a
+    system without ``sched_getaffinity`` whose ``cpu_count`` is ``n``)."""
+    if affinity:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+    else:
+        monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+        monkeypatch.setattr(os, "cpu_count", lambda: n)
+
+
+@pytest.mark.parametrize("cpus,affinity,auto", [
+    (16, True, 15), (3, True, 2), (2, True, 2), (1, True, 1), (8, False, 7), (1, False, 1)])
+def test_auto_is_the_usable_cpus_less_one(monkeypatch, caplog, cpus, affinity, auto):
+    """``auto``: the CPUs of the affinity mask (else cpu_count) less one for the main
+    process, but 2 on two CPUs (measured faster than one process there, where 3 were
+    slower) and 1 on one (one process); said once, when the RunConfig is made."""
+    from minicaffe.core.config import auto_replicas, usable_cpus
+    _cpus(monkeypatch, cpus, affinity)
+    if affinity:
+        monkeypatch.setattr(os, "cpu_count", lambda: 64)      # the mask wins
+    assert usable_cpus() == cpus and auto_replicas() == auto
+    with caplog.at_level("INFO"):
+        config = RunConfig(cpu_replicas=" Auto ")
+        assert config.cpu_replicas == auto
+        assert config.replace(tf32=True).cpu_replicas == auto
+    said = [r.getMessage() for r in caplog.records if "auto" in r.getMessage()]
+    assert said == [{1: "replicas: auto = 1 (1 CPU: one process, no workers)",
+                     2: "replicas: auto = 2 (2 CPUs: with two workers the main process "
+                        "mostly waits)"}.get(cpus, f"replicas: auto = {auto} ({cpus} CPUs, "
+                                                   "one for the main process)")]
+
+
+@pytest.mark.parametrize("n,cpus,warned", [(15, 16, False), (16, 16, True), (20, 16, True),
+                                           (2, 3, False), (3, 3, True), (2, 2, False),
+                                           (3, 2, True), (1, 1, False), (2, 1, True)])
+def test_the_warning_when_the_replicas_outnumber_the_cpus(monkeypatch, caplog, n, cpus,
+                                                          warned):
+    from minicaffe.engine.replicas import warn_oversubscribed
+    _cpus(monkeypatch, cpus)
+    assert warn_oversubscribed(n) is warned
+    lines = _warnings(caplog)
+    assert len(lines) == warned
+    if warned:
+        assert lines[0].startswith(f"--replicas {n}: the main process and {n} workers share "
+                                   f"{cpus} CPU(s), so workers are preempted each step")
+        assert lines[0].endswith(f"--replicas auto = {cpus if cpus <= 2 else cpus - 1} here")
+
+
 @pytest.mark.parametrize("value,words", [
     ("0", "--replicas 0: expected a whole number of worker processes, at least 1"),
     ("-2", "--replicas -2: expected a whole number"),
-    ("many", "illegal value 'many' specified for int32 flag 'replicas'"),
+    ("many", "--replicas 'many': expected a whole number of worker processes, at least 1 "
+             "(1: one process), or auto (the usable CPUs less one for the main process)"),
+    ("2.5", "--replicas '2.5': expected a whole number"),
     ("100000", "more than 4x")])
 def test_bad_replicas_is_one_line(cli, tmp_path, value, words):
     _setup(tmp_path)
@@ -314,15 +364,39 @@ def test_train_with_replicas_gives_the_weights_of_one_process(cli, tmp_path):
     assert not multiprocessing.active_children()
 
 
-def test_time_with_replicas(cli, tmp_path):
+@pytest.mark.parametrize("value,cpus", [("2", 1), ("auto", 3)])
+def test_time_with_replicas(cli, tmp_path, monkeypatch, value, cpus):
+    """Two replicas, given on 1 CPU (one warning line: three processes on one CPU) or
+    ``auto`` on 3 (said once; no warning)."""
     _setup(tmp_path)
+    _cpus(monkeypatch, cpus)
     rc, out, err = cli("time", "--model", "net.prototxt", "--iterations", "2",
-                       "--replicas", "2")
+                       "--replicas", value)
     assert rc == 0, err
     msgs = _messages(err)
     assert any(m.startswith("CPU replicas: 2 worker processes") for m in msgs)
     assert any(m.startswith("Average Forward-Backward (2 replicas): ") for m in msgs), msgs
+    said = [m for m in msgs if m.startswith("replicas: auto")]
+    warned = [m for m in msgs if "workers share" in m]
+    if value == "auto":
+        assert said == ["replicas: auto = 2 (3 CPUs, one for the main process)"] and \
+            not warned, msgs
+    else:
+        assert not said and len(warned) == 1 and warned[0].startswith(
+            "--replicas 2: the main process and 2 workers share 1 CPU(s)"), msgs
     assert not multiprocessing.active_children()
+
+
+def test_auto_on_one_cpu_is_one_process(cli, tmp_path, monkeypatch):
+    _setup(tmp_path)
+    _cpus(monkeypatch, 1)
+    rc, out, err = cli("time", "--model", "net.prototxt", "--iterations", "1",
+                       "--replicas", "auto")
+    assert rc == 0, err
+    msgs = _messages(err)
+    assert "replicas: auto = 1 (1 CPU: one process, no workers)" in msgs
+    assert not any(m.startswith("CPU replicas") or m.startswith("--replicas") for m in msgs)
+    assert any(m.startswith("Average Forward-Backward: ") for m in msgs), msgs
 
 
 def test_bench_with_replicas(cli, tmp_path, monkeypatch):

@@ -6,6 +6,7 @@
     python examples/mnist/train_lenet.py --max_iter 500  # a quick run
     python examples/mnist/train_lenet.py --quiet         # progress, test scores, result only
     python examples/mnist/train_lenet.py --replicas 2    # each batch across 2 CPU processes
+    python examples/mnist/train_lenet.py --replicas auto # a worker per CPU but the main one
     python examples/mnist/train_lenet.py --solver examples/mnist/lenet_solver_adam.prototxt
 
 It does what Caffe's data/mnist/get_mnist.sh, examples/mnist/create_mnist.sh and
@@ -17,7 +18,7 @@ prototxts are relative to it, as in Caffe):
    package that ship it);
 2. examples/mnist/mnist_train_lmdb and mnist_test_lmdb (skipped when present);
 3. ``minicaffe train --solver examples/mnist/lenet_solver.prototxt`` plus any other
-   flags given here (--gpu, --log, --snapshot, --quiet, --threads N, --replicas N,
+   flags given here (--gpu, --log, --snapshot, --quiet, --threads N, --replicas N|auto,
    ...).  ``--max_iter N`` runs a copy of the solver with max_iter (and, if larger,
    test_interval and snapshot) set to N.
 """

@@ -24,7 +24,8 @@ the Solver, which hands it to its Nets, which hand it to their layers (``Layer.c
   nvImageCodec (``--gpu_decode``; False: the CPU workers decode, the default);
 - ``cpu_replicas``: CPU mode: the training iteration's batch split across this many
   worker processes of one thread each, their gradients summed before one update
-  (``--replicas N``; engine/replicas.py; 1, the default: one process).  Ignored on a GPU.
+  (``--replicas N``; engine/replicas.py; 1, the default: one process; ``"auto"``:
+  ``auto_replicas()``, the usable CPUs less one (2 on two), logged once).  Ignored on a GPU.
 
 Caffe has no such object (its settings are flags and the process-wide ``Caffe`` singleton);
 PyTorch keeps them in ``torch.backends`` flags.  Unset fields take the environment's values
@@ -277,22 +278,59 @@ def offload_settings(net_param, config=None):
     return policy, budget
 
 
+def usable_cpus():
+    """The CPUs this process may run on: its affinity mask (``os.sched_getaffinity``, which
+    a container's or ``taskset``'s limit narrows), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_replicas(cpus=None):
+    """``--replicas auto``: the usable CPUs (``usable_cpus()``) less one for the main
+    process, except on two CPUs, where it is 2 (and on one, 1: one process, no workers).
+    Measured (docs/performance.md, "On 16 cores" and the 2-CPU paragraph after it): on the
+    16-CPU Xeon 16 replicas beside the main process lost a CPU each step (1.0-1.4 workers
+    preempted; LeNet's step 9.5 ms), 15 seldom (0.23; 5.9 ms); on the 2-CPU machine 3
+    replicas likewise (1.5 preempted, 10.1-10.6 ms), while 2 were preempted 0.3 times a
+    step and took 6.7-7.0 ms against one process's 10.5-10.8."""
+    cpus = usable_cpus() if cpus is None else int(cpus)
+    return max(1, cpus if cpus <= 2 else cpus - 1)
+
+
+_REPLICAS_EXPECTED = ("expected a whole number of worker processes, at least 1 (1: one "
+                      "process), or auto (the usable CPUs less one for the main process)")
+
+
 def check_replicas(n, what="--replicas"):
     """``n`` (CPU worker processes of one training iteration) as a positive int, or a
-    ConfigError naming ``what``."""
+    ConfigError naming ``what``.  ``"auto"`` is ``auto_replicas()``."""
     if isinstance(n, str):
+        if n.strip().lower() == "auto":
+            return auto_replicas()
         try:
             n = int(n.strip())
         except ValueError:
-            raise ConfigError(f"{what} {n!r}: expected a whole number of worker processes, "
-                              "at least 1 (1: one process)") from None
+            raise ConfigError(f"{what} {n!r}: {_REPLICAS_EXPECTED}") from None
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"{what} {n!r}: expected a whole number of worker processes, at "
-                          "least 1 (1: one process)")
+        raise ConfigError(f"{what} {n!r}: {_REPLICAS_EXPECTED}")
     limit = 4 * (os.cpu_count() or 1)
     if n > limit:
         raise ConfigError(f"{what} {n}: more than 4x this machine's {os.cpu_count()} CPU(s)")
     return n
+
+
+def describe_auto_replicas():
+    """The line that says what ``--replicas auto`` resolved to here."""
+    cpus = usable_cpus()
+    n = auto_replicas(cpus)
+    if n == 1:
+        return "replicas: auto = 1 (1 CPU: one process, no workers)"
+    if n == cpus:
+        return (f"replicas: auto = {n} ({cpus} CPUs: with two workers the main process "
+                "mostly waits)")
+    return f"replicas: auto = {n} ({cpus} CPUs, one for the main process)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +350,9 @@ class RunConfig:
     cpu_replicas: int = 1
 
     def __post_init__(self):
+        if isinstance(self.cpu_replicas, str) and self.cpu_replicas.strip().lower() == "auto":
+            from . import log
+            log.info("%s", describe_auto_replicas())
         object.__setattr__(self, "cpu_replicas", check_replicas(self.cpu_replicas))
         if self.precision is not None:
             from .precision import parse_precision

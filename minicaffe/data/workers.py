@@ -40,6 +40,7 @@ from multiprocessing import connection
 
 import numpy as np
 
+from ..core.config import usable_cpus
 from ..core.errors import MinicaffeError
 
 ENV = "MINICAFFE_DECODE_THREADS"
@@ -165,17 +166,10 @@ def requested_workers(field_set, field_value, config=None):
     return None, None
 
 
-def usable_cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def default_workers(solver_count=1):
     """The cores less two (the training thread and the prefetch thread), divided among the
     solvers of this machine, at least 1 and at most 16."""
-    return max(1, min(16, (usable_cores() - 2) // max(1, int(solver_count))))
+    return max(1, min(16, (usable_cpus() - 2) // max(1, int(solver_count))))
 
 
 # -- the worker process -------------------------------------------------------------------
