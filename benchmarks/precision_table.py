@@ -2,7 +2,12 @@
 PyTorch's three ways, per net, each configuration in a fresh process, in one run.
 
     python3 benchmarks/precision_table.py --gpu 0 [--nets lenet,cifar10_quick,alexnet,vgg16,resnet50]
+        [--configs mc-fp32,mc-tf32,mc-bf16,mc-fp16,torch-fp32,torch-defaults,torch-bf16]
         [--iterations 10] [--repeats 5] [--warmup 3] [--json FILE] [--timeout 300]
+
+``--configs`` runs only the configurations named (all by default), the others' cells
+printed as "-": a change to the reduced types re-measures their rows without the fp32
+ones (VGG-16 and ResNet-50 take several minutes each in full).
 
 Nets (the model's TRAIN net on synthetic inputs, SGD momentum 0.9, as ``minicaffe
 bench``): LeNet b64, CIFAR-10 quick b100, AlexNet b128, VGG-16 b64, ResNet-50 b64.
@@ -45,6 +50,7 @@ NETS = [("lenet", "LeNet", "models/lenet/train_val.prototxt", 64),
 MC = ["fp32", "tf32", "bf16", "fp16"]
 TORCH = ["fp32", "defaults", "bf16"]
 LABEL = {"mc": "minicaffe", "torch": "PyTorch"}
+CONFIGS = [f"mc-{m}" for m in MC] + [f"torch-{m}" for m in TORCH]
 
 
 class UserError(Exception):
@@ -60,6 +66,17 @@ def parse_nets(text):
     if not keys:
         raise UserError("--nets: give at least one net")
     return [known[k] for k in keys]
+
+
+def parse_configs(text):
+    """{(kind, mode)} of ``--configs`` (names of CONFIGS, comma-separated)."""
+    names = [c for c in text.split(",") if c]
+    for c in names:
+        if c not in CONFIGS:
+            raise UserError(f"--configs: unknown configuration '{c}' (of {', '.join(CONFIGS)})")
+    if not names:
+        raise UserError("--configs: give at least one configuration")
+    return {tuple(c.split("-", 1)) for c in names}
 
 
 def mc_command(args, model, batch, mode, out_json):
@@ -140,11 +157,16 @@ def figures(kind, mode, report):
             "eager_peak_mib": report["eager"]["peak_bytes"] / mib}
 
 
+SKIPPED = "skipped"     # a configuration --configs left out (its cell: "-")
+
+
 def _fmt(cell, key, spec):
     """A cell's figure; minicaffe's time marked "(eager)" where its step was not replayed
     as a CUDA graph (a capture that failed falls back to the eager step: say so)."""
     if cell is None:
         return "fail"
+    if cell == SKIPPED:
+        return "-"
     eager = key == "ms" and cell.get("cuda_graph") is False
     return format(cell[key], spec) + (" (eager)" if eager else "")
 
@@ -156,7 +178,7 @@ def _rows(rows, key, spec):
     for name, batch, cells in rows:
         mc = [_fmt(cells.get(("mc", m)), key, spec) for m in MC]
         bf = cells.get(("torch", "bf16"))
-        bf_cell = "fail" if bf is None else \
+        bf_cell = "fail" if bf is None else "-" if bf == SKIPPED else \
             f"{format(bf['eager_' + key], spec)} / {format(bf[key], spec)}"
         out.append(f"| {name} b{batch} | " + " | ".join(mc) + " | " +
                    f"{_fmt(cells.get(('torch', 'fp32')), key, spec)} | "
@@ -195,6 +217,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--nets", default=",".join(n[0] for n in NETS))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
@@ -209,6 +232,7 @@ def main(argv=None):
         return worker(args)
     try:
         nets = parse_nets(args.nets)
+        configs = parse_configs(args.configs)
         for name in ("iterations", "repeats", "timeout"):
             if getattr(args, name) < 1:
                 raise UserError(f"--{name} must be at least 1")
@@ -226,6 +250,9 @@ def main(argv=None):
             cells = {}
             for kind, modes, make in (("mc", MC, mc_command), ("torch", TORCH, torch_command)):
                 for mode in modes:
+                    if (kind, mode) not in configs:
+                        cells[(kind, mode)] = SKIPPED
+                        continue
                     out_json = os.path.join(tmp, f"{key}_{kind}_{mode}.json")
                     got, why = run_one(make(args, model, batch, mode, out_json), args.timeout)
                     if got is None:

@@ -76,3 +76,31 @@ def test_a_wrong_flag_or_no_gpu_is_one_line_and_nothing_runs(monkeypatch, capsys
     assert m.main(["--gpu", "99", "--nets", "lenet"]) == 2     # no GPU 99 (or no torch/CUDA)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("precision_table: error: ")
+
+
+def test_configs_runs_only_the_named_configurations(monkeypatch, capsys):
+    m = _table_module()
+    monkeypatch.setattr(m, "check_environment", lambda gpu: None)
+    ran = []
+    mib = 1 << 20
+
+    def fake_run(cmd, timeout):
+        if "--worker" in cmd:
+            ran.append(("torch", cmd[cmd.index("--worker") + 1]))
+            return {"machine": {}, "versions": {"torch": "2", "torch_cudnn": 9},
+                    "graph": {"ms_per_iter": 2.0, "peak_bytes": 20 * mib},
+                    "eager": {"ms_per_iter": 9.0, "peak_bytes": 90 * mib}}, None
+        ran.append(("mc", cmd[cmd.index("--precision") + 1]))
+        return {"machine": {"gpu": "G", "cpu": "C", "logical_cpus": 2},
+                "versions": {"python": "3", "cupy": "14"},
+                "nets": [{"results": [{"ms_per_iter": 1.0, "peak_bytes": 10 * mib}],
+                          "gpu_step": {"cuda_graph": True}}]}, None
+
+    monkeypatch.setattr(m, "run_one", fake_run)
+    assert m.main(["--nets", "lenet", "--configs", "mc-bf16,torch-bf16"]) == 0
+    assert ran == [("mc", "bf16"), ("torch", "bf16")]
+    text = capsys.readouterr().out
+    assert "| LeNet b64 | - | - | 1.00 | - | - | - | 9.00 / 2.00 |" in text
+    assert m.main(["--nets", "lenet", "--configs", "mc-bf16,mc-int8"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "precision_table: error: --configs: unknown configuration 'mc-int8'")
