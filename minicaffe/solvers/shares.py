@@ -77,14 +77,13 @@ class ShareUpdate:
         self.lr = [float(x) for x in solver.net.params_lr]
         self.decay = [float(x) for x in solver.net.params_weight_decay]
         self.offsets, self.counts = list(fb.offsets), list(fb.counts)
-        self.n_sets = solver.n_history_sets
         self.clips = solver.param.clip_gradients >= 0
 
     def bind(self, weights, diff, history, lo, hi):
         """The update of columns [lo, hi) of the flat ``weights``, ``diff`` and each
-        history set (``history``: ``n_sets`` flat arrays): a function ``(rate, iteration,
-        scale)`` (``scale``: clip_gradients' factor, 1 for none) and a function giving the
-        share's sum of squared diffs."""
+        history set (``history``: the solver's ``n_history_sets`` flat arrays): a function
+        ``(rate, iteration, scale)`` (``scale``: clip_gradients' factor, 1 for none) and a
+        function giving the share's sum of squared diffs."""
         pieces, hist, lr, decay = [], [[] for _ in history], [], []
         for i, (off, count) in enumerate(zip(self.offsets, self.counts)):
             a, b = max(lo, off), min(hi, off + count)
