@@ -495,11 +495,21 @@ class DeviceLossScale:
         """The flat parameter diffs ``g`` divided by the scale (times its float32
         reciprocal, as ``LossScaler.unscale``); ``found`` = some value is not finite."""
         xp = self.xp
+        if xp is not np:        # one kernel (kernels/step.py) for the ~6 of the generic code
+            from ..kernels import step as step_kernels
+            step_kernels.loss_scale_unscale(g, self.inv, self.found)
+            return
         g *= self.inv
         self.found[...] = xp.logical_not(xp.isfinite(g).all()).astype(np.int32)
 
     def update_state(self):
         """After the (possibly skipped) update: the dynamic scale's rule on the device."""
+        if self.xp is not np:   # one thread for the ~12 kernels below; ``found`` cleared
+            from ..kernels import step as step_kernels
+            step_kernels.loss_scale_update(self.scale, self.inv, self.good, self.skipped,
+                                           self.found, self.dynamic, INTERVAL, BACKOFF,
+                                           GROWTH)
+            return
         if not self.dynamic:
             return                # a fixed scale never changes; its skips are not counted
         bad = self.found.astype(np.int64)                 # 1: this step was skipped

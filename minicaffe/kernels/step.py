@@ -74,6 +74,39 @@ extern "C" __global__ void mc_sumsq_final(const double* partial, int nparts, flo
     if (ring_addr) ((float*)ring_addr)[(*counter) % K] = sqrtf((float)part[0]);
   }
 }
+
+// fp16 loss scaling (engine/precision.py's DeviceLossScale): the flat diffs times the
+// scale's float32 reciprocal; *found = 1 where a product is not finite (every writer
+// writes 1: the flag's value does not depend on the order; mc_ls_update clears it)
+extern "C" __global__ void mc_ls_unscale(T* g, long long n, const float* inv, int* found) {
+  const float s = *inv;
+  bool bad = false;
+  CUDA_KERNEL_LOOP(i, n) {
+    const float v = g[i] * s;
+    g[i] = v;
+    bad |= !isfinite(v);
+  }
+  if (bad) *found = 1;
+}
+
+// after the (possibly skipped) update, one thread: the dynamic scale's rule -- x backoff on
+// a non-finite step, x growth after ``interval`` clean ones (powers of two: exact) -- and
+// the flag cleared for the next step (a fixed scale only clears it)
+extern "C" __global__ void mc_ls_update(float* scale, float* inv, long long* good,
+                                        long long* skipped, int* found, int dynamic,
+                                        long long interval, double backoff, double growth) {
+  const long long bad = *found;
+  *found = 0;
+  if (!dynamic) return;
+  const long long g = (*good + 1) * (1 - bad);
+  const long long grow = g >= interval ? 1 : 0;
+  *good = g * (1 - grow);
+  *skipped += bad;
+  const double factor = (1.0 - (1.0 - backoff) * bad) * (1.0 + (growth - 1.0) * grow);
+  const float sc = *scale * (float)factor;
+  *scale = sc;
+  *inv = 1.0f / sc;
+}
 """
 SUMSQ_BLOCKS = 512
 
@@ -99,3 +132,17 @@ def sumsq(g, partial, out, ring_addr, counter, K):
     _k("mc_sumsq_partial", g.dtype)((SUMSQ_BLOCKS,), (256,), (g, np.int64(g.size), partial))
     _k("mc_sumsq_final", g.dtype)((1,), (256,), (partial, np.int32(SUMSQ_BLOCKS), out,
                                                  np.uint64(ring_addr), counter, np.int32(K)))
+
+
+def loss_scale_unscale(g, inv, found):
+    """g *= inv[0] (float32, in place); found[0] = 1 where a product is not finite (it
+    must be 0 before: ``loss_scale_update`` leaves it so)."""
+    from ._backend import launch
+    launch(_k("mc_ls_unscale", g.dtype), g.size, (g, np.int64(g.size), inv, found))
+
+
+def loss_scale_update(scale, inv, good, skipped, found, dynamic, interval, backoff, growth):
+    """The loss scale's rule after a step (one thread; see the kernel), found cleared."""
+    _k("mc_ls_update")((1,), (1,), (scale, inv, good, skipped, found, np.int32(bool(dynamic)),
+                                    np.int64(interval), np.float64(backoff),
+                                    np.float64(growth)))
