@@ -15,18 +15,21 @@ from test_storage16_gpu import BLOCK, CONVS, KIND, TOL
 pytestmark = pytest.mark.gpu
 
 
-def _nets(text, prec, monkeypatch, gemm=None):
+def _nets(text, prec, monkeypatch, gemm=None, direct=None):
     """(NCHW net, NHWC net, plans): 16-bit storage applied as the GPU step does, the same
-    weights and inputs; ``gemm``: MINICAFFE_CONV_GEMM for the channels-last one."""
+    weights and inputs; ``gemm``, ``direct``: MINICAFFE_CONV_GEMM, MINICAFFE_CONV_DIRECT
+    for the channels-last one."""
     from minicaffe import Net
     from minicaffe.engine.plan import MemoryPlan
     context.set_mode_gpu()
     context.set_random_seed(1701)
     a = Net(text, phase=caffe_pb2.TRAIN, config=RunConfig(precision=prec, channels_last=False))
-    if gemm is not None:
-        monkeypatch.setenv("MINICAFFE_CONV_GEMM", gemm)
+    for var, v in (("MINICAFFE_CONV_GEMM", gemm), ("MINICAFFE_CONV_DIRECT", direct)):
+        if v is not None:
+            monkeypatch.setenv(var, v)
     b = Net(text, phase=caffe_pb2.TRAIN, config=RunConfig(precision=prec, channels_last=True))
     monkeypatch.delenv("MINICAFFE_CONV_GEMM", raising=False)
+    monkeypatch.delenv("MINICAFFE_CONV_DIRECT", raising=False)
     for name in a.params:
         for x, y in zip(a.params[name], b.params[name]):
             y.data[...] = x.data

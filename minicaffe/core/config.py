@@ -104,6 +104,10 @@ VARIABLES = {
     "MINICAFFE_CONV_GEMM": (_bool, "1/0, true/false, yes/no, on/off", None,
                             "1x1 convolutions in channels-last as cuBLAS GEMMs: always (1), "
                             "never (0); unset: where timed faster than cuDNN"),
+    "MINICAFFE_CONV_DIRECT": (_bool, "1/0, true/false, yes/no, on/off", None,
+                              "the filter gradient of channels-last bf16/fp16 convolutions "
+                              "over at most 4 input channels by minicaffe's direct kernels: "
+                              "always (1), never (0); unset: where timed faster than cuDNN"),
     "MINICAFFE_CONV_PAD8": (_bool, "1/0, true/false, yes/no, on/off", False,
                             "a first convolution's input channels (fewer than 8) padded with "
                             "zeros to 8 in channels-last for its forward and filter "

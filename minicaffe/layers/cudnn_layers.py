@@ -32,7 +32,7 @@ from ..core import backend, config, context, log, precision
 from ..gpu import cudnn, options
 from ..kernels.precision import (buffer_dtype, from_reduced, from_reduced_t, to_reduced,
                                  to_reduced_t)
-from ..kernels import pad16, pool16
+from ..kernels import conv16, pad16, pool16
 from ..kernels._backend import gpu_spin
 from ..kernels import reduced as r16
 from ..kernels.reduce import channel_sum, partial_size
@@ -105,6 +105,11 @@ def _ptr(a):
 
 # the "algorithm" of a 1x1 convolution run as a cuBLAS GEMM (channels-last), beside cuDNN's
 GEMM = -1
+# cuDNN's CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 (``_find_nhwc``)
+WGRAD_ATOMIC = 0
+# the "algorithm" of a filter gradient over few input channels run by kernels/conv16.py's
+# direct kernels (channels-last; the bias gradient summed with it)
+DIRECT = -2
 # cuDNN's algorithm ``a`` run on the input's channels padded with zeros to PAD_TO (a first
 # convolution's 3, channels-last: ``_find_padded``) is the candidate PADDED + a
 PADDED, PAD_TO = 1 << 16, 8
@@ -123,6 +128,7 @@ RETIME_TOP, RETIME_WITHIN, RETIME_ALL_BELOW = 4, 3.0, 0.5
 _RETIMES = {}        # (device, direction, geometry, algorithm, workspace): ms
 _GEMM_TIMES = {}     # (device, direction, shapes, type): ms, so that every net agrees
 _PAD_TIMES = {}      # (device, input shape, type): ms of the padding pass, likewise
+_DIRECT_TIMES = {}   # (device, geometry, type): ms of conv16's filter gradient
 
 
 def _timed(fn, reps=5, lead_ms=0.5):
@@ -331,6 +337,8 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                 except cudnn.CudnnError as e:
                     log.info("layer '%s': no channels-last cuDNN convolution on %d padded "
                              "channels (%s)", self.layer_param.name, PAD_TO, e)
+            if self._nhwc is not None and self._direct_shape(xshape):
+                self._add_direct(self._nhwc.candidates, xshape)
             if self._nhwc is not None:
                 self.candidates = self._nhwc.candidates   # what the engine's plan runs
         del x, w, y, dw, ws
@@ -342,6 +350,13 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         d = n.x_desc, n.w_desc, self.conv_desc, n.y_desc
         ws = _search_workspace(d, lim)
         n.candidates = self._find(key + ("NHWC",), d, x, w, y, dw, ws, lim, tc, retime=True)
+        # cuDNN's filter-gradient algorithm 0 (atomics) is no candidate where another one
+        # is: its time on 2-byte channels-last maps does not repeat (LeNet b64, H100, timed
+        # alone: conv2 0.0736 ms in fp16 and 0.6473 in bf16, conv1 0.0656 in fp16; 0.608
+        # ms a step in fp16's replayed graph, where it doubled the step)
+        c = n.candidates["bwd_filter"]
+        if any(a[0] != WGRAD_ATOMIC for a in c):
+            n.candidates["bwd_filter"] = [a for a in c if a[0] != WGRAD_ATOMIC]
         if self._gemm_shape():
             self._add_gemm(n.candidates, xshape, yshape, x, w, y)
         return n
@@ -447,6 +462,59 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         return found
 
 
+    # -- few input channels: kernels/conv16.py's direct kernels (channels-last) ----------
+    def _direct_shape(self, xshape):
+        return self.num_spatial == 2 and \
+            conv16.applies(xshape, self.num_output, self.kernel, self.group)
+
+    def _geom(self, xshape):
+        k, c, r, s = self.blobs[0].shape
+        return tuple(xshape) + (k, r, s, tuple(self.stride), tuple(self.pad),
+                                tuple(self.dilation))
+
+    def _add_direct(self, cands, xshape):
+        """Add conv16's filter gradient (algorithm DIRECT, no workspace) to the
+        channels-last filter-gradient candidates, with its device time (``_timed``, once
+        per shape and process); MINICAFFE_CONV_DIRECT=1 makes it the only candidate, 0
+        leaves it out.  (LeNet b64 bf16's conv1 on an H100: cuDNN padded its one input
+        channel at every call and took 53 us for the filter gradient.)"""
+        force = config.env("MINICAFFE_CONV_DIRECT")
+        if force is False:
+            return
+        cp = backend.gpu_module()
+        g = self._geom(xshape)
+        if not conv16.fits(g):
+            return
+        n, c, h, w = xshape
+        k = self.num_output
+        p, q = conv16.output_hw(g)
+        bt = buffer_dtype(self._storage)
+        x = cp.zeros(n * h * w * c, dtype=bt)
+        y = cp.zeros(n * p * q * k, dtype=bt)
+        wf = cp.zeros(self.blobs[0].count(), dtype=np.float32)
+        bf = cp.zeros(k, dtype=np.float32)
+        part = cp.empty(conv16.partial_size(g), dtype=np.float32)
+        ck = (context.device_id(), g, str(self._storage))
+        if not force and ck not in _DIRECT_TIMES:
+            _DIRECT_TIMES[ck] = _timed(
+                lambda: conv16.backward_filter(x, y, wf, bf, self._storage, g, part))
+        t = 0.0 if force else _DIRECT_TIMES[ck]
+        c = cands["bwd_filter"]
+        if not force:
+            log.info("layer '%s': channels-last filter gradient: cuDNN's fastest %.4f ms "
+                     "(algorithm %d), the direct kernels %.4f ms", self.layer_param.name,
+                     c[0][2], c[0][0], t)
+        cands["bwd_filter"] = [(DIRECT, 0, t)] if force else \
+            sorted(c + [(DIRECT, 0, t)], key=lambda a: a[2])
+
+    def _direct_partial(self, geom):
+        """The filter gradient's per-chunk sums (conv16.partial_size), kept per layer."""
+        n = conv16.partial_size(geom)
+        buf = getattr(self, "_direct_buf", None)
+        if buf is None or buf.size < n:
+            buf = self._direct_buf = backend.gpu_module().empty(n, dtype=np.float32)
+        return buf
+
     # -- 1x1 convolutions as GEMMs (channels-last): Y[NHW, K] = X[NHW, C] W^T --------------
     def _gemm_shape(self):
         """A stride-1, unpadded, undilated, ungrouped 1x1 convolution over 2-D maps: in
@@ -500,7 +568,8 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             for kind, attr, k_cap in (("fwd", "fwd", cap), ("bwd_data", "bwd_data", bcap),
                                       ("bwd_filter", "bwd_filter", bcap)):
                 algo, mem, t = cudnn.pick(c[kind], k_cap)
-                if algo != GEMM:    # what the call will check (Find's figure can be less)
+                if algo not in (GEMM, DIRECT):   # what the call will check (Find's
+                    # figure can be less)
                     d = padded[kind] if algo >= PADDED else descs[kind]
                     mem = max(mem, cudnn.workspace_size(kind, [e.ptr for e in d],
                                                         algo % PADDED))
@@ -643,17 +712,21 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         a = self._algos(bottom, top)
         wsp, wsn = self._workspace("backward", a)
         nhwc = a is not self
-        if nhwc and getattr(self, "_w16_buf", None) is not None and \
-                self._w16_buf.size == self.blobs[0].count():
-            w16 = self._w16_buf        # cast by this step's forward
-        else:
-            w16 = self._w16(a)
+        w16 = None
+
+        def weights16():        # the data gradient's: cast by this step's forward
+            if nhwc and getattr(self, "_w16_buf", None) is not None and \
+                    self._w16_buf.size == self.blobs[0].count():
+                return self._w16_buf
+            return self._w16(a)
         k, c = self.blobs[0].shape[:2]
+        # the direct filter gradient sums the bias gradient too
+        fused_bias = a.bwd_filter[0] == DIRECT and self.get_param_propagate_down(0)
         for i, (b, t) in enumerate(zip(bottom, top)):
             dy = t.gpu_diff()
             native_dy = r16.storage(t, diff=True) == self._storage
             dy16 = dy if native_dy else self._cast_in("y16", dy)
-            if self.bias_term and self.get_param_propagate_down(1):
+            if self.bias_term and self.get_param_propagate_down(1) and not fused_bias:
                 if nhwc:      # the column sums of dY[NHW, K]: a GEMM with a ones row
                     cublas_gemm(self._ones16(dy.size // k), dy.reshape(-1, k),
                                 self.blobs[1].mutable_gpu_diff().reshape(1, k), beta=1.0)
@@ -665,7 +738,13 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             if self.get_param_propagate_down(0):
                 x16 = self._in16("x16", b)
                 dwm = self.blobs[0].mutable_gpu_diff()
-                if a.bwd_filter[0] == GEMM:     # dW += dY^T X, into the fp32 diff
+                if a.bwd_filter[0] == DIRECT:   # dW += ..., db += ... in fp32
+                    g = self._geom(b.shape)
+                    db = self.blobs[1].mutable_gpu_diff() if self.bias_term and \
+                        self.get_param_propagate_down(1) else None
+                    conv16.backward_filter(x16, dy16, dwm, db, self._storage, g,
+                                           self._direct_partial(g))
+                elif a.bwd_filter[0] == GEMM:   # dW += dY^T X, into the fp32 diff
                     cublas_gemm(dy16.reshape(-1, k), x16.reshape(-1, c), dwm.reshape(k, c),
                                 trans_a=True, beta=1.0)
                 else:
@@ -695,6 +774,8 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                 dx = b.mutable_gpu_diff()
                 direct = r16.storage(b, diff=True) == self._storage
                 dx16 = dx if direct else self._reduced("x16", dx.shape)
+                if w16 is None:
+                    w16 = weights16()
                 if a.bwd_data[0] == GEMM:       # dX = dY W
                     cublas_gemm(dy16.reshape(-1, k), w16.reshape(k, c), dx16.reshape(-1, c))
                 else:
