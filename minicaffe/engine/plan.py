@@ -264,13 +264,14 @@ class MemoryPlan:
                 b = bufs[id(c)] = Buffer(c, "cast", f"{c.name} ({c.kind} {c.want} scratch)")
                 b.start, b.end = c.start, c.end
                 self.casts.append(b)
+        self.weight_copies = self._weight_copies(net, schedule, train, bufs)
         loss_diffs = {id(t.diff_mem) for i, l in enumerate(net.layers)
                       for j, t in enumerate(net.top_vecs[i]) if l.loss(j)}
         self.buffers = []
         for b in bufs.values():
             if id(b.mem) in loss_diffs or b.mem.size == 0:
                 continue
-            if b.kind in ("workspace", "cast"):
+            if b.kind in ("workspace", "cast", "weights"):
                 self.buffers.append(b)
                 continue
             if b.pinned or (b.kind == "data" and not share_data):
@@ -278,6 +279,48 @@ class MemoryPlan:
             self.buffers.append(b)
         self.place()
         self._side(history_sets)
+
+    def _weight_copies(self, net, schedule, train, bufs):
+        """The buffers of the weights a layer's 2-byte body casts to its reduced type
+        (``layer.reduced_weights(storage, nhwc)``: bytes, and whether the copy is kept from
+        the forward to the backward), for the layers whose maps this plan holds in 2-byte
+        words: a kept copy lives from the layer's forward op to its backward op, one cast
+        at each call lives at that op only (a buffer per op, like a workspace).  Bound
+        like a workspace (``planned_workspace["weights"]``, ``["forward weights"]``,
+        ``["backward weights"]``), they share the arena with the maps of other steps
+        instead of holding memory of their own for the whole run.  The layers that run
+        on 2-byte buffers (``native_storage``) only."""
+        from .precision import native_storage
+        if not self.storage:
+            return []
+        steps = {}
+        for op in schedule:
+            if op.kind in ("forward", "backward") and (train or op.kind == "forward"):
+                for i in op.layers:
+                    steps.setdefault((op.kind, i), []).extend(op_steps(net, op))
+        out = []
+        for i, layer in enumerate(net.layers):
+            f = getattr(layer, "reduced_weights", None)
+            bot, top = net.bottom_vecs[i], net.top_vecs[i]
+            if not callable(f) or not bot or not top or ("forward", i) not in steps:
+                continue
+            s = native_storage(net, i)       # it runs on 2-byte buffers of type s
+            if s is None:
+                continue
+            nhwc = id(bot[0].data_mem) in self.layouts or id(top[0].data_mem) in self.layouts
+            nbytes, kept = f(s, nhwc)
+            if not nbytes:
+                continue
+            fwd, bwd = steps[("forward", i)], steps.get(("backward", i), [])
+            spans = ([("weights", min(fwd), max(fwd + bwd))] if kept else
+                     [(f"{k} weights", min(st), max(st))
+                      for k, st in (("forward", fwd), ("backward", bwd)) if st])
+            for direction, start, end in spans:
+                w = WorkspaceMemory(layer, direction, nbytes)
+                b = bufs[id(w)] = Buffer(w, "weights", f"{net.layer_names[i]} ({direction})")
+                b.start, b.end = start, end
+                out.append(b)
+        return out
 
     def split(self, buf, parts):
         """Replace ``buf`` by one buffer per ``(part, start, end)``: the same
@@ -424,7 +467,10 @@ class MemoryPlan:
             out.append(f"16-bit storage: {n16} of {sum(b.kind in ('data', 'diff') for b in self.buffers)}"
                        f" activation buffers in 2-byte words ({nl} channels-last); "
                        f"{len(self.casts)} cast ops' scratch "
-                       f"({sum(b.nbytes for b in self.casts) / mib:.1f} MiB unshared)")
+                       f"({sum(b.nbytes for b in self.casts) / mib:.1f} MiB unshared); "
+                       f"{len(self.weight_copies)} weight copies in the reduced type "
+                       f"({sum(b.nbytes for b in self.weight_copies) / mib:.1f} MiB "
+                       f"unshared)")
         out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
                    f"{self.arena_bytes / mib:.1f} MiB in the planned arena "
                    f"({len(self.buffers)} buffers)")
