@@ -35,7 +35,10 @@ With ``reduced_storage`` (the GPU step's plan of a net in bf16 or fp16 without o
 engine/precision.py) the buffers ``storage_plan`` names are held in 2-byte words of their
 reduced type (sized and bound so: ``SyncedMemory.bind_device(view, storage)``), and the
 fp32 (or 16-bit) scratch of each cast op (``storage_casts``: around the ops whose layers
-have no body for the planned type) is a buffer of kind ``cast``, live at its op only.
+have no body for the planned type) is a buffer of kind ``cast``, live at its op only;
+the weights a layer's 2-byte body casts to its type (``layer.reduced_weights``) are
+buffers of kind ``weights``: a channels-last convolution's copy from its forward op to its
+backward op, an InnerProduct's at each of its two ops.
 
 What the arena does not hold is counted beside it, so that ``peak`` predicts the device
 memory of a training run: the parameters, their diffs and the solver's history (flat
