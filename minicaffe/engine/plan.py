@@ -267,6 +267,7 @@ class MemoryPlan:
                 b = bufs[id(c)] = Buffer(c, "cast", f"{c.name} ({c.kind} {c.want} scratch)")
                 b.start, b.end = c.start, c.end
                 self.casts.append(b)
+        self.share_data = share_data
         self.weight_copies = self._weight_copies(net, schedule, train, bufs)
         loss_diffs = {id(t.diff_mem) for i, l in enumerate(net.layers)
                       for j, t in enumerate(net.top_vecs[i]) if l.loss(j)}
@@ -357,6 +358,42 @@ class MemoryPlan:
         self.unshared_bytes = sum(b.nbytes for b in self.buffers if b.part in (None, "forward"))
         if hasattr(self, "side_bytes"):
             self.peak = self.arena_bytes + self.side_bytes
+
+    def lower_bound(self):
+        """(bytes, step): the most bytes of the arena's buffers live at any one step, and
+        the first such step.  No placement of these buffers makes the arena smaller than
+        that; ``arena_bytes`` less it is what the greedy placement loses.  (An offload
+        plan's buffers live only between two steps are left out: still a bound.)"""
+        live = [0] * (self.steps + 2)
+        for b in self.buffers:
+            if not b.boundary:
+                live[b.start] += b.nbytes
+                live[b.end + 1] -= b.nbytes
+        best, step, run = 0, 0, 0
+        for s in range(self.steps + 1):
+            run += live[s]
+            if run > best:
+                best, step = run, s
+        return best, step
+
+    def step_name(self, step):
+        """"forward of 'conv1'", "backward of 'conv1'" for a plan's step number."""
+        L = len(self.net.layers)
+        if step >= 2 * L:
+            return "the end of the iteration"
+        i, d = (step, "forward") if step < L else (2 * L - 1 - step, "backward")
+        return f"{d} of '{self.net.layer_names[i]}'"
+
+    def unread_data(self):
+        """(bytes, [first blob name of each buffer]) of the blob data this plan keeps the whole iteration although
+        no backward reads it: what pycaffe reads from ``net.blobs[...].data`` after a step
+        costs (``share_data`` lets it share; PyTorch frees such tensors).  The inputs,
+        outputs and losses (kept anyway) are not counted."""
+        if self.share_data or not self.train:
+            return 0, []
+        kept = [b for b in self.buffers if b.kind == "data" and b.part is None and
+                not b.pinned and not b.bwd_reads and b.start == 0 and b.end == self.steps]
+        return sum(b.nbytes for b in kept), [b.names[0] for b in kept]
 
     def _side(self, history_sets):
         net = self.net
@@ -477,6 +514,14 @@ class MemoryPlan:
         out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
                    f"{self.arena_bytes / mib:.1f} MiB in the planned arena "
                    f"({len(self.buffers)} buffers)")
+        lb, at = self.lower_bound()
+        out.append(f"the arena's lower bound (the most bytes live at one step, the "
+                   f"{self.step_name(at)}): {lb / mib:.1f} MiB")
+        unread, names = self.unread_data()
+        if names:
+            out.append(f"blob data kept the whole iteration that no backward reads (what "
+                       f"pycaffe's net.blobs show after a step): {unread / mib:.1f} MiB in "
+                       f"{len(names)} buffers")
         out.append(f"parameters{', diffs and solver history' if self.train else ''}: "
                    f"{self.param_bytes_total / mib:.1f} MiB")
         out.append(f"kept from forward to backward by layers: {self.state_bytes / mib:.1f} MiB")
