@@ -75,6 +75,16 @@ def test_channels_last_step_matches_the_nchw_plan(prec, gemm, monkeypatch):
     for name in nchw.params:
         for k, (a, b) in enumerate(zip(nchw.params[name], nhwc.params[name])):
             _close(a.diff, b.diff, 2 * tol, f"{name}[{k}] diff")
+    # the channels-last convolutions' 2-byte weight copies (cast at the forward, read by
+    # the backward) are buffers of the plan, in its arena, live from forward to backward
+    copies = {b.names[0]: b for b in plans[1].buffers if b.kind == "weights"}
+    L = len(nhwc.layers)
+    for name in ("conv1", "conv2"):
+        b, i = copies[f"{name} (weights)"], nhwc.layer_names.index(name)
+        assert b.start <= i and b.end >= 2 * L - 1 - i, name
+        view = nhwc.layers[i].planned_workspace["weights"]
+        assert view.data.ptr == plans[1].arena.data.ptr + b.offset, name
+    assert not any(n.endswith("(weights)") for n in (b.names[0] for b in plans[0].buffers))
     for p in plans:
         p.release()
 

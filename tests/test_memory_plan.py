@@ -77,6 +77,26 @@ def test_sharing_data_frees_what_backward_does_not_read():
     assert data["conv1"].end == 2 * L - 1 - ids["relu1"]
 
 
+def test_lower_bound_and_the_data_kept_for_pycaffe_are_reported():
+    plan = MemoryPlan(_net())
+    lb, at = plan.lower_bound()
+    # the buffers live at that step sit side by side in the arena: their sum is the bound,
+    # no step has more, and the arena is at least that large
+    live = [b for b in plan.buffers if b.start <= at <= b.end]
+    assert sum(b.nbytes for b in live) == lb <= plan.arena_bytes
+    for s in range(plan.steps + 1):
+        assert sum(b.nbytes for b in plan.buffers if b.start <= s <= b.end) <= lb
+    # the data kept for pycaffe that no backward reads: ip's (SoftmaxWithLoss's backward
+    # reads the probabilities it keeps); conv1 and pool1 are read by relu1's and conv2's
+    unread, names = plan.unread_data()
+    assert names == ["ip"] and unread == _by_name(plan, "data")["ip"].nbytes
+    assert MemoryPlan(_net(), share_data=True).unread_data() == (0, [])
+    text = "\n".join(plan.report())
+    assert f"lower bound (the most bytes live at one step, the {plan.step_name(at)}): " \
+        f"{lb / (1 << 20):.1f} MiB" in text
+    assert "no backward reads" in text
+
+
 def test_forward_only_plan():
     plan = MemoryPlan(_net(), train=False, share_data=True)
     assert all(b.kind == "data" for b in plan.buffers)

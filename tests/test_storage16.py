@@ -64,6 +64,30 @@ FC = CHAIN.replace('layer { name: "ip"', '''layer { name: "fc" type: "InnerProdu
 layer { name: "ip"''').replace('bottom: "pool2" top: "ip"', 'bottom: "fc" top: "ip"')
 
 
+def test_inner_product_weight_copies_are_arena_buffers_at_their_calls():
+    # the 2-byte copy of an InnerProduct's weights that its native body casts at each call
+    # is a buffer of the plan, live at that layer's op only (VGG-16's fc6: 196 MiB that
+    # a scratch held for the whole run)
+    net = _net("bf16", FC)
+    plan = MemoryPlan(net, reduced_storage=True)
+    copies = {b.names[0]: b for b in plan.buffers if b.kind == "weights"}
+    i, L = net.layer_names.index("fc"), len(net.layers)
+    nbytes = _aligned(2 * net.params["fc"][0].count)
+    fwd, bwd = copies["fc (forward weights)"], copies["fc (backward weights)"]
+    assert fwd.nbytes == bwd.nbytes == nbytes
+    assert (fwd.start, fwd.end) == (i, i) and (bwd.start, bwd.end) == (2 * L - 1 - i,) * 2
+    # the last one reads the loss's fp32 gradient: fp32 body, no copy
+    assert not any(n.startswith("ip ") for n in copies)
+    assert any("weight copies in the reduced type" in line for line in plan.report())
+    # without 16-bit storage (fp32 buffers: the fp32 bodies run) there are none
+    assert not any(b.kind == "weights" for b in MemoryPlan(net).buffers)
+    # they share the arena: no two live buffers overlap
+    for a in plan.buffers:
+        for b in plan.buffers:
+            if a is not b and a.overlaps(b):
+                assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
+
+
 @pytest.mark.parametrize("prec,kind", [("bf16", "BFLOAT16"), ("fp16", "FLOAT16")])
 def test_listing_says_which_layers_run_native_and_which_in_fp32(prec, kind):
     lines = storage_lines(_net(prec, FC))

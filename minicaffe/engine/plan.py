@@ -35,7 +35,10 @@ With ``reduced_storage`` (the GPU step's plan of a net in bf16 or fp16 without o
 engine/precision.py) the buffers ``storage_plan`` names are held in 2-byte words of their
 reduced type (sized and bound so: ``SyncedMemory.bind_device(view, storage)``), and the
 fp32 (or 16-bit) scratch of each cast op (``storage_casts``: around the ops whose layers
-have no body for the planned type) is a buffer of kind ``cast``, live at its op only.
+have no body for the planned type) is a buffer of kind ``cast``, live at its op only;
+the weights a layer's 2-byte body casts to its type (``layer.reduced_weights``) are
+buffers of kind ``weights``: a channels-last convolution's copy from its forward op to its
+backward op, an InnerProduct's at each of its two ops.
 
 What the arena does not hold is counted beside it, so that ``peak`` predicts the device
 memory of a training run: the parameters, their diffs and the solver's history (flat
@@ -264,13 +267,15 @@ class MemoryPlan:
                 b = bufs[id(c)] = Buffer(c, "cast", f"{c.name} ({c.kind} {c.want} scratch)")
                 b.start, b.end = c.start, c.end
                 self.casts.append(b)
+        self.share_data = share_data
+        self.weight_copies = self._weight_copies(net, schedule, train, bufs)
         loss_diffs = {id(t.diff_mem) for i, l in enumerate(net.layers)
                       for j, t in enumerate(net.top_vecs[i]) if l.loss(j)}
         self.buffers = []
         for b in bufs.values():
             if id(b.mem) in loss_diffs or b.mem.size == 0:
                 continue
-            if b.kind in ("workspace", "cast"):
+            if b.kind in ("workspace", "cast", "weights"):
                 self.buffers.append(b)
                 continue
             if b.pinned or (b.kind == "data" and not share_data):
@@ -278,6 +283,48 @@ class MemoryPlan:
             self.buffers.append(b)
         self.place()
         self._side(history_sets)
+
+    def _weight_copies(self, net, schedule, train, bufs):
+        """The buffers of the weights a layer's 2-byte body casts to its reduced type
+        (``layer.reduced_weights(storage, nhwc)``: bytes, and whether the copy is kept from
+        the forward to the backward), for the layers whose maps this plan holds in 2-byte
+        words: a kept copy lives from the layer's forward op to its backward op, one cast
+        at each call lives at that op only (a buffer per op, like a workspace).  Bound
+        like a workspace (``planned_workspace["weights"]``, ``["forward weights"]``,
+        ``["backward weights"]``), they share the arena with the maps of other steps
+        instead of holding memory of their own for the whole run.  The layers that run
+        on 2-byte buffers (``native_storage``) only."""
+        from .precision import native_storage
+        if not self.storage:
+            return []
+        steps = {}
+        for op in schedule:
+            if op.kind in ("forward", "backward") and (train or op.kind == "forward"):
+                for i in op.layers:
+                    steps.setdefault((op.kind, i), []).extend(op_steps(net, op))
+        out = []
+        for i, layer in enumerate(net.layers):
+            f = getattr(layer, "reduced_weights", None)
+            bot, top = net.bottom_vecs[i], net.top_vecs[i]
+            if not callable(f) or not bot or not top or ("forward", i) not in steps:
+                continue
+            s = native_storage(net, i)       # it runs on 2-byte buffers of type s
+            if s is None:
+                continue
+            nhwc = id(bot[0].data_mem) in self.layouts or id(top[0].data_mem) in self.layouts
+            nbytes, kept = f(s, nhwc)
+            if not nbytes:
+                continue
+            fwd, bwd = steps[("forward", i)], steps.get(("backward", i), [])
+            spans = ([("weights", min(fwd), max(fwd + bwd))] if kept else
+                     [(f"{k} weights", min(st), max(st))
+                      for k, st in (("forward", fwd), ("backward", bwd)) if st])
+            for direction, start, end in spans:
+                w = WorkspaceMemory(layer, direction, nbytes)
+                b = bufs[id(w)] = Buffer(w, "weights", f"{net.layer_names[i]} ({direction})")
+                b.start, b.end = start, end
+                out.append(b)
+        return out
 
     def split(self, buf, parts):
         """Replace ``buf`` by one buffer per ``(part, start, end)``: the same
@@ -311,6 +358,42 @@ class MemoryPlan:
         self.unshared_bytes = sum(b.nbytes for b in self.buffers if b.part in (None, "forward"))
         if hasattr(self, "side_bytes"):
             self.peak = self.arena_bytes + self.side_bytes
+
+    def lower_bound(self):
+        """(bytes, step): the most bytes of the arena's buffers live at any one step, and
+        the first such step.  No placement of these buffers makes the arena smaller than
+        that; ``arena_bytes`` less it is what the greedy placement loses.  (An offload
+        plan's buffers live only between two steps are left out: still a bound.)"""
+        live = [0] * (self.steps + 2)
+        for b in self.buffers:
+            if not b.boundary:
+                live[b.start] += b.nbytes
+                live[b.end + 1] -= b.nbytes
+        best, step, run = 0, 0, 0
+        for s in range(self.steps + 1):
+            run += live[s]
+            if run > best:
+                best, step = run, s
+        return best, step
+
+    def step_name(self, step):
+        """"forward of 'conv1'", "backward of 'conv1'" for a plan's step number."""
+        L = len(self.net.layers)
+        if step >= 2 * L:
+            return "the end of the iteration"
+        i, d = (step, "forward") if step < L else (2 * L - 1 - step, "backward")
+        return f"{d} of '{self.net.layer_names[i]}'"
+
+    def unread_data(self):
+        """(bytes, [first blob name of each buffer]) of the blob data this plan keeps the whole iteration although
+        no backward reads it: what pycaffe reads from ``net.blobs[...].data`` after a step
+        costs (``share_data`` lets it share; PyTorch frees such tensors).  The inputs,
+        outputs and losses (kept anyway) are not counted."""
+        if self.share_data or not self.train:
+            return 0, []
+        kept = [b for b in self.buffers if b.kind == "data" and b.part is None and
+                not b.pinned and not b.bwd_reads and b.start == 0 and b.end == self.steps]
+        return sum(b.nbytes for b in kept), [b.names[0] for b in kept]
 
     def _side(self, history_sets):
         net = self.net
@@ -424,10 +507,21 @@ class MemoryPlan:
             out.append(f"16-bit storage: {n16} of {sum(b.kind in ('data', 'diff') for b in self.buffers)}"
                        f" activation buffers in 2-byte words ({nl} channels-last); "
                        f"{len(self.casts)} cast ops' scratch "
-                       f"({sum(b.nbytes for b in self.casts) / mib:.1f} MiB unshared)")
+                       f"({sum(b.nbytes for b in self.casts) / mib:.1f} MiB unshared); "
+                       f"{len(self.weight_copies)} weight copies in the reduced type "
+                       f"({sum(b.nbytes for b in self.weight_copies) / mib:.1f} MiB "
+                       f"unshared)")
         out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
                    f"{self.arena_bytes / mib:.1f} MiB in the planned arena "
                    f"({len(self.buffers)} buffers)")
+        lb, at = self.lower_bound()
+        out.append(f"the arena's lower bound (the most bytes live at one step, the "
+                   f"{self.step_name(at)}): {lb / mib:.1f} MiB")
+        unread, names = self.unread_data()
+        if names:
+            out.append(f"blob data kept the whole iteration that no backward reads (what "
+                       f"pycaffe's net.blobs show after a step): {unread / mib:.1f} MiB in "
+                       f"{len(names)} buffers")
         out.append(f"parameters{', diffs and solver history' if self.train else ''}: "
                    f"{self.param_bytes_total / mib:.1f} MiB")
         out.append(f"kept from forward to backward by layers: {self.state_bytes / mib:.1f} MiB")

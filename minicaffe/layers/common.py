@@ -127,14 +127,26 @@ class InnerProductLayer(Layer):
     # weight gradient accumulated into the fp32 master diff
     reduced_body = True
 
-    def _w16(self, s, name="w16"):
+    def reduced_weights(self, storage, nhwc=False):
+        """(bytes, kept) of the weights the 2-byte body casts to ``storage``'s type: at
+        each forward and backward call, not kept between them (the memory plan gives each
+        call's copy a place in its arena, live at that op only: engine/plan.py)."""
+        from ..core.precision import buffer_dtype
+        return self.blobs[0].count() * np.dtype(buffer_dtype(storage)).itemsize, False
+
+    def _w16(self, s, direction):
+        """The weights cast to ``s``'s type for this ``direction``'s call: into the place
+        the memory plan gave that copy (``planned_workspace[direction + " weights"]``),
+        else into a scratch buffer shared by every layer."""
         from ..kernels.precision import to_reduced
         from ..core.precision import buffer_dtype
         from .cudnn_layers import scratch
         w = self.blobs[0].gpu_data()
-        dt = buffer_dtype(s)
-        buf = scratch(name, w.size * dt.itemsize)[:w.size * dt.itemsize].view(dt)
-        return to_reduced(w, buf.reshape(w.shape), s)
+        dt = np.dtype(buffer_dtype(s))
+        n = w.size * dt.itemsize
+        view = (getattr(self, "planned_workspace", None) or {}).get(direction + " weights")
+        buf = view if view is not None and view.nbytes >= n else scratch("w16", n)
+        return to_reduced(w, buf[:n].view(dt).reshape(w.shape), s)
 
     def forward_gpu(self, bottom, top):
         from ..kernels import reduced
@@ -144,7 +156,7 @@ class InnerProductLayer(Layer):
         from ..gpu.cublas import matmul_ex
         x = bottom[0].gpu_data().reshape(self.M, self.K)
         y = top[0].mutable_gpu_data().reshape(self.M, self.N)
-        matmul_ex(x, self._w16(s), y, trans_b=not self.transpose)
+        matmul_ex(x, self._w16(s, "forward"), y, trans_b=not self.transpose)
         if self.bias_term:
             reduced.bias_act(y, s, bias=self.blobs[1].gpu_data())
 
@@ -172,7 +184,7 @@ class InnerProductLayer(Layer):
             reduced.channel_sum(dy, self.blobs[1].mutable_gpu_diff(), p, s)
         if propagate_down[0]:
             dx = bottom[0].mutable_gpu_diff().reshape(self.M, self.K)
-            matmul_ex(dy, self._w16(s), dx, trans_b=self.transpose)
+            matmul_ex(dy, self._w16(s, "backward"), dx, trans_b=self.transpose)
 
     def _ones(self, xp):
         o = getattr(self, "_ones_arr", None)

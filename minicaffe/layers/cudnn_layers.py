@@ -62,6 +62,16 @@ OFFLOAD_PRICE_PER_GIB = 0.10
 # planned with half the free memory), so its nets' Find takes at most OFFLOAD_FIND_LIMIT.
 OFFLOAD_FIND_LIMIT = 4 << 30
 
+# A 2-byte convolution's NCHW set, beside a channels-last one, runs only a net outside the
+# GPU step's plan (a test net, pycaffe: the plan holds the maps channels-last), and it picks
+# within the workspace cap chosen from the channels-last candidates (``use_workspace``:
+# one cap for both sets; 51.2 MiB for VGG-16 b64 bf16, 62.3 for ResNet-50, H100): its Find
+# is offered the workspace the channels-last Find was, at least NCHW_FALLBACK_LIMIT, not
+# the gigabytes NCHW kernels ask for (VGG-16 b64 bf16's set-up held 4312.7 MiB at its
+# highest, above the 4256.0 its training holds).  Not in a net that offloads: its fp32
+# buffers run the NCHW set.
+NCHW_FALLBACK_LIMIT = 256 << 20
+
 
 def find_limit(offloading=False, limit=None):
     """Bytes of workspace Find may try: ``limit`` (a run's ``RunConfig.workspace_limit``;
@@ -151,6 +161,23 @@ def _timed(fn, reps=5, lead_ms=0.5):
     return float(np.median(ts))
 
 
+# the chunk (elements) in which ``_random16`` draws its fp32 values
+RANDOM_CHUNK = 1 << 22
+
+
+def _random16(rs, shape, storage):
+    """A buffer of ``shape`` in ``storage``'s 2-byte type holding standard normal values
+    (rounded), drawn in fp32 chunks of RANDOM_CHUNK elements: no fp32 temporary of the
+    whole size (VGG-16 b64's conv1_2 input: 784 MiB beside its 392 MiB bf16 buffer)."""
+    cp = backend.gpu_module()
+    out = cp.empty(shape, dtype=buffer_dtype(storage))
+    flat = out.reshape(-1)
+    for i in range(0, flat.size, RANDOM_CHUNK):
+        part = flat[i:i + RANDOM_CHUNK]
+        to_reduced(rs.standard_normal(part.size, dtype=np.float32), part, storage)
+    return out
+
+
 def _search_workspace(d, lim):
     """A buffer of the most workspace Find should offer for descriptors ``d`` (x, w,
     conv, y) within ``lim`` bytes (cudnn.search_workspace of the three calls), or None."""
@@ -161,7 +188,7 @@ def _search_workspace(d, lim):
     return backend.gpu_module().empty(need, dtype=np.uint8) if need else None
 
 
-def _retimed(kind, key, found, args, dt):
+def _retimed(kind, key, found, args, dt, ws=None):
     """Find's list ``found`` with its leading candidates (RETIME_TOP...) timed again on
     the same buffers, as the GEMM is
     (``_timed``: the device's time, median of 5 after a warm-up), and sorted by the new
@@ -169,7 +196,9 @@ def _retimed(kind, key, found, args, dt):
     they were noise (LeNet fp16 conv1's filter gradient: algorithm 0 at 0.105 ms in
     Find, 0.608 ms a step in the replayed graph; algorithm 1, Find's second at 0.111).
     An algorithm Find lists that fails when called is dropped.  Cached per (device,
-    kind, geometry, algorithm, workspace) like Find's lists."""
+    kind, geometry, algorithm, workspace) like Find's lists.  ``ws``: Find's own
+    workspace buffer, timed in when it is large enough (no second buffer beside it: set-up
+    must not hold more device memory than training will)."""
     best = found[0][2]
     head = found if best < RETIME_ALL_BELOW else \
         [a for a in found[:RETIME_TOP] if a[2] <= best * RETIME_WITHIN]
@@ -177,8 +206,9 @@ def _retimed(kind, key, found, args, dt):
         return found
     fn = "cudnnConvolution" + {"fwd": "Forward", "bwd_data": "BackwardData",
                                "bwd_filter": "BackwardFilter"}[kind]
-    cp = backend.gpu_module()
-    buf = cp.empty(max(a[1] for a in head) or 1, dtype=np.uint8)
+    need = max(a[1] for a in head)
+    buf = ws if ws is not None and ws.nbytes >= need else \
+        backend.gpu_module().empty(need or 1, dtype=np.uint8)
     h = cudnn.handle()
     out = []
     for algo, mem, t in found:
@@ -312,20 +342,17 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             w = rs.standard_normal(self.blobs[0].shape, dtype=dt)
             y = rs.standard_normal(yshape, dtype=dt)
         else:
-            bt = buffer_dtype(self._storage)
-            x, w, y = (to_reduced(rs.standard_normal(shape, dtype=np.float32),
-                                  cp.empty(shape, dtype=bt), self._storage)
+            x, w, y = (_random16(rs, shape, self._storage)
                        for shape in (xshape, self.blobs[0].shape, yshape))
         lim = find_limit(self.config.offloads, self.config.workspace_limit)
         d = self.x_desc, self.w_desc, self.conv_desc, self.y_desc
-        ws = _search_workspace(d, lim)
         dw = cp.empty_like(w)
         tc = self.config.tf32 or self._storage is not None    # tensor-op math allowed
-        self._nchw_candidates = self._find(key, d, x, w, y, dw, ws, lim, tc)
-        self.candidates = self._nchw_candidates
         self._nhwc = None
-        ws = None                 # given back before the channels-last Find takes its own
+        nchw_lim = lim
         if self._storage is not None and self.config.nhwc and self.num_spatial == 2:
+            # the channels-last set first: it is what the GPU step's plan runs; the NCHW
+            # set below only runs a net outside that plan (NCHW_FALLBACK_LIMIT)
             try:
                 self._nhwc = self._find_nhwc(key, xshape, yshape, dt, x, w, y, dw, lim, tc)
             except cudnn.CudnnError as e:     # none for this shape: NCHW buffers
@@ -339,8 +366,13 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                              "channels (%s)", self.layer_param.name, PAD_TO, e)
             if self._nhwc is not None and self._direct_shape(xshape):
                 self._add_direct(self._nhwc.candidates, xshape)
-            if self._nhwc is not None:
-                self.candidates = self._nhwc.candidates   # what the engine's plan runs
+            if self._nhwc is not None and not self.config.offloads:
+                nchw_lim = min(lim, max(self._nhwc.search_bytes, NCHW_FALLBACK_LIMIT))
+        ws = _search_workspace(d, nchw_lim)
+        self._nchw_candidates = self._find(key, d, x, w, y, dw, ws, nchw_lim, tc)
+        self.candidates = self._nchw_candidates
+        if self._nhwc is not None:
+            self.candidates = self._nhwc.candidates   # what the engine's plan runs
         del x, w, y, dw, ws
         self.use_workspace(cudnn.choose_workspace(list(self.candidates.values()), PRICE_PER_GIB))
         self._desc_key = key
@@ -349,6 +381,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         n = _Layout(xshape, yshape, self.blobs[0].shape, dt)
         d = n.x_desc, n.w_desc, self.conv_desc, n.y_desc
         ws = _search_workspace(d, lim)
+        n.search_bytes = 0 if ws is None else ws.nbytes
         n.candidates = self._find(key + ("NHWC",), d, x, w, y, dw, ws, lim, tc, retime=True)
         # cuDNN's filter-gradient algorithm 0 (atomics) is no candidate where another one
         # is: its time on 2-byte channels-last maps does not repeat (LeNet b64, H100, timed
@@ -357,6 +390,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         c = n.candidates["bwd_filter"]
         if any(a[0] != WGRAD_ATOMIC for a in c):
             n.candidates["bwd_filter"] = [a for a in c if a[0] != WGRAD_ATOMIC]
+        del ws                    # given back before the GEMM's timing
         if self._gemm_shape():
             self._add_gemm(n.candidates, xshape, yshape, x, w, y)
         return n
@@ -457,7 +491,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                                _ptr(dw))}
         found = {k: cudnn.find_algorithms(k, key, args[k], ws, lim, tc) for k in kinds}
         if retime:
-            found = {k: _retimed(k, key, c, args[k], d[0].dtype)
+            found = {k: _retimed(k, key, c, args[k], d[0].dtype, ws)
                      for k, c in found.items()}
         return found
 
@@ -656,15 +690,37 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         w = self.blobs[0].gpu_data()
         if a is self:
             return self._cast_in("w16", w)
-        buf = getattr(self, "_w16_buf", None)
-        bt = np.dtype(buffer_dtype(self._storage))
-        if buf is None or buf.size != w.size or buf.dtype != bt:
-            buf = self._w16_buf = backend.gpu_module().empty(w.size, dtype=bt)
+        buf = self._kept_w16(w.size)
         if w.ndim == 4 and w.shape[2] * w.shape[3] > 1:     # 1 x 1: KCRS is KRSC
             k, c, r, t = w.shape
             to_reduced_t(w.reshape(k, c, r * t), buf.reshape(k, r * t, c), self._storage)
         else:
             to_reduced(w, buf.reshape(w.shape), self._storage)
+        self._w16_at = (buf.data.ptr, buf.size)     # where the backward finds this cast
+        return buf
+
+    def reduced_weights(self, storage, nhwc):
+        """(bytes, kept) of the weights this layer's 2-byte body casts to ``storage``'s
+        type where its maps are held so (``nhwc``: channels-last): the channels-last set's
+        K, R, S, C copy, cast at the forward and kept for the backward of the same step
+        (the memory plan places it in its arena: engine/plan.py); (0, False) otherwise
+        (the NCHW set casts into a shared scratch at each call)."""
+        if not nhwc or not self.reduced_body or not self.nhwc_body or \
+                storage != self._storage:
+            return 0, False
+        return self.blobs[0].count() * np.dtype(buffer_dtype(storage)).itemsize, True
+
+    def _kept_w16(self, n):
+        """The buffer of the channels-last weight copy (``n`` elements): the memory
+        plan's place for it (``planned_workspace["weights"]``, live from this layer's
+        forward to its backward) when there is one, else a buffer of the layer's own."""
+        bt = np.dtype(buffer_dtype(self._storage))
+        view = (getattr(self, "planned_workspace", None) or {}).get("weights")
+        if view is not None and view.nbytes >= n * bt.itemsize:
+            return view[:n * bt.itemsize].view(bt)
+        buf = getattr(self, "_w16_buf", None)
+        if buf is None or buf.size != n or buf.dtype != bt:
+            buf = self._w16_buf = backend.gpu_module().empty(n, dtype=bt)
         return buf
 
     def _forward_reduced(self, bottom, top, relu):
@@ -712,13 +768,9 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         a = self._algos(bottom, top)
         wsp, wsn = self._workspace("backward", a)
         nhwc = a is not self
-        w16 = None
-
-        def weights16():        # the data gradient's: cast by this step's forward
-            if nhwc and getattr(self, "_w16_buf", None) is not None and \
-                    self._w16_buf.size == self.blobs[0].count():
-                return self._w16_buf
-            return self._w16(a)
+        w16 = self._kept_w16(self.blobs[0].count()) if nhwc else None
+        if w16 is None or getattr(self, "_w16_at", None) != (w16.data.ptr, w16.size):
+            w16 = self._w16(a)          # (else: cast there by this step's forward)
         k, c = self.blobs[0].shape[:2]
         # the direct filter gradient sums the bias gradient too
         fused_bias = a.bwd_filter[0] == DIRECT and self.get_param_propagate_down(0)
@@ -774,8 +826,6 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
                 dx = b.mutable_gpu_diff()
                 direct = r16.storage(b, diff=True) == self._storage
                 dx16 = dx if direct else self._reduced("x16", dx.shape)
-                if w16 is None:
-                    w16 = weights16()
                 if a.bwd_data[0] == GEMM:       # dX = dY W
                     cublas_gemm(dy16.reshape(-1, k), w16.reshape(k, c), dx16.reshape(-1, c))
                 else:
