@@ -273,6 +273,17 @@ def test_missing_and_empty_sources(tmp_path):
         run(data_layer(str(tmp_path / "empty")), 1)
 
 
+def test_a_layer_whose_set_up_failed_closes_quietly(tmp_path):
+    """close() after a failed set-up (no prefetch thread was started) raises nothing, so
+    the set-up's own error is the one a caller sees (the bench's shape probe closes every
+    data layer it set up: it raised AttributeError over a database it could not open)."""
+    layer = data_layer(str(tmp_path / "nodb"))
+    with pytest.raises(LayerError, match="no such database"):
+        layer.setup([], [Blob(), Blob()])
+    layer.close()
+    layer.close()
+
+
 def _expect_forward_error(finishes, layer, n_ok, match):
     top = [Blob(), Blob()]
     layer.setup([], top)

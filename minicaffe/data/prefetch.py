@@ -396,8 +396,11 @@ class BasePrefetchingDataLayer(BaseDataLayer):
 
     # -- lifecycle and statistics ----------------------------------------------------------------
     def close(self):
-        """Stop the prefetch thread (also done when the layer is garbage-collected)."""
-        self._finalizer()
+        """Stop the prefetch thread (also done when the layer is garbage-collected); a
+        layer whose set-up failed before its thread started has none to stop."""
+        stop = getattr(self, "_finalizer", None)
+        if stop is not None:
+            stop()
 
     @property
     def prefetch_thread(self):
