@@ -204,6 +204,25 @@ def test_cli_parallel_process_starts_one_child_per_gpu(cli_stubs):
         assert ("--log" in argv) == (r == 0)           # only rank 0 writes the log file
 
 
+def test_cli_process_ranks_get_the_runs_flags(cli_stubs):
+    """Each rank reads the solver file again: the flags that override it (--precision,
+    --tf32, --nocuda_graph, --offload, --gpu_mem_limit, --gpu_decode) reach every rank."""
+    from minicaffe.cli import main
+    assert main(["train", "--solver", "s.prototxt", "--gpu", "0,1", "--parallel", "process",
+                 "--precision", "bf16", "--tf32", "--nocuda_graph", "--offload", "ALL",
+                 "--gpu_mem_limit", "12GiB", "--gpu_decode"]) == 0
+    argvs, _ = cli_stubs["launch"]
+    for argv in argvs:
+        assert argv[argv.index("--precision") + 1] == "bf16"
+        assert argv[argv.index("--offload") + 1] == "ALL"
+        assert argv[argv.index("--gpu_mem_limit") + 1] in ("12GiB", str(12 << 30))
+        assert "--tf32" in argv and "--nocuda_graph" in argv and "--gpu_decode" in argv
+    assert main(["train", "--solver", "s.prototxt", "--gpu", "0,1", "--parallel",
+                 "process"]) == 0
+    for argv in cli_stubs["launch"][0]:
+        assert not {"--precision", "--tf32", "--nocuda_graph", "--offload"} & set(argv)
+
+
 def test_cli_default_is_thread_mode(cli_stubs):
     from minicaffe.cli import main
     assert main(["train", "--solver", "s.prototxt", "--gpu", "all"]) == 0

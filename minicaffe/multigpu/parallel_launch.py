@@ -270,9 +270,15 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
             argv += [f"--{name}", getattr(flags, name)]
     if flags.debug_info:
         argv.append("--debug_info")
-    for name in ("threads", "minloglevel", "data_workers"):
+    for name in ("threads", "minloglevel", "data_workers", "precision", "offload",
+                 "gpu_mem_limit"):
         if name in flags.given:
             argv += [f"--{name}", str(getattr(flags, name))]
+    # the run's switches, as given (each rank reads the solver file again: a flag that
+    # overrides its fields must reach every rank)
+    for name in ("tf32", "cuda_graph", "gpu_decode"):
+        if name in flags.given:
+            argv.append(f"--{name}" if getattr(flags, name) else f"--no{name}")
     if flags.quiet:
         argv.append("--quiet")
     if flags.log and rank == 0:
