@@ -217,6 +217,7 @@ def test_cli_process_ranks_get_the_runs_flags(cli_stubs):
         assert argv[argv.index("--offload") + 1] == "ALL"
         assert argv[argv.index("--gpu_mem_limit") + 1] in ("12GiB", str(12 << 30))
         assert "--tf32" in argv and "--nocuda_graph" in argv and "--gpu_decode" in argv
+    cli_stubs.pop("launch")
     assert main(["train", "--solver", "s.prototxt", "--gpu", "0,1", "--parallel",
                  "process"]) == 0
     for argv in cli_stubs["launch"][0]:
