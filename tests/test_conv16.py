@@ -6,7 +6,7 @@ import pytest
 
 from minicaffe.core import precision as P
 from minicaffe.kernels import conv16
-from minicaffe.kernels.pool16 import _np_store
+from minicaffe.kernels.pool16 import _np_float, _np_store
 
 STORAGES = [P.BFLOAT16, P.FLOAT16]
 # (N, C, H, W, K, R, S, stride, pad, dilation)
@@ -22,7 +22,7 @@ def words(f, storage):
     """f rounded to ``storage``: (the buffer as the engine holds it, its fp32 values)."""
     w = _np_store(f, storage)
     buf = w if storage == P.BFLOAT16 else w.view(np.float16)
-    return buf, conv16._np_float(w, storage)
+    return buf, _np_float(w, storage)
 
 
 def naive_filter_gradient(xf, df, g):

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..core import precision as P
 from ._backend import as_pair, is_cupy_array, raw_kernel
+from .pool16 import _np_float
 
 __all__ = ["applies", "fits", "output_hw", "blocks", "partial_size", "backward_filter",
            "MAX_C", "MAX_CRS", "MAX_WEIGHTS"]
@@ -112,12 +113,6 @@ def _f32(a, what, n):
 
 
 # -- numpy bodies ------------------------------------------------------------------------
-def _np_float(words, storage):
-    if storage == P.BFLOAT16:
-        return (words.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return words.view(np.float16).astype(np.float32)
-
-
 def _np_patches(x, g):
     """(N, P, Q, C*R*S) fp32: each output position's inputs in (c, r, s) order, zeros
     outside the image."""
