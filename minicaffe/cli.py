@@ -127,6 +127,10 @@ flags:
                        or auto (its free memory less a margin); overrides offload_param's
                        gpu_memory_budget; with DYNAMIC a net larger than the budget trains
                        by offloading (docs/offload.md)
+  --share_data         train/bench/memory (GPU): the training step's memory plan lets blob
+                       data that no backward reads share memory, as PyTorch frees such
+                       tensors (default on; --noshare_data keeps every blob's data after a
+                       step, as Caffe; pycaffe's default; docs/gpu_engine.md)
   --dashboard [H:]P    train: serve a live page of the run (curves, facts) on port P of
                        127.0.0.1, or of host H (then a token in the printed URL is needed)
   --tensorboard DIR    train: write TensorBoard event files into DIR (the solver's
@@ -179,6 +183,7 @@ FLAGS = {
     "data_workers": ("int", -1),
     "gpu_decode": ("bool", False),
     "schedule": ("bool", False),
+    "share_data": ("bool", True),
 }
 COMMANDS = ("train", "test", "time", "device_query", "bench", "memory")
 # commands with positional arguments (Caffe's separate tools), each parsing its own
@@ -196,7 +201,8 @@ COMMAND_FLAGS = {
     "train": ("solver", "snapshot", "weights", "gpu", "parallel", "rank", "world_size",
               "init_file", "level", "stage", "sigint_effect", "sighup_effect", "debug_info",
               "cuda_graph", "tf32", "offload", "gpu_mem_limit", "dashboard",
-              "tensorboard", "data_workers", "gpu_decode", "precision", "replicas") + _EVERY,
+              "tensorboard", "data_workers", "gpu_decode", "precision", "replicas",
+              "share_data") + _EVERY,
     "test": ("model", "weights", "gpu", "iterations", "level", "stage",
              "precision") + _EVERY,
     "time": ("model", "gpu", "iterations", "phase", "level", "stage", "precision",
@@ -204,9 +210,11 @@ COMMAND_FLAGS = {
     "device_query": ("gpu",) + _EVERY,
     "bench": ("model", "solver", "gpu", "batch", "iterations", "repeats", "warmup", "phase",
               "compare", "tf32", "json", "num_classes", "input_shape", "level",
-              "stage", "precision", "offload", "gpu_mem_limit", "replicas") + _EVERY,
+              "stage", "precision", "offload", "gpu_mem_limit", "replicas",
+              "share_data") + _EVERY,
     "memory": ("model", "solver", "gpu", "batch", "input_shape", "num_classes", "offload",
-               "gpu_mem_limit", "level", "stage", "schedule", "precision") + _EVERY,
+               "gpu_mem_limit", "level", "stage", "schedule", "precision",
+               "share_data") + _EVERY,
 }
 COMMAND_USAGE = {
     "train": ("minicaffe train --solver FILE [flags]", "train or finetune a model"),
@@ -830,6 +838,12 @@ def memory(flags):
     mib = 1 << 20
     print(f"with the data that backward does not read sharing memory too: arena "
           f"{shared.arena_bytes / mib:.1f} MiB, peak {shared.peak / mib:.1f} MiB")
+    print("the training step plans "
+          + ("the latter (share_data on: minicaffe train's and bench's default)"
+             if config.shares_data and real else
+             "the former (" + ("share_data off: every blob keeps its data after a step, "
+                               "as Caffe" if not config.shares_data else
+                               "an offloading net shares no data") + ")"))
     print()
     for line in offload.memory_lines(net, hist, config):   # per offload policy (offload.py)
         print(line)
@@ -1130,6 +1144,18 @@ def _main(argv):
         return _run_command(command, flags, argv, stream)
 
 
+def _share_data(command, flags):
+    """--share_data as given; else MINICAFFE_SHARE_DATA where set (None: the RunConfig
+    reads it); else on for the commands that train without user code reading the net's
+    blobs after a step (train, bench, memory's plan of them)."""
+    import os
+    if "share_data" in flags.given:
+        return bool(flags.share_data)
+    if "MINICAFFE_SHARE_DATA" in os.environ:
+        return None
+    return True if command in ("train", "bench", "memory") else None
+
+
 def _run_command(command, flags, argv, stream):
     from .core.config import RunConfig
     # the run's settings, handed to every solver and net this command builds (config.py)
@@ -1138,7 +1164,8 @@ def _run_command(command, flags, argv, stream):
         offload_budget=flags.gpu_mem_limit if "gpu_mem_limit" in flags.given else None,
         **({"data_workers": flags.data_workers} if "data_workers" in flags.given else {}),
         gpu_decode=bool(flags.gpu_decode), precision=flags.precision or None,
-        cpu_replicas=flags.replicas)        # "auto" is resolved (and said) there
+        cpu_replicas=flags.replicas,        # "auto" is resolved (and said) there
+        share_data=_share_data(command, flags))
     flags.replicas = flags.run_config.cpu_replicas
     if command == "train":
         rc = train(flags, stream)

@@ -22,6 +22,7 @@ BAD = {
     "MINICAFFE_CHANNELS_LAST": "sideways",
     "MINICAFFE_CONV_GEMM": "sometimes",
     "MINICAFFE_CONV_DIRECT": "often",
+    "MINICAFFE_SHARE_DATA": "mostly",
     "MINICAFFE_CONV_PAD8": "twice",
     "MINICAFFE_FUSE_BN_RELU": "halfway",
     "MINICAFFE_CUDNN_LIBRARY": "/no/such/libcudnn.so.9",

@@ -210,13 +210,14 @@ def test_cli_process_ranks_get_the_runs_flags(cli_stubs):
     from minicaffe.cli import main
     assert main(["train", "--solver", "s.prototxt", "--gpu", "0,1", "--parallel", "process",
                  "--precision", "bf16", "--tf32", "--nocuda_graph", "--offload", "ALL",
-                 "--gpu_mem_limit", "12GiB", "--gpu_decode"]) == 0
+                 "--gpu_mem_limit", "12GiB", "--gpu_decode", "--noshare_data"]) == 0
     argvs, _ = cli_stubs["launch"]
     for argv in argvs:
         assert argv[argv.index("--precision") + 1] == "bf16"
         assert argv[argv.index("--offload") + 1] == "ALL"
         assert argv[argv.index("--gpu_mem_limit") + 1] in ("12GiB", str(12 << 30))
         assert "--tf32" in argv and "--nocuda_graph" in argv and "--gpu_decode" in argv
+        assert "--noshare_data" in argv
     cli_stubs.pop("launch")
     assert main(["train", "--solver", "s.prototxt", "--gpu", "0,1", "--parallel",
                  "process"]) == 0

@@ -98,6 +98,11 @@ VARIABLES = {
                         "0 forbids the cuDNN engine (every layer takes Caffe's)"),
     "MINICAFFE_CUDNN_WORKSPACE_LIMIT": (_bytes, "a number of bytes >= 0 (e.g. 0, 1e9)", None,
                                         "most workspace cuDNN's Find may try"),
+    "MINICAFFE_SHARE_DATA": (_bool, "1/0, true/false, yes/no, on/off", False,
+                             "the GPU training step lets blob data that no backward reads "
+                             "share memory (1); off: every blob keeps its data after a step, "
+                             "as Caffe (pycaffe reads net.blobs); minicaffe train and bench "
+                             "turn it on (--noshare_data: off)"),
     "MINICAFFE_CHANNELS_LAST": (_bool, "1/0, true/false, yes/no, on/off", True,
                                 "bf16/fp16 on the GPU: 2-byte feature maps held channels-last"
                                 " (NHWC) inside the engine (on by default; 0: NCHW)"),
@@ -352,6 +357,7 @@ class RunConfig:
     precision: str = None
     channels_last: bool = None
     cpu_replicas: int = 1
+    share_data: bool = None
 
     def __post_init__(self):
         if isinstance(self.cpu_replicas, str) and self.cpu_replicas.strip().lower() == "auto":
@@ -364,6 +370,9 @@ class RunConfig:
             object.__setattr__(self, "precision", prec)
             if prec in ("fp32", "tf32"):
                 object.__setattr__(self, "tf32", prec == "tf32")
+        if self.share_data is not None and not isinstance(self.share_data, bool):
+            raise ConfigError(f"share_data={self.share_data!r}: expected True, False or None "
+                              "(MINICAFFE_SHARE_DATA)")
         if not isinstance(self.gpu_decode, bool):
             raise ConfigError(f"gpu_decode={self.gpu_decode!r}: expected True or False "
                               "(--gpu_decode decodes JPEGs on the GPU in GPU mode)")
@@ -393,6 +402,14 @@ class RunConfig:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @property
+    def shares_data(self):
+        """True when the GPU training step's memory plan lets blob data that no backward
+        reads share memory (``share_data``; unset: MINICAFFE_SHARE_DATA, off by default:
+        every blob keeps its data after a step, as Caffe's)."""
+        return bool(env("MINICAFFE_SHARE_DATA") if self.share_data is None
+                    else self.share_data)
 
     @property
     def nhwc(self):

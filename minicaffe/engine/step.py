@@ -118,8 +118,13 @@ class GpuStep:
             # bf16/fp16: feature maps in 2-byte buffers (engine/precision.py), unless
             # offloaded (its copies move fp32 buffers)
             policy, budget = settings(net.net_param, net.config)
+            # --share_data (minicaffe train's default; RunConfig.share_data): blob data
+            # that no backward reads shares memory too, as PyTorch frees such tensors
+            # (pycaffe's default keeps every blob's data after a step, as Caffe); not
+            # with offload, whose plans move whole feature maps
+            lean = net.config.shares_data and policy == "NONE" and not budget
             self.plan = memory_pass(self.schedule, net, train=True,
-                                    history_sets=len(solver.history_flat),
+                                    history_sets=len(solver.history_flat), share_data=lean,
                                     reduced_storage=policy == "NONE" and not budget)
             # offload_param: a plan whose offloaded feature maps live twice (offload.py)
             self.offload = Offloader.for_step(self)
@@ -133,9 +138,10 @@ class GpuStep:
                 scratch(LAYER_SCRATCH, self.plan.scratch_bytes)
             mib = 1 << 20
             log.info("Memory plan of net %s: %.1f MiB of activations and diffs in one arena "
-                     "(%.1f MiB unshared); planned peak %.1f MiB", net.name,
+                     "(%.1f MiB unshared%s); planned peak %.1f MiB", net.name,
                      self.plan.arena_bytes / mib, self.plan.unshared_bytes / mib,
-                     self.plan.peak / mib)
+                     "; blob data no backward reads shares memory: --share_data"
+                     if lean else "", self.plan.peak / mib)
         # the data layers' tops at fixed places (a replayed graph reads them there, and
         # the host runs ahead): the plan's arena places, else device memory of their own
         self.input_places = {}

@@ -276,7 +276,7 @@ def _child_argv(flags, rank, world_size, init_file, gpu):
             argv += [f"--{name}", str(getattr(flags, name))]
     # the run's switches, as given (each rank reads the solver file again: a flag that
     # overrides its fields must reach every rank)
-    for name in ("tf32", "cuda_graph", "gpu_decode"):
+    for name in ("tf32", "cuda_graph", "gpu_decode", "share_data"):
         if name in flags.given:
             argv.append(f"--{name}" if getattr(flags, name) else f"--no{name}")
     if flags.quiet:
