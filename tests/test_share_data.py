@@ -85,29 +85,31 @@ NETS = {"resnet": RESNET, "inception": INCEPTION, "misc": MISC,
         "resnet50": ("models/resnet50/train_val.prototxt", 1)}
 
 
-def _model(path, batch):
+def _model(path, batch, precision=None):
     """The train net of ``path`` on synthetic inputs (as minicaffe bench builds it)."""
     from minicaffe.synthetic import synthetic_solver
-    solver, _ = synthetic_solver(model=path, batch=batch)
+    solver, _ = synthetic_solver(model=path, batch=batch,
+                                 config=RunConfig(precision=precision))
     return solver.net
 
 
-def _run(text, poison):
+def _run(text, poison, precision=None):
     """Param diffs after one forward and backward run layer by layer; ``poison``: each
     data buffer the shared plan lets go is NaN from the step after its last reader.
-    ``text``: a net's prototxt, or (model path, batch)."""
+    ``text``: a net's prototxt, or (model path, batch); ``precision``: the net's (bf16:
+    the plan of 2-byte storage, its cast ops, the CPU rounding fp32 buffers)."""
     context.set_mode_cpu()
     context.set_random_seed(1701)
     if isinstance(text, tuple):
-        net = _model(*text)
+        net = _model(*text, precision=precision)
     else:
-        net = Net(text, phase=caffe_pb2.TRAIN)
+        net = Net(text, phase=caffe_pb2.TRAIN, config=RunConfig(precision=precision))
         rs = np.random.RandomState(5)
         net.blobs["data"].data[...] = rs.standard_normal(net.blobs["data"].shape)
         net.blobs["label"].data[...] = rs.randint(0, 5, net.blobs["label"].shape)
     dead = {}
     if poison:
-        plan = MemoryPlan(net, share_data=True)
+        plan = MemoryPlan(net, share_data=True, reduced_storage=precision is not None)
         for b in plan.buffers:
             if b.kind == "data" and not b.pinned:
                 assert b.end < plan.steps - 1 or b.bwd_reads, b.names
@@ -128,10 +130,12 @@ def _run(text, poison):
         [m for ms in dead.values() for m in ms])
 
 
-@pytest.mark.parametrize("name", sorted(NETS))
-def test_backward_reads_no_data_the_shared_plan_lets_go(name):
-    clean, _ = _run(NETS[name], poison=False)
-    poisoned, n_dead = _run(NETS[name], poison=True)
+@pytest.mark.parametrize("name,precision", [(n, None) for n in sorted(NETS)] + [
+    (n, "bf16") for n in ("resnet", "inception", "misc", "lenet", "cifar10_quick",
+                          "googlenet")])
+def test_backward_reads_no_data_the_shared_plan_lets_go(name, precision):
+    clean, _ = _run(NETS[name], poison=False, precision=precision)
+    poisoned, n_dead = _run(NETS[name], poison=True, precision=precision)
     assert n_dead > 0          # the shared plan lets some data go in every net here
     for layer, diffs in clean.items():
         for k, (a, b) in enumerate(zip(diffs, poisoned[layer])):
