@@ -59,3 +59,24 @@ def test_the_shared_plan_trains_as_the_full_one(text, precision):
     assert loss0 == loss1
     for k, (a, b) in enumerate(zip(w0, w1)):
         np.testing.assert_array_equal(a, b, err_msg=f"param {k}")
+
+
+def test_a_shared_blob_read_after_a_step_warns_once(caplog):
+    """With share_data a blob whose data the plan lets other buffers use is not the
+    layer's output after a step: reading it says so, once, naming the blob; a kept blob
+    (the loss) and a run without sharing read silently."""
+    import logging
+    for share in (True, False):
+        s = _solver(RESNET, None, share)
+        s.step(2)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            float(s.net.blobs["loss"].data)
+            s.net.blobs["c2"].data.sum()        # BatchNorm+Scale's output: no backward reads it
+            s.net.blobs["c2"].data.sum()
+        said = [r.getMessage() for r in caplog.records if "share_data" in r.getMessage()]
+        if share:
+            assert len(said) == 1 and "blob 'c2'" in said[0], said
+        else:
+            assert not said
+        s.close()

@@ -41,7 +41,7 @@ SYNCED = "SYNCED"
 
 class SyncedMemory:
     __slots__ = ("size", "dtype", "_cpu", "_gpu", "_own_cpu", "_own_gpu", "head",
-                 "_pinned", "device", "planned", "storage", "reduced", "layout")
+                 "_pinned", "device", "planned", "storage", "reduced", "layout", "shared")
 
     def __init__(self, size=0, dtype=np.float32):
         self.size = int(size)
@@ -54,6 +54,9 @@ class SyncedMemory:
         self.head = UNINITIALIZED
         self.device = None
         self.planned = False   # the device side is a place in a memory plan's arena
+        # the blob's name where a plan with share_data lets other buffers use this place
+        # after its last reader (a host read then warns once); None otherwise
+        self.shared = None
         self.storage = None    # the device array's type when not ``dtype`` (2-byte words)
         self.reduced = None    # the planned reduced storage (kept while swapped)
         self.layout = None     # (N, C, H, W): the device side is held channels-last
@@ -114,6 +117,13 @@ class SyncedMemory:
             self._alloc_cpu()
             self.head = HEAD_AT_CPU
         elif self.head == HEAD_AT_GPU:
+            if self.shared:
+                from . import log
+                log.warning("blob '%s': its data was read after a training step whose memory "
+                            "plan shares it (share_data): it holds another buffer's values, "
+                            "not the layer's output (--noshare_data or MINICAFFE_SHARE_DATA=0 "
+                            "keeps every blob's data, as Caffe)", self.shared)
+                self.shared = ""          # once
             if self._cpu is None:
                 self._alloc_cpu()
             if self.storage is not None:
@@ -304,6 +314,7 @@ class SyncedMemory:
                 self.head = UNINITIALIZED
         self.planned = False
         self.storage = self.reduced = self.layout = None
+        self.shared = None
 
     def park(self, host):
         """Make host array ``host`` (not owned: an offload slot holding the newest

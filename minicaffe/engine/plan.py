@@ -453,6 +453,9 @@ class MemoryPlan:
                 m.bind_device(view, storage=b.storage, layout=b.layout)
             else:
                 m.bind_device(view)
+            if self.share_data and b.kind == "data" and not (b.start == 0 and
+                                                              b.end == self.steps):
+                m.shared = b.names[0]    # a host read after a step warns (synced_memory)
         for blob in self.net._blobs:
             blob.drop_views()
         if self.cast_groups or getattr(self.net, "_storage_casts", None) is not None:
