@@ -28,7 +28,7 @@ def main():
     context.set_mode_gpu()
     cp = backend.gpu_module()
     kind = P.BFLOAT16 if args.precision == "bf16" else P.FLOAT16
-    dt = "bfloat16" if kind == P.BFLOAT16 else np.dtype(np.float16)
+    dt = cudnn.storage_dtype(kind)
     bt = P.buffer_dtype(kind)
     lim = 1 << 30
     ws = cp.empty(lim, dtype=np.uint8)

@@ -1,12 +1,14 @@
 """The cuDNN convolution algorithm and workspace choice (gpu/cudnn.pick and
-choose_workspace: pure functions of Find's results, so they run on the CPU), and on the
-GPU the workspace limit's effect."""
+choose_workspace: pure functions of Find's results, so they run on the CPU), the data type
+of a 2-byte storage type's descriptors (storage_dtype, also pure), and on the GPU the
+workspace limit's effect."""
 import os
 import tempfile
 
 import numpy as np
 import pytest
 
+from minicaffe.core import precision as P
 from minicaffe.gpu import cudnn
 
 GiB = 2 ** 30
@@ -18,6 +20,16 @@ def test_pick_takes_the_fastest_that_fits_else_the_smallest():
     assert cudnn.pick(found, 2 * GiB) == (5, GiB, 1.5)
     assert cudnn.pick(found, 0) == (1, 0, 3.0)
     assert cudnn.pick([(7, 4 * GiB, 1.0)], GiB) == (7, 4 * GiB, 1.0)
+
+
+def test_a_two_byte_storage_type_names_its_cudnn_data_type():
+    assert cudnn.storage_dtype(P.BFLOAT16) == "bfloat16"
+    assert cudnn.storage_dtype(P.FLOAT16) == np.float16
+    assert cudnn.data_type(cudnn.storage_dtype(P.BFLOAT16)) == cudnn.BFLOAT16
+    assert cudnn.data_type(cudnn.storage_dtype(P.FLOAT16)) == cudnn.HALF
+    for s in (P.FLOAT, None):
+        with pytest.raises(ValueError, match="not a 2-byte storage type"):
+            cudnn.storage_dtype(s)
 
 
 def test_workspace_is_taken_only_where_each_gib_buys_its_price():

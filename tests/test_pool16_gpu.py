@@ -76,7 +76,7 @@ def _cudnn(xw, shape, PH, PW, k, s, p, kind, dyw=None):
     y, or with ``dyw`` dx."""
     from minicaffe.gpu import cudnn
     cp = backend.gpu_module()
-    dt = "bfloat16" if kind == P.BFLOAT16 else np.dtype(np.float16)
+    dt = cudnn.storage_dtype(kind)
     pd = cudnn.PoolDesc(cudnn.POOL_MAX, pool16_pair(k), pool16_pair(p), pool16_pair(s))
     xd = cudnn.TensorDesc(shape, dt, nhwc=True)
     yd = cudnn.TensorDesc((shape[0], shape[1], PH, PW), dt, nhwc=True)

@@ -15,6 +15,7 @@ import threading
 import numpy as np
 
 from ..core import backend, context
+from ..core import precision as P
 from . import libs, options
 
 # enums (cudnn_graph.h, cudnn_ops.h, cudnn_cnn.h)
@@ -235,6 +236,17 @@ def data_type(dtype):
     if np.dtype(dtype) == np.float16:
         return HALF
     return DATA[np.dtype(dtype)]
+
+
+def storage_dtype(storage):
+    """The ``dtype`` argument of the descriptors for buffers held in the 2-byte storage
+    type ``storage`` (core/precision.py): "bfloat16" for BFLOAT16 (its uint16 words have
+    no numpy dtype), float16 for FLOAT16."""
+    if storage == P.BFLOAT16:
+        return "bfloat16"
+    if storage == P.FLOAT16:
+        return np.dtype(np.float16)
+    raise ValueError(f"not a 2-byte storage type: {storage!r}")
 
 
 def _ints(vals):

@@ -316,7 +316,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         dt = bottom[0].dtype
         self._storage = self._reduced_storage(dt)
         if self._storage is not None:   # the reduced type's cuDNN calls (pseudo-half)
-            dt = "bfloat16" if self._storage == precision.BFLOAT16 else np.dtype(np.float16)
+            dt = cudnn.storage_dtype(self._storage)
         key = (bottom[0].shape, tuple(self.kernel), tuple(self.pad), tuple(self.stride),
                tuple(self.dilation), self.group, self.num_output, str(dt), self.config.tf32,
                options.deterministic)
@@ -1065,7 +1065,7 @@ class CuDNNPoolingLayer(_ChosenOnce, PoolingLayer):
         nhwc = r16.layout(blob) is not None or r16.layout(top) is not None
         key = (s, nhwc, self._desc_key)
         if getattr(self, "_descs16", (None,))[0] != key:
-            dt = "bfloat16" if s == precision.BFLOAT16 else np.dtype(np.float16)
+            dt = cudnn.storage_dtype(s)
             self._descs16 = (key, cudnn.TensorDesc(self.x_desc.shape, dt, nhwc=nhwc),
                              cudnn.TensorDesc(self.y_desc.shape, dt, nhwc=nhwc), dt)
         return self._descs16[1:]
@@ -1442,7 +1442,7 @@ class CuDNNBatchNormLayer(_ChosenOnce, BatchNormLayer):
         nhwc = r16.layout(blob) is not None
         key = (s, nhwc, self._desc_key)
         if getattr(self, "_descs16", (None,))[0] != key:
-            dt = "bfloat16" if s == precision.BFLOAT16 else np.dtype(np.float16)
+            dt = cudnn.storage_dtype(s)
             xd = cudnn.TensorDesc(blob.shape, dt, nhwc=nhwc)
             self._descs16 = (key, xd, cudnn.BNParamDesc(xd, cudnn.BN_SPATIAL))
         return self._descs16[1:]
