@@ -81,6 +81,22 @@ def _no_label_backprop(layer, propagate_down, indices=(1,), what="label"):
 
 
 _SOFTMAX_LOSS_SRC = r"""
+// the loss of one label ``raw`` given its row's probabilities (pr, the classes ``stride``
+// apart) into loss and valid; a label out of [0, C) that is not the ignore_label flags
+// ``bad`` (the first bad label seen, kept; flag 2: NaN) and counts as ignored
+__device__ __forceinline__ void mc_label_loss(const T raw, const T* pr, long long stride,
+    int C, int has_ignore, int ignore_label, int* bad, T* loss, T* valid) {
+  int lab = (int)raw;          // (int)NaN is 0 on the device: NaN is flagged on its own
+  bool ok = !(has_ignore && lab == ignore_label) || raw != raw;
+  if (ok && (raw != raw || lab < 0 || lab >= C)) {
+    if (atomicCAS(bad, 0, raw != raw ? 2 : 1) == 0) bad[1] = lab;
+    ok = false;
+  }
+  T p = ok ? pr[(long long)lab * stride] : (T)1;
+  *loss = ok ? -log(p > (T)MC_FLT_MIN ? p : (T)MC_FLT_MIN) : (T)0;
+  *valid = ok ? (T)1 : (T)0;
+}
+
 extern "C" __global__ void softmax_loss_fwd(const T* x, const T* label, T* prob, T* loss,
     T* valid, int* bad, long long n, int C, int inner, int has_ignore, int ignore_label) {
   CUDA_KERNEL_LOOP(idx, n) {
@@ -96,17 +112,8 @@ extern "C" __global__ void softmax_loss_fwd(const T* x, const T* label, T* prob,
       s += e;
     }
     for (int c = 0; c < C; ++c) pr[(long long)c * inner] /= s;
-    T raw = label[idx];
-    int lab = (int)raw;        // (int)NaN is 0 on the device: NaN is flagged on its own
-    bool ok = !(has_ignore && lab == ignore_label) || raw != raw;
-    if (ok && (raw != raw || lab < 0 || lab >= C)) {
-      // the first bad label seen, kept (flag 2: NaN)
-      if (atomicCAS(bad, 0, raw != raw ? 2 : 1) == 0) bad[1] = lab;
-      ok = false;
-    }
-    T p = ok ? pr[(long long)lab * inner] : (T)1;
-    loss[idx] = ok ? -log(p > (T)MC_FLT_MIN ? p : (T)MC_FLT_MIN) : (T)0;
-    valid[idx] = ok ? (T)1 : (T)0;
+    mc_label_loss(label[idx], pr, inner, C, has_ignore, ignore_label, bad, loss + idx,
+                  valid + idx);
   }
 }
 
@@ -141,18 +148,8 @@ extern "C" __global__ void softmax_loss_fwd_rows(const T* x, const T* label, T* 
     s = red[0];
     for (int c = t; c < C; c += blockDim.x) pr[c] /= s;
     __syncthreads();
-    if (t == 0) {
-      T raw = label[o];
-      int lab = (int)raw;
-      bool ok = !(has_ignore && lab == ignore_label) || raw != raw;
-      if (ok && (raw != raw || lab < 0 || lab >= C)) {
-        if (atomicCAS(bad, 0, raw != raw ? 2 : 1) == 0) bad[1] = lab;
-        ok = false;
-      }
-      T p = ok ? pr[lab] : (T)1;
-      loss[o] = ok ? -log(p > (T)MC_FLT_MIN ? p : (T)MC_FLT_MIN) : (T)0;
-      valid[o] = ok ? (T)1 : (T)0;
-    }
+    if (t == 0)
+      mc_label_loss(label[o], pr, 1, C, has_ignore, ignore_label, bad, loss + o, valid + o);
     __syncthreads();
   }
 }
