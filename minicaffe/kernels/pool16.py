@@ -245,6 +245,20 @@ typedef {IDX} IDX;     // int where every index fits: 32-bit divisions are cheap
 #define MC_LOOP(i, n) \
   for (IDX i = (IDX)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
        i += (IDX)blockDim.x * gridDim.x)
+// thread i's image nn, place (r, c) in an R x S grid and channels cv*V.. (CV per place)
+#define MC_DECODE(i, R, S, r, c) \
+    const int cv = (int)((i) % CV); \
+    IDX t = (i) / CV; \
+    const int c = (int)(t % (S)); \
+    t /= (S); \
+    const int r = (int)(t % (R)); \
+    const IDX nn = t / (R);
+// the window of output (p, q) of a kh x kw window: its corner (h0, w0) in the padded map,
+// its inputs' rows [hs, he) and columns [ws, we) (clipped to the image)
+#define MC_WINDOW(p, q, kh, kw) \
+  const int h0 = (p) * sh - ph, w0 = (q) * sw - pw; \
+  const int hs = max(h0, 0), ws = max(w0, 0); \
+  const int he = min(h0 + (kh), H), we = min(w0 + (kw), W);
 union MCVec { VT v; unsigned short h[V]; };
 union MCMask { MT v; unsigned char b[V]; };
 #define MC_NEG_INF {NEG_INF}
@@ -269,9 +283,7 @@ __device__ __forceinline__ void mc_select(
   float m[V];
 #pragma unroll
   for (int l = 0; l < V; ++l) { m[l] = -MC_FLT_MAX; best[l] = MC_NEG_INF; idx[l] = -1; }
-  const int h0 = p * sh - ph, w0 = q * sw - pw;
-  const int hs = max(h0, 0), ws = max(w0, 0);
-  const int he = min(h0 + kh, H), we = min(w0 + kw, W);
+  MC_WINDOW(p, q, kh, kw)
   const VT* xb = x + nn * H * W * CV + cv;
   for (int h = hs; h < he; ++h) {
     for (int w = ws; w < we; ++w) {
@@ -292,12 +304,7 @@ extern "C" __global__ void mc_max_pool16_fwd(
     const int W, const int CV, const int PH, const int PW, const int kh, const int kw,
     const int sh, const int sw, const int ph, const int pw) {
   MC_LOOP(i, n) {
-    const int cv = (int)(i % CV);
-    IDX t = i / CV;
-    const int q = (int)(t % PW);
-    t /= PW;
-    const int p = (int)(t % PH);
-    const IDX nn = t / PH;
+    MC_DECODE(i, PH, PW, p, q)
     unsigned short best[V];
     int idx[V];
     mc_select(x, nn, cv, H, W, CV, p, q, kh, kw, sh, sw, ph, pw, best, idx);
@@ -314,12 +321,7 @@ extern "C" __global__ void mc_max_pool16_bwd(
     const int PW, const int CH, const int CW, const int kh, const int kw, const int sh,
     const int sw, const int ph, const int pw) {
   MC_LOOP(i, n) {
-    const int cv = (int)(i % CV);
-    IDX t = i / CV;
-    const int q = (int)(t % CW);
-    t /= CW;
-    const int p = (int)(t % CH);
-    const IDX nn = t / CH;
+    MC_DECODE(i, CH, CW, p, q)
     unsigned short best[V];
     int idx[V];
     MCVec g;
@@ -330,9 +332,7 @@ extern "C" __global__ void mc_max_pool16_bwd(
 #pragma unroll
       for (int l = 0; l < V; ++l) { idx[l] = -1; g.h[l] = 0; }
     }
-    const int h0 = p * sh - ph, w0 = q * sw - pw;
-    const int hs = max(h0, 0), ws = max(w0, 0);
-    const int he = min(h0 + sh, H), we = min(w0 + sw, W);
+    MC_WINDOW(p, q, sh, sw)          // the cell: the window's stride x stride corner
     VT* db = dx + nn * H * W * CV + cv;
     for (int h = hs; h < he; ++h) {
       for (int w = ws; w < we; ++w) {
@@ -363,12 +363,7 @@ extern "C" __global__ void mc_max_pool16_argmax_fwd(
     const int H, const int W, const int CV, const int PH, const int PW, const int CM,
     const int kh, const int kw, const int sh, const int sw, const int ph, const int pw) {
   MC_LOOP(i, n) {
-    const int cv = (int)(i % CV);
-    IDX t = i / CV;
-    const int q = (int)(t % PW);
-    t /= PW;
-    const int p = (int)(t % PH);
-    const IDX nn = t / PH;
+    MC_DECODE(i, PH, PW, p, q)
     unsigned short best[V];
     int idx[V];
     mc_select(x, nn, cv, H, W, CV, p, q, kh, kw, sh, sw, ph, pw, best, idx);
@@ -389,21 +384,13 @@ extern "C" __global__ void mc_max_pool16_argmax_fwd(
   const int p0 = ((h) + (ph) < (kh)) ? 0 : ((h) + (ph) - (kh)) / (sh) + 1; \
   const int p1 = min(((h) + (ph)) / (sh) + 1, (PH));
 
-#define MC_DECODE_INPUT \
-    const int cv = (int)(i % CV); \
-    IDX t = i / CV; \
-    const int w = (int)(t % W); \
-    t /= W; \
-    const int h = (int)(t % H); \
-    const IDX nn = t / H;
-
 extern "C" __global__ void mc_max_pool16_argmax_bwd(
     const IDX n, const VT* __restrict__ dy, const MT* __restrict__ mask,
     VT* __restrict__ dx, const int H, const int W, const int CV, const int PH,
     const int PW, const int CM, const int kh, const int kw, const int sh, const int sw,
     const int ph, const int pw) {
   MC_LOOP(i, n) {
-    MC_DECODE_INPUT
+    MC_DECODE(i, H, W, h, w)
     MC_COVER(h, ph, kh, sh, PH, p0, p1)
     MC_COVER(w, pw, kw, sw, PW, q0, q1)
     float g[V];
@@ -437,12 +424,7 @@ extern "C" __global__ void mc_ave_pool16_fwd(
     const int W, const int CV, const int PH, const int PW, const int kh, const int kw,
     const int sh, const int sw, const int ph, const int pw) {
   MC_LOOP(i, n) {
-    const int cv = (int)(i % CV);
-    IDX t = i / CV;
-    const int q = (int)(t % PW);
-    t /= PW;
-    const int p = (int)(t % PH);
-    const IDX nn = t / PH;
+    MC_DECODE(i, PH, PW, p, q)
     int hs = p * sh - ph, ws = q * sw - pw;
     int he = min(hs + kh, H + ph), we = min(ws + kw, W + pw);
     const float size = (float)((he - hs) * (we - ws));
@@ -474,7 +456,7 @@ extern "C" __global__ void mc_ave_pool16_bwd(
     const int W, const int CV, const int PH, const int PW, const int kh, const int kw,
     const int sh, const int sw, const int ph, const int pw) {
   MC_LOOP(i, n) {
-    MC_DECODE_INPUT
+    MC_DECODE(i, H, W, h, w)
     MC_COVER(h, ph, kh, sh, PH, p0, p1)
     MC_COVER(w, pw, kw, sw, PW, q0, q1)
     float g[V];
