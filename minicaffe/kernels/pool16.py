@@ -348,6 +348,16 @@ extern "C" __global__ void mc_max_pool16_bwd(
   }
 }
 
+// Caffe's AVE divisor of window (p, q): the window clipped to [-pad, H + pad)
+__device__ __forceinline__ float mc_pool_size(const int p, const int q, const int H,
+                                              const int W, const int kh, const int kw,
+                                              const int sh, const int sw, const int ph,
+                                              const int pw) {
+  const int hs = p * sh - ph, ws = q * sw - pw;
+  const int he = min(hs + kh, H + ph), we = min(ws + kw, W + pw);
+  return (float)((he - hs) * (we - ws));
+}
+
 // the argmax bytes of window (p, q), channels cv*V.. of image nn: N, PH, PW, C in memory
 // whatever the maps' layout (CM > 1: the maps are NCHW, image nn is channel nn % CM of
 // image nn / CM, V = CV = 1)
@@ -425,13 +435,8 @@ extern "C" __global__ void mc_ave_pool16_fwd(
     const int sh, const int sw, const int ph, const int pw) {
   MC_LOOP(i, n) {
     MC_DECODE(i, PH, PW, p, q)
-    int hs = p * sh - ph, ws = q * sw - pw;
-    int he = min(hs + kh, H + ph), we = min(ws + kw, W + pw);
-    const float size = (float)((he - hs) * (we - ws));
-    hs = max(hs, 0);
-    ws = max(ws, 0);
-    he = min(he, H);
-    we = min(we, W);
+    const float size = mc_pool_size(p, q, H, W, kh, kw, sh, sw, ph, pw);
+    MC_WINDOW(p, q, kh, kw)     // (pad >= 0: min(he, H + ph, H) is min(he, H))
     float s[V];
 #pragma unroll
     for (int l = 0; l < V; ++l) s[l] = 0.f;
@@ -464,9 +469,7 @@ extern "C" __global__ void mc_ave_pool16_bwd(
     for (int l = 0; l < V; ++l) g[l] = 0.f;
     for (int p = p0; p < p1; ++p) {
       for (int q = q0; q < q1; ++q) {
-        const int hs = p * sh - ph, ws = q * sw - pw;
-        const int he = min(hs + kh, H + ph), we = min(ws + kw, W + pw);
-        const float size = (float)((he - hs) * (we - ws));
+        const float size = mc_pool_size(p, q, H, W, kh, kw, sh, sw, ph, pw);
         MCVec d;
         d.v = dy[((nn * PH + p) * PW + q) * CV + cv];
 #pragma unroll
