@@ -37,6 +37,7 @@ import numpy as np
 from ..core import precision as P
 from ._backend import as_pair, is_cupy_array, raw_kernel
 from .pool16 import _np_float
+from .vec16 import LD16
 
 __all__ = ["applies", "fits", "output_hw", "blocks", "partial_size", "backward_filter",
            "MAX_C", "MAX_CRS", "MAX_WEIGHTS"]
@@ -160,15 +161,6 @@ def _np_backward_filter(x, dy, dw, db, storage, g):
 
 # -- CUDA ----------------------------------------------------------------------------------
 _SRC = r"""
-__device__ __forceinline__ float mc_ld(unsigned short h) {
-#if MC_BF16
-  return __uint_as_float(((unsigned int)h) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-#endif
-}
 #define C {C}
 #define R {R}
 #define S {S}
@@ -253,7 +245,7 @@ def _module(storage, C, R, S, K, sh, sw, ph, pw, dh, dw_):
     ept = -(-(K * crs + K) // _THREADS)
     vals = dict(C=C, R=R, S=S, K=K, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw_,
                 TP=tp, EPT=ept)
-    src = "#define MC_BF16 %d\n" % (storage == P.BFLOAT16) + _SRC
+    src = "#define MC_BF16 %d\n" % (storage == P.BFLOAT16) + LD16 + _SRC
     for k, v in vals.items():
         src = src.replace("{%s}" % k, str(v))
     return {n: raw_kernel(src, n, "float")

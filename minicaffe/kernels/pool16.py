@@ -263,18 +263,7 @@ union MCVec { VT v; unsigned short h[V]; };
 union MCMask { MT v; unsigned char b[V]; };
 #define MC_NEG_INF {NEG_INF}
 #define MC_BF16 {BF16}
-{ST16}
-
-__device__ __forceinline__ float mc_f(unsigned short h) {
-#if {BF16}
-  return __uint_as_float(((unsigned int)h) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-#endif
-}
-
+{LD16}{ST16}
 // the window (p, q) of image nn: per lane, the selected word and its offset i*kw+j (-1)
 __device__ __forceinline__ void mc_select(
     const VT* __restrict__ x, const IDX nn, const int cv, const int H, const int W,
@@ -292,7 +281,7 @@ __device__ __forceinline__ void mc_select(
       const int k = (h - h0) * kw + (w - w0);
 #pragma unroll
       for (int l = 0; l < V; ++l) {
-        const float v = mc_f(u.h[l]);
+        const float v = mc_ld(u.h[l]);
         if (v > m[l] || (v != v && m[l] == m[l])) { m[l] = v; best[l] = u.h[l]; idx[l] = k; }
       }
     }
@@ -419,7 +408,7 @@ extern "C" __global__ void mc_max_pool16_argmax_bwd(
         d.v = dy[((nn * PH + p) * PW + q) * CV + cv];
 #pragma unroll
         for (int l = 0; l < V; ++l)
-          if (m.b[l] == k) g[l] += mc_f(d.h[l]);
+          if (m.b[l] == k) g[l] += mc_ld(d.h[l]);
       }
     }
     MCVec o;
@@ -446,7 +435,7 @@ extern "C" __global__ void mc_ave_pool16_fwd(
         MCVec u;
         u.v = xb[((IDX)hh * W + ww) * CV];
 #pragma unroll
-        for (int l = 0; l < V; ++l) s[l] += mc_f(u.h[l]);
+        for (int l = 0; l < V; ++l) s[l] += mc_ld(u.h[l]);
       }
     }
     MCVec o;
@@ -473,7 +462,7 @@ extern "C" __global__ void mc_ave_pool16_bwd(
         MCVec d;
         d.v = dy[((nn * PH + p) * PW + q) * CV + cv];
 #pragma unroll
-        for (int l = 0; l < V; ++l) g[l] += mc_f(d.h[l]) / size;
+        for (int l = 0; l < V; ++l) g[l] += mc_ld(d.h[l]) / size;
       }
     }
     MCVec o;
@@ -497,11 +486,11 @@ def _width(C, *arrays):
 @functools.lru_cache(maxsize=None)
 def _kernel(storage, v, wide, name):
     """The kernel ``name`` for ``storage``, V = ``v`` lanes, 64-bit indices if ``wide``."""
-    from .vec16 import ST16
+    from .vec16 import LD16, ST16
     src = (_SRC.replace("{V}", str(v)).replace("{VT}", _VT[v]).replace("{MT}", _MT[v])
            .replace("{IDX}", "long long" if wide else "int")
            .replace("{NEG_INF}", hex(_NEG_INF[storage]))
-           .replace("{ST16}", ST16)
+           .replace("{LD16}", LD16).replace("{ST16}", ST16)
            .replace("{BF16}", "1" if storage == P.BFLOAT16 else "0"))
     return raw_kernel(src, name, "float")
 

@@ -27,6 +27,19 @@ import numpy as np
 from ..core import precision as P
 from ._backend import raw_kernel
 
+# the 2-byte word's fp32 value (exact; fp16 by the hardware's cvt): with MC_BF16 defined,
+# for any kernel source (pool16.py's, conv16.py's)
+LD16 = r"""__device__ __forceinline__ float mc_ld(unsigned short h) {
+#if MC_BF16
+  return __uint_as_float(((unsigned int)h) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+"""
+
 # fp32 -> the 2-byte word, to nearest even (bf16 by bits, a NaN made quiet; fp16 by the
 # hardware's cvt.rn): with MC_BF16 defined, for any kernel source (reduced.py's batch norm)
 ST16 = r"""__device__ __forceinline__ unsigned short mc_st(float v) {
@@ -59,16 +72,7 @@ typedef float mc_fv;
 union mc_h { mc_hv v; unsigned short w[MC_V]; };
 union mc_f { mc_fv v; float f[MC_V]; };
 
-__device__ __forceinline__ float mc_ld(unsigned short h) {
-#if MC_BF16
-  return __uint_as_float(((unsigned int)h) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-#endif
-}
-""" + ST16 + r"""// v rounded to the 2-byte type's values, kept in fp32 (precision.py's _ROUND_V_*)
+""" + LD16 + ST16 + r"""// v rounded to the 2-byte type's values, kept in fp32 (precision.py's _ROUND_V_*)
 __device__ __forceinline__ float mc_round(float v) {
 #if MC_BF16
   const unsigned int u = __float_as_uint(v);
