@@ -25,11 +25,7 @@ from ..core import precision as P
 from . import vec16
 from ._backend import elementwise_kernel
 
-_BF16_OF = """
-unsigned int u = __float_as_uint(x);
-if ((u & 0x7fffffffu) > 0x7f800000u) y = (unsigned short)((u >> 16) | 0x40u);
-else y = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-"""
+_BF16_OF = vec16.BF16_STORE.format(v="x", out="y")
 _ROUND_BF16 = """
 unsigned int u = __float_as_uint(a);
 if ((u & 0x7fffffffu) <= 0x7f800000u)

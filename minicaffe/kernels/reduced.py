@@ -31,10 +31,7 @@ from .reduce import _SRC as _SUM_SRC, _splits
 _TYPE = {P.BFLOAT16: "uint16", P.FLOAT16: "float16"}
 _LOAD = {P.BFLOAT16: "__uint_as_float(((unsigned int)({x})) << 16)",
          P.FLOAT16: "((float)({x}))"}
-_STORE = {P.BFLOAT16: """{{ unsigned int u_ = __float_as_uint({v});
-  {out} = ((u_ & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u_ >> 16) | 0x40u)
-        : (unsigned short)((u_ + 0x7fffu + ((u_ >> 16) & 1u)) >> 16); }}""",
-          P.FLOAT16: "{out} = (float16)({v});"}
+_STORE = {P.BFLOAT16: vec16.BF16_STORE, P.FLOAT16: "{out} = (float16)({v});"}
 _ZERO = {P.BFLOAT16: "(unsigned short)0", P.FLOAT16: "(float16)0.0f"}
 
 

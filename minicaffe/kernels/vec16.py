@@ -40,18 +40,23 @@ LD16 = r"""__device__ __forceinline__ float mc_ld(unsigned short h) {
 }
 """
 
-# fp32 -> the 2-byte word, to nearest even (bf16 by bits, a NaN made quiet; fp16 by the
-# hardware's cvt.rn): with MC_BF16 defined, for any kernel source (reduced.py's batch norm)
+# the fp32 {v} -> its bf16 word, into {out}, to nearest even by bits (a NaN keeps its
+# sign and payload, made quiet): one statement, for any kernel body (format it), the
+# ElementwiseKernels' of reduced.py, precision.py and dropout.py included
+BF16_STORE = """{{ unsigned int u_ = __float_as_uint({v});
+  {out} = ((u_ & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u_ >> 16) | 0x40u)
+        : (unsigned short)((u_ + 0x7fffu + ((u_ >> 16) & 1u)) >> 16); }}"""
+
+# fp32 -> the 2-byte word, to nearest even (bf16: BF16_STORE; fp16 by the hardware's
+# cvt.rn): with MC_BF16 defined, for any kernel source (reduced.py's batch norm)
 ST16 = r"""__device__ __forceinline__ unsigned short mc_st(float v) {
-#if MC_BF16
-  const unsigned int u = __float_as_uint(v);
-  return ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
-       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-#else
   unsigned short h;
+#if MC_BF16
+  """ + BF16_STORE.format(v="v", out="h") + r"""
+#else
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
 #endif
+  return h;
 }
 """
 
