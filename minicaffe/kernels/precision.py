@@ -26,11 +26,6 @@ from . import vec16
 from ._backend import elementwise_kernel
 
 _BF16_OF = vec16.BF16_STORE.format(v="x", out="y")
-_ROUND_BF16 = """
-unsigned int u = __float_as_uint(a);
-if ((u & 0x7fffffffu) <= 0x7f800000u)
-  a = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
-"""
 _FROM = """
 float v = {load};
 if (mode & 1) v += b[(i / hw) % c];
@@ -38,28 +33,15 @@ if (mode & 2) v = v > 0.0f ? v : 0.0f;
 if (mode & 8) {{ {round} }}
 if (mode & 4) y += v; else y = v;
 """
-_ROUND_V_BF16 = """unsigned int u = __float_as_uint(v);
-if ((u & 0x7fffffffu) <= 0x7f800000u)
-  v = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);"""
-# float16 by bits (no half type needed): subnormals on fp16's 2^-24 grid (rintf: ties to
-# even), normals to 10 mantissa bits (ties to even), beyond 65504: inf; NaN and inf kept
-_ROUND_V_F16 = """float ax = fabsf(v);
-if (ax < 6.103515625e-05f) v = rintf(v * 16777216.0f) * 5.9604644775390625e-08f;
-else if (ax <= 3.402823466e+38f) {
-  unsigned int u = __float_as_uint(v);
-  float r = __uint_as_float((u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u);
-  v = fabsf(r) > 65504.0f ? copysignf(__int_as_float(0x7f800000), v) : r;
-}"""
+_TAG = {P.BFLOAT16: "bf16", P.FLOAT16: "f16"}
 
 
 def generic_kernel(storage, what):
     """The one-element-per-thread ElementwiseKernel of ``what`` (round, to, from): any
     strides, the bodies for strided views and the reference of vec16's."""
     if what == "round":
-        if storage == P.BFLOAT16:
-            return elementwise_kernel("", "float32 a", _ROUND_BF16, "mc_round_bf16")
-        return elementwise_kernel("", "float32 a", "float v = a;\n" + _ROUND_V_F16 + "\na = v;",
-                                  "mc_round_f16")
+        return elementwise_kernel("", "float32 a", "float v = a;\n" + vec16.ROUND_V[storage] +
+                                  "\na = v;", "mc_round_" + _TAG[storage])
     if what == "to":
         if storage == P.BFLOAT16:
             return elementwise_kernel("float32 x", "uint16 y", _BF16_OF, "mc_to_bf16")
@@ -68,10 +50,10 @@ def generic_kernel(storage, what):
         return elementwise_kernel("uint16 h, raw float32 b, int64 c, int64 hw, int32 mode",
                                   "float32 y",
                                   _FROM.format(load="__uint_as_float(((unsigned int)h) << 16)",
-                                               round=_ROUND_V_BF16),
+                                               round=vec16.ROUND_V[storage]),
                                   "mc_from_bf16")
     return elementwise_kernel("float16 h, raw float32 b, int64 c, int64 hw, int32 mode",
-                              "float32 y", _FROM.format(load="(float)h", round=_ROUND_V_F16),
+                              "float32 y", _FROM.format(load="(float)h", round=vec16.ROUND_V[storage]),
                               "mc_from_f16")
 
 

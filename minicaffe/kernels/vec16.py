@@ -60,6 +60,21 @@ ST16 = r"""__device__ __forceinline__ unsigned short mc_st(float v) {
 }
 """
 
+# the fp32 v rounded in place to the 2-byte type's values, kept in fp32 (to nearest even;
+# NaN and inf kept; fp16 by bits, no half type needed: subnormals on fp16's 2^-24 grid
+# (rintf: ties to even), normals to 10 mantissa bits, beyond 65504: inf): statements for
+# any kernel body, mc_round's here and precision.py's ElementwiseKernels'
+ROUND_V = {P.BFLOAT16: """  const unsigned int u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) <= 0x7f800000u)
+    v = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);""",
+           P.FLOAT16: """  const float ax = fabsf(v);
+  if (ax < 6.103515625e-05f) v = rintf(v * 16777216.0f) * 5.9604644775390625e-08f;
+  else if (ax <= 3.402823466e+38f) {
+    const unsigned int u = __float_as_uint(v);
+    const float r = __uint_as_float((u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u);
+    v = fabsf(r) > 65504.0f ? copysignf(__int_as_float(0x7f800000), v) : r;
+  }"""}
+
 _SRC = r"""
 #if MC_V == 8
 typedef uint4 mc_hv;
@@ -77,20 +92,12 @@ typedef float mc_fv;
 union mc_h { mc_hv v; unsigned short w[MC_V]; };
 union mc_f { mc_fv v; float f[MC_V]; };
 
-""" + LD16 + ST16 + r"""// v rounded to the 2-byte type's values, kept in fp32 (precision.py's _ROUND_V_*)
+""" + LD16 + ST16 + r"""// v rounded to the 2-byte type's values, kept in fp32 (ROUND_V)
 __device__ __forceinline__ float mc_round(float v) {
 #if MC_BF16
-  const unsigned int u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) <= 0x7f800000u)
-    v = __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+""" + ROUND_V[P.BFLOAT16] + r"""
 #else
-  const float ax = fabsf(v);
-  if (ax < 6.103515625e-05f) v = rintf(v * 16777216.0f) * 5.9604644775390625e-08f;
-  else if (ax <= 3.402823466e+38f) {
-    const unsigned int u = __float_as_uint(v);
-    const float r = __uint_as_float((u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u);
-    v = fabsf(r) > 65504.0f ? copysignf(__int_as_float(0x7f800000), v) : r;
-  }
+""" + ROUND_V[P.FLOAT16] + r"""
 #endif
   return v;
 }
