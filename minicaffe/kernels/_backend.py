@@ -17,7 +17,7 @@ import numpy as np
 
 __all__ = [
     "_cupy", "is_cupy_array", "get_array_module", "as_pair", "cuda_type",
-    "raw_kernel", "elementwise_kernel", "launch", "FLT_MAX", "FLT_MIN",
+    "kernel_code", "raw_kernel", "elementwise_kernel", "launch", "FLT_MAX", "FLT_MIN",
 ]
 
 # Caffe uses the float limits for both float and double Dtype.
@@ -79,6 +79,12 @@ typedef {ctype} T;
 """
 
 
+def kernel_code(source: str, ctype: str) -> str:
+    """The CUDA C that ``raw_kernel`` compiles for ``source`` with ``T`` = ``ctype``:
+    the prelude's ``T`` and macros, then ``source``."""
+    return _PRELUDE.replace("{ctype}", ctype) + source
+
+
 @functools.lru_cache(maxsize=None)
 def raw_kernel(source: str, name: str, ctype: str):
     """Compile (once per source/name/type) an ``extern "C"`` CUDA kernel.
@@ -89,8 +95,7 @@ def raw_kernel(source: str, name: str, ctype: str):
     cp = _cupy()
     if cp is None:  # pragma: no cover - only reached without CuPy
         raise RuntimeError("CuPy is not available")
-    code = _PRELUDE.replace("{ctype}", ctype) + source
-    return cp.RawKernel(code, name, options=NVRTC_OPTIONS)
+    return cp.RawKernel(kernel_code(source, ctype), name, options=NVRTC_OPTIONS)
 
 
 @functools.lru_cache(maxsize=None)
