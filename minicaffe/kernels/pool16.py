@@ -245,7 +245,8 @@ typedef {IDX} IDX;     // int where every index fits: 32-bit divisions are cheap
 #define MC_LOOP(i, n) \
   for (IDX i = (IDX)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
        i += (IDX)blockDim.x * gridDim.x)
-// thread i's image nn, place (r, c) in an R x S grid and channels cv*V.. (CV per place)
+// thread i's image nn, place (r, c) in an R x S grid and channels cv*V.. (CV per place;
+// the kernel's CV in scope)
 #define MC_DECODE(i, R, S, r, c) \
     const int cv = (int)((i) % CV); \
     IDX t = (i) / CV; \
@@ -254,7 +255,8 @@ typedef {IDX} IDX;     // int where every index fits: 32-bit divisions are cheap
     const int r = (int)(t % (R)); \
     const IDX nn = t / (R);
 // the window of output (p, q) of a kh x kw window: its corner (h0, w0) in the padded map,
-// its inputs' rows [hs, he) and columns [ws, we) (clipped to the image)
+// its inputs' rows [hs, he) and columns [ws, we) (clipped to the image; the kernel's
+// H, W, sh, sw, ph, pw in scope)
 #define MC_WINDOW(p, q, kh, kw) \
   const int h0 = (p) * sh - ph, w0 = (q) * sw - pw; \
   const int hs = max(h0, 0), ws = max(w0, 0); \
