@@ -101,6 +101,7 @@ def _has(module):
 
 @pytest.fixture
 def run_dir(tmp_path, monkeypatch):
+    pytest.importorskip("lmdb")     # the nets read an LMDB (pip install ".[data]")
     monkeypatch.chdir(tmp_path)
     _make_data(tmp_path)
     (tmp_path / "snap").mkdir()
