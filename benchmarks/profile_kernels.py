@@ -8,7 +8,9 @@ and cuDNN's too).
         --precision bf16 --torch
 
 Needs PyTorch with CUDA.  Prints, for each side, the kernels sorted by total time and
-the same times summed by kind (convolution, GEMM, batch norm, element-wise...).
+the same times summed by kind (convolution, GEMM, batch norm, element-wise...);
+``--timeline``: the last step's kernels in launch order with the GPU's idle time before
+each (what a short net's step loses between kernels).
 """
 import argparse
 import collections
@@ -64,6 +66,25 @@ def table(prof, title, n, steps):
     sys.stdout.flush()
 
 
+def timeline(prof, steps):
+    """The last replayed step's kernels in the order they ran: start (us from the step's
+    first kernel), duration, the idle time before each; the step's span and its idle
+    sum."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    n = len(ev) // steps
+    last = ev[len(ev) - n:]
+    t0 = last[0].time_range.start
+    idle, end = 0.0, t0
+    for e in last:
+        gap = max(0.0, e.time_range.start - end)
+        idle += gap
+        print(f"  {e.time_range.start - t0:8.1f} us  {e.device_time:7.1f} us  gap {gap:5.1f}"
+              f"  {e.name[:90]}")
+        end = max(end, e.time_range.end)
+    print(f"== last step: {n} kernels over {end - t0:.1f} us, {idle:.1f} us of it idle")
+
+
 def profile_replay(replay, sync, steps):
     from torch.profiler import profile, ProfilerActivity
     sync()
@@ -81,6 +102,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print the last step's kernels in order, with the gaps")
     ap.add_argument("--torch", action="store_true",
                     help="also profile the PyTorch twin's CUDA graph")
     a = ap.parse_args()
@@ -100,6 +123,8 @@ def main():
             g.launch(st.stream)
     prof = profile_replay(replay, st.stream.synchronize, a.steps)
     table(prof, f"minicaffe {a.precision} graph replay", a.top, a.steps)
+    if a.timeline:
+        timeline(prof, a.steps)
     if not a.torch:
         return
     from minicaffe.bench import capture_cuda_graph
@@ -119,6 +144,8 @@ def main():
     run = capture_cuda_graph(twin, inputs, sp, 3)
     prof = profile_replay(run, torch.cuda.synchronize, a.steps)
     table(prof, f"PyTorch {a.precision} graph replay", a.top, a.steps)
+    if a.timeline:
+        timeline(prof, a.steps)
 
 
 if __name__ == "__main__":

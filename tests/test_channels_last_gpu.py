@@ -36,7 +36,11 @@ def _nets(text, prec, monkeypatch, gemm=None, direct=None):
     rs = np.random.RandomState(3)
     x = rs.standard_normal(a.blobs["data"].shape).astype(np.float32)
     lab = rs.randint(0, 4, a.blobs["label"].shape).astype(np.float32)
+    # the per-layer copies (kept from forward to backward) checked below: not the small
+    # net's one launch of the training step (tests/test_wcast_gpu.py)
+    monkeypatch.setenv("MINICAFFE_ONE_WEIGHT_CAST", "0")
     plans = [MemoryPlan(n, reduced_storage=True) for n in (a, b)]
+    monkeypatch.delenv("MINICAFFE_ONE_WEIGHT_CAST")
     for p in plans:
         p.apply()
     for n in (a, b):

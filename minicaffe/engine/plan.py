@@ -38,7 +38,9 @@ fp32 (or 16-bit) scratch of each cast op (``storage_casts``: around the ops whos
 have no body for the planned type) is a buffer of kind ``cast``, live at its op only;
 the weights a layer's 2-byte body casts to its type (``layer.reduced_weights``) are
 buffers of kind ``weights``: a channels-last convolution's copy from its forward op to its
-backward op, an InnerProduct's at each of its two ops.
+backward op, an InnerProduct's at each of its two ops; on a training plan whose copies
+total at most ``ONE_CAST_LIMIT`` bytes, every copy from the first body step to its layer's
+last call instead (``one_cast``: the step casts them all in one launch, kernels/wcast.py).
 
 What the arena does not hold is counted beside it, so that ``peak`` predicts the device
 memory of a training run: the parameters, their diffs and the solver's history (flat
@@ -50,10 +52,29 @@ import numpy as np
 
 from ..core import backend
 from ..core import precision as P
+from ..layers.layer import CAST_WEIGHTS
 from .schedule import accesses, compile_iteration, fusion_pass, op_steps
 
 ALIGN = 256
 CUBLAS_WORKSPACE = 32 << 20
+# the 2-byte weight copies of a net whose copies total at most this many bytes are cast
+# in one launch at the start of the training step (kernels/wcast.py): on a small net a
+# launch per layer costs more than the bytes; on a large one the copies would be held
+# the whole step (each lives from its layer's forward otherwise)
+ONE_CAST_LIMIT = 16 << 20
+
+
+def one_weight_cast(nbytes):
+    """Whether copies of ``nbytes`` in all are cast in one launch: ``ONE_CAST_LIMIT``,
+    or the environment's ``MINICAFFE_ONE_WEIGHT_CAST`` (1: always, 0: never)."""
+    import os
+    v = os.environ.get("MINICAFFE_ONE_WEIGHT_CAST", "").strip()
+    if v in ("0", "1"):
+        return v == "1"
+    if v:
+        from ..core.errors import MinicaffeError
+        raise MinicaffeError(f"MINICAFFE_ONE_WEIGHT_CAST={v!r}: use 1 (always) or 0 (never)")
+    return nbytes <= ONE_CAST_LIMIT
 
 
 # buffer kinds that nothing touches before the op of their first step (the schedule
@@ -295,6 +316,7 @@ class MemoryPlan:
         instead of holding memory of their own for the whole run.  The layers that run
         on 2-byte buffers (``native_storage``) only."""
         from .precision import native_storage
+        self.one_cast = []
         if not self.storage:
             return []
         steps = {}
@@ -302,7 +324,7 @@ class MemoryPlan:
             if op.kind in ("forward", "backward") and (train or op.kind == "forward"):
                 for i in op.layers:
                     steps.setdefault((op.kind, i), []).extend(op_steps(net, op))
-        out = []
+        found = []
         for i, layer in enumerate(net.layers):
             f = getattr(layer, "reduced_weights", None)
             bot, top = net.bottom_vecs[i], net.top_vecs[i]
@@ -313,17 +335,29 @@ class MemoryPlan:
                 continue
             nhwc = id(bot[0].data_mem) in self.layouts or id(top[0].data_mem) in self.layouts
             nbytes, kept = f(s, nhwc)
-            if not nbytes:
-                continue
+            if nbytes:
+                found.append((i, layer, s, nbytes, kept))
+        # small nets: every copy cast by one launch at the start of the step, each live
+        # from there to its layer's last call (``one_cast``; engine/step.py launches it)
+        one = train and found and one_weight_cast(sum(f[3] for f in found))
+        first = min(min(st) for st in steps.values()) if steps else 0
+        out = []
+        for i, layer, s, nbytes, kept in found:
             fwd, bwd = steps[("forward", i)], steps.get(("backward", i), [])
-            spans = ([("weights", min(fwd), max(fwd + bwd))] if kept else
-                     [(f"{k} weights", min(st), max(st))
-                      for k, st in (("forward", fwd), ("backward", bwd)) if st])
+            if one:
+                spans = [(CAST_WEIGHTS, first, max(fwd + bwd))]
+            elif kept:
+                spans = [("weights", min(fwd), max(fwd + bwd))]
+            else:
+                spans = [(f"{k} weights", min(st), max(st))
+                         for k, st in (("forward", fwd), ("backward", bwd)) if st]
             for direction, start, end in spans:
                 w = WorkspaceMemory(layer, direction, nbytes)
                 b = bufs[id(w)] = Buffer(w, "weights", f"{net.layer_names[i]} ({direction})")
                 b.start, b.end = start, end
                 out.append(b)
+                if one:
+                    self.one_cast.append((layer, s, w))
         return out
 
     def split(self, buf, parts):
@@ -513,7 +547,7 @@ class MemoryPlan:
                        f"({sum(b.nbytes for b in self.casts) / mib:.1f} MiB unshared); "
                        f"{len(self.weight_copies)} weight copies in the reduced type "
                        f"({sum(b.nbytes for b in self.weight_copies) / mib:.1f} MiB "
-                       f"unshared)")
+                       f"unshared{', cast in one launch' if self.one_cast else ''})")
         out.append(f"activations and their diffs: {self.unshared_bytes / mib:.1f} MiB unshared, "
                    f"{self.arena_bytes / mib:.1f} MiB in the planned arena "
                    f"({len(self.buffers)} buffers)")

@@ -37,6 +37,7 @@ import collections
 import numpy as np
 
 from ..core import backend, context, log
+from ..core import precision as P
 from ..core.blob import Blob
 from ..gpu import graph as cuda_graph
 from ..gpu.host import HostRing
@@ -110,6 +111,7 @@ class GpuStep:
             graphs_reason = reason
         self.graphs_on = bool(graphs) and graphs_reason is None
         self.plan = None
+        self.wcast = None
         self.offload = None
         if reason is None:
             # every layer declares what it keeps: activations' diffs can share memory
@@ -136,6 +138,7 @@ class GpuStep:
             from ..layers.cudnn_layers import LAYER_SCRATCH, scratch
             if self.plan.scratch_bytes:
                 scratch(LAYER_SCRATCH, self.plan.scratch_bytes)
+            self._weight_cast()
             mib = 1 << 20
             log.info("Memory plan of net %s: %.1f MiB of activations and diffs in one arena "
                      "(%.1f MiB unshared%s); planned peak %.1f MiB", net.name,
@@ -166,6 +169,30 @@ class GpuStep:
         self.shapes = None
         self.mems = []
         self._h2d = None
+
+    def _weight_cast(self):
+        """The plan's ``one_cast`` (a small net's 2-byte weight copies) as one launch
+        (kernels/wcast.py), run at the start of each forward-backward pass; None when the
+        layers cast their own."""
+        self.wcast = None
+        one = getattr(self.plan, "one_cast", None)
+        if not one:
+            return
+        from ..kernels.wcast import WeightCast
+        entries = []
+        for layer, s, w in one:
+            src = layer.blobs[0].gpu_data()
+            bt = P.buffer_dtype(s)
+            dst = w.device_array[:src.size * bt.itemsize].view(bt)
+            entries.append((src, dst, layer.weight_copy_dims()))
+        self.wcast = WeightCast(entries, one[0][1]) if \
+            len({s for _, s, _ in one}) == 1 else None
+        if self.wcast is None:      # two 2-byte types in one net: the layers cast
+            self.plan.one_cast = []
+            return
+        log.info("Weights of net %s: %d layers' %s copies (%.1f KiB) cast in one launch a "
+                 "step", self.net.name, len(entries), one[0][1],
+                 self.wcast.nbytes / 1024)
 
     # -- the host's side of an iteration ------------------------------------------------
     def full(self):
@@ -211,7 +238,7 @@ class GpuStep:
         self.plan.release()
         backend.let_freed_go()   # the old arena is gone before the new one is made
         self.plan = plan
-        plan.apply()
+        plan.apply()       # (an offload plan holds fp32 maps: no 2-byte weight copies)
         for i in range(self.first_body):
             self._note_places(i)
 
@@ -314,9 +341,19 @@ class GpuStep:
             if off is not None:          # the offload copies run from the layer hooks
                 off.begin()
             # the schedule's forward and backward ops, the losses into the ring (the one
-            # walker of engine/executor.py, here eagerly or under capture)
-            run_ops(self.schedule, net, (self.losses.ptr, self.counter, RING),
-                    self.first_body)
+            # walker of engine/executor.py, here eagerly or under capture); a small net's
+            # weights cast to their 2-byte copies in one launch first (plan's one_cast)
+            cast = [] if self.wcast is None else self.plan.one_cast
+            if cast:
+                self.wcast()
+            for layer, s, _ in cast:
+                layer.step_cast_weights = s
+            try:
+                run_ops(self.schedule, net, (self.losses.ptr, self.counter, RING),
+                        self.first_body)
+            finally:
+                for layer, _, _ in cast:
+                    layer.step_cast_weights = None
             if off is not None:
                 off.end()
             if with_update:

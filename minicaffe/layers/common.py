@@ -12,7 +12,7 @@ import numpy as np
 from ..core import backend
 from ..core.blob import Blob
 from ..core.filler import fill
-from .layer import Layer
+from .layer import CAST_WEIGHTS, Layer
 from ..proto import caffe_pb2
 from ..kernels.blas import gemm
 from .registry import register_layer
@@ -144,9 +144,18 @@ class InnerProductLayer(Layer):
         w = self.blobs[0].gpu_data()
         dt = np.dtype(buffer_dtype(s))
         n = w.size * dt.itemsize
-        view = (getattr(self, "planned_workspace", None) or {}).get(direction + " weights")
+        places = getattr(self, "planned_workspace", None) or {}
+        view = places.get(CAST_WEIGHTS)
+        if view is not None and self.step_cast_weights == s and view.nbytes >= n:
+            return view[:n].view(dt).reshape(w.shape)   # the step's one launch cast it
+        view = places.get(CAST_WEIGHTS, places.get(direction + " weights"))
         buf = view if view is not None and view.nbytes >= n else scratch("w16", n)
         return to_reduced(w, buf[:n].view(dt).reshape(w.shape), s)
+
+    def weight_copy_dims(self):
+        """(k, c, rs) of the copy ``reduced_weights`` counts: the weights' own shape
+        (1, count, 1) (kernels/wcast.py casts it so)."""
+        return 1, self.blobs[0].count(), 1
 
     def forward_gpu(self, bottom, top):
         from ..kernels import reduced

@@ -39,6 +39,7 @@ from ..kernels.reduce import channel_sum, partial_size
 from ..proto import caffe_pb2
 from .registry import engine_name, register_cudnn
 from .common import SoftmaxLayer
+from .layer import CAST_WEIGHTS
 from .neuron import ReLULayer, SigmoidLayer, TanHLayer
 from .normalization import BatchNormLayer
 from .vision import ConvolutionLayer, LRNLayer, PoolingLayer
@@ -691,7 +692,10 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         if a is self:
             return self._cast_in("w16", w)
         buf = self._kept_w16(w.size)
-        if w.ndim == 4 and w.shape[2] * w.shape[3] > 1:     # 1 x 1: KCRS is KRSC
+        if self.step_cast_weights == self._storage and \
+                CAST_WEIGHTS in (getattr(self, "planned_workspace", None) or {}):
+            pass                        # cast by the step's one launch (engine/step.py)
+        elif w.ndim == 4 and w.shape[2] * w.shape[3] > 1:     # 1 x 1: KCRS is KRSC
             k, c, r, t = w.shape
             to_reduced_t(w.reshape(k, c, r * t), buf.reshape(k, r * t, c), self._storage)
         else:
@@ -710,12 +714,24 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
             return 0, False
         return self.blobs[0].count() * np.dtype(buffer_dtype(storage)).itemsize, True
 
+    def _planned_copy(self):
+        """The memory plan's place of the channels-last weight copy: kept from the
+        forward to the backward, or cast by the step's one launch (engine/plan.py)."""
+        places = getattr(self, "planned_workspace", None) or {}
+        return places.get(CAST_WEIGHTS, places.get("weights"))
+
+    def weight_copy_dims(self):
+        """(k, c, rs): the copy ``reduced_weights`` counts is K, R*S, C of the K, C, R, S
+        weights (kernels/wcast.py casts it so)."""
+        k, c = self.blobs[0].shape[:2]
+        return k, c, self.blobs[0].count() // (k * c)
+
     def _kept_w16(self, n):
         """The buffer of the channels-last weight copy (``n`` elements): the memory
         plan's place for it (``planned_workspace["weights"]``, live from this layer's
         forward to its backward) when there is one, else a buffer of the layer's own."""
         bt = np.dtype(buffer_dtype(self._storage))
-        view = (getattr(self, "planned_workspace", None) or {}).get("weights")
+        view = self._planned_copy()
         if view is not None and view.nbytes >= n * bt.itemsize:
             return view[:n * bt.itemsize].view(bt)
         buf = getattr(self, "_w16_buf", None)

@@ -19,6 +19,8 @@ from ..core import backend, context
 from ..core.blob import Blob
 from ..core.errors import LayerError, MinicaffeError, layer_failure
 
+CAST_WEIGHTS = "cast weights"   # the copy cast by the step's one launch (engine/plan.py)
+
 
 class Layer:
     type = None
@@ -48,6 +50,11 @@ class Layer:
     # GPU: the bodies read and write 2-byte buffers of the layer's reduced type (real
     # 16-bit storage, engine/precision.py); False: the engine casts around the layer
     reduced_body = False
+    # the 2-byte type in which the GPU step's one launch cast this layer's weights into its
+    # planned copy (``planned_workspace[CAST_WEIGHTS]``, engine/plan.py's ``one_cast``),
+    # set by the step around its forward and backward only: the body reads that copy
+    # instead of casting; None: the body casts them itself
+    step_cast_weights = None
     # What backward reads of the data forward saw, declared by each layer beside its math
     # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
     # whose *data* the backward body reads.  None: all of them (the default, always safe).
