@@ -24,6 +24,7 @@ BAD = {
     "MINICAFFE_CONV_DIRECT": "often",
     "MINICAFFE_SHARE_DATA": "mostly",
     "MINICAFFE_CONV_PAD8": "twice",
+    "MINICAFFE_ONE_WEIGHT_CAST": "once",
     "MINICAFFE_FUSE_BN_RELU": "halfway",
     "MINICAFFE_CUDNN_LIBRARY": "/no/such/libcudnn.so.9",
     "MINICAFFE_GPU_ALLOCATOR": "magic",

@@ -133,6 +133,6 @@ def test_the_limit_and_the_variable(monkeypatch):
     monkeypatch.setenv("MINICAFFE_ONE_WEIGHT_CAST", "1")   # whatever the size
     assert len(_plan()[1].one_cast) == 2
     assert _plan(train=False)[1].one_cast == []           # a forward plan: no step to cast
-    monkeypatch.setenv("MINICAFFE_ONE_WEIGHT_CAST", "yes")
-    with pytest.raises(MinicaffeError, match="MINICAFFE_ONE_WEIGHT_CAST='yes'"):
+    monkeypatch.setenv("MINICAFFE_ONE_WEIGHT_CAST", "once")
+    with pytest.raises(MinicaffeError, match="MINICAFFE_ONE_WEIGHT_CAST='once'"):
         _plan()

@@ -113,6 +113,11 @@ VARIABLES = {
                               "the filter gradient of channels-last bf16/fp16 convolutions "
                               "over at most 4 input channels by minicaffe's direct kernels: "
                               "always (1), never (0); unset: where timed faster than cuDNN"),
+    "MINICAFFE_ONE_WEIGHT_CAST": (_bool, "1/0, true/false, yes/no, on/off", None,
+                                  "the bf16/fp16 training step casts every weight copy in one "
+                                  "launch at its start: always (1), never (0: each layer "
+                                  "casts its own); unset: where the copies total at most "
+                                  "16 MiB"),
     "MINICAFFE_CONV_PAD8": (_bool, "1/0, true/false, yes/no, on/off", False,
                             "a first convolution's input channels (fewer than 8) padded with "
                             "zeros to 8 in channels-last for its forward and filter "

@@ -67,14 +67,9 @@ ONE_CAST_LIMIT = 16 << 20
 def one_weight_cast(nbytes):
     """Whether copies of ``nbytes`` in all are cast in one launch: ``ONE_CAST_LIMIT``,
     or the environment's ``MINICAFFE_ONE_WEIGHT_CAST`` (1: always, 0: never)."""
-    import os
-    v = os.environ.get("MINICAFFE_ONE_WEIGHT_CAST", "").strip()
-    if v in ("0", "1"):
-        return v == "1"
-    if v:
-        from ..core.errors import MinicaffeError
-        raise MinicaffeError(f"MINICAFFE_ONE_WEIGHT_CAST={v!r}: use 1 (always) or 0 (never)")
-    return nbytes <= ONE_CAST_LIMIT
+    from ..core import config
+    forced = config.env("MINICAFFE_ONE_WEIGHT_CAST")
+    return nbytes <= ONE_CAST_LIMIT if forced is None else forced
 
 
 # buffer kinds that nothing touches before the op of their first step (the schedule
