@@ -64,10 +64,12 @@ FC = CHAIN.replace('layer { name: "ip"', '''layer { name: "fc" type: "InnerProdu
 layer { name: "ip"''').replace('bottom: "pool2" top: "ip"', 'bottom: "fc" top: "ip"')
 
 
-def test_inner_product_weight_copies_are_arena_buffers_at_their_calls():
+def test_inner_product_weight_copies_are_arena_buffers_at_their_calls(monkeypatch):
     # the 2-byte copy of an InnerProduct's weights that its native body casts at each call
     # is a buffer of the plan, live at that layer's op only (VGG-16's fc6: 196 MiB that
-    # a scratch held for the whole run)
+    # a scratch held for the whole run); a small net's copies are cast in one launch
+    # instead unless MINICAFFE_ONE_WEIGHT_CAST=0 (tests/test_wcast.py)
+    monkeypatch.setenv("MINICAFFE_ONE_WEIGHT_CAST", "0")
     net = _net("bf16", FC)
     plan = MemoryPlan(net, reduced_storage=True)
     copies = {b.names[0]: b for b in plan.buffers if b.kind == "weights"}

@@ -15,6 +15,7 @@ from minicaffe.core import precision as P
 from minicaffe.core.config import RunConfig
 from minicaffe.kernels import wcast
 from minicaffe.proto import caffe_pb2
+from test_precision_gpu import LENET
 from test_wcast import STORAGES, _entries
 
 pytestmark = pytest.mark.gpu
@@ -35,26 +36,6 @@ def test_the_kernel_is_the_numpy_cast_bit_for_bit(storage):
         assert np.array_equal(d.view(np.uint16)[~nan], g.view(np.uint16)[~nan]), dims
 
 
-LENET = """
-name: "LeNet"
-layer { name: "data" type: "DummyData" top: "data" top: "label"
-  dummy_data_param { shape { dim: 16 dim: 1 dim: 28 dim: 28 } shape { dim: 16 }
-    data_filler { type: "gaussian" std: 1 } data_filler { type: "uniform" min: 0 max: 9.99 } } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param { num_output: 20 kernel_size: 5 weight_filler { type: "xavier" } } }
-layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
-  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
-  convolution_param { num_output: 50 kernel_size: 5 weight_filler { type: "xavier" } } }
-layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
-  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
-  inner_product_param { num_output: 500 weight_filler { type: "xavier" } } }
-layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
-layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
-  inner_product_param { num_output: 10 weight_filler { type: "xavier" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
-"""
 SOLVER = """
 net_param { %s }
 base_lr: 0.01 momentum: 0.9 weight_decay: 0.0005 lr_policy: "fixed"

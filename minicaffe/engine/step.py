@@ -347,13 +347,13 @@ class GpuStep:
             if cast:
                 self.wcast()
             for layer, s, _ in cast:
-                layer.step_cast_weights = s
+                layer.weights_cast_by(s)
             try:
                 run_ops(self.schedule, net, (self.losses.ptr, self.counter, RING),
                         self.first_body)
             finally:
                 for layer, _, _ in cast:
-                    layer.step_cast_weights = None
+                    layer.weights_cast_by(None)
             if off is not None:
                 off.end()
             if with_update:

@@ -22,6 +22,7 @@ import functools
 
 import numpy as np
 
+from ..core import backend
 from ..core import precision as P
 from ._backend import raw_kernel
 from .vec16 import ST16
@@ -88,7 +89,7 @@ class WeightCast:
     table holds them)."""
 
     def __init__(self, entries, storage):
-        import cupy as cp
+        cp = backend.gpu_module()
         _check(entries, storage)
         self.storage = storage
         self.entries = list(entries)

@@ -146,7 +146,7 @@ class InnerProductLayer(Layer):
         n = w.size * dt.itemsize
         places = getattr(self, "planned_workspace", None) or {}
         view = places.get(CAST_WEIGHTS)
-        if view is not None and self.step_cast_weights == s and view.nbytes >= n:
+        if view is not None and self._step_cast == s and view.nbytes >= n:
             return view[:n].view(dt).reshape(w.shape)   # the step's one launch cast it
         view = places.get(CAST_WEIGHTS, places.get(direction + " weights"))
         buf = view if view is not None and view.nbytes >= n else scratch("w16", n)

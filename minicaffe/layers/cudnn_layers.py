@@ -692,7 +692,7 @@ class CuDNNConvolutionLayer(_ChosenOnce, ConvolutionLayer):
         if a is self:
             return self._cast_in("w16", w)
         buf = self._kept_w16(w.size)
-        if self.step_cast_weights == self._storage and \
+        if self._step_cast == self._storage and \
                 CAST_WEIGHTS in (getattr(self, "planned_workspace", None) or {}):
             pass                        # cast by the step's one launch (engine/step.py)
         elif w.ndim == 4 and w.shape[2] * w.shape[3] > 1:     # 1 x 1: KCRS is KRSC

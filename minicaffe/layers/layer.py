@@ -50,11 +50,9 @@ class Layer:
     # GPU: the bodies read and write 2-byte buffers of the layer's reduced type (real
     # 16-bit storage, engine/precision.py); False: the engine casts around the layer
     reduced_body = False
-    # the 2-byte type in which the GPU step's one launch cast this layer's weights into its
-    # planned copy (``planned_workspace[CAST_WEIGHTS]``, engine/plan.py's ``one_cast``),
-    # set by the step around its forward and backward only: the body reads that copy
-    # instead of casting; None: the body casts them itself
-    step_cast_weights = None
+    # the 2-byte type in which the GPU step's one launch cast this layer's weights
+    # (``weights_cast_by``); None: the body casts them itself
+    _step_cast = None
     # What backward reads of the data forward saw, declared by each layer beside its math
     # (Chainer's retain_inputs / retain_outputs): the indices of the bottoms and of the tops
     # whose *data* the backward body reads.  None: all of them (the default, always safe).
@@ -66,6 +64,14 @@ class Layer:
     retain_inputs = None
     retain_outputs = None
     _config = None
+
+    def weights_cast_by(self, storage):
+        """The GPU step says, around its forward and backward only, that its one launch
+        cast this layer's weights to ``storage``'s 2-byte type into the copy the memory plan
+        gave it (``planned_workspace[CAST_WEIGHTS]``, engine/plan.py's ``one_cast``): a
+        body reads that copy instead of casting.  None: the body casts them itself (a
+        pycaffe forward between steps casts the weights it reads then)."""
+        self._step_cast = storage
 
     @property
     def config(self):
