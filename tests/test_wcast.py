@@ -136,3 +136,25 @@ def test_the_limit_and_the_variable(monkeypatch):
     monkeypatch.setenv("MINICAFFE_ONE_WEIGHT_CAST", "once")
     with pytest.raises(MinicaffeError, match="MINICAFFE_ONE_WEIGHT_CAST='once'"):
         _plan()
+
+
+def test_a_net_mixing_bf16_and_fp16_layers_casts_per_layer(monkeypatch):
+    """One launch casts to one type: where NVIDIA Caffe's per-layer types give 2-byte
+    bodies of both types, each layer keeps its copies at its own calls."""
+    monkeypatch.delenv("MINICAFFE_ONE_WEIGHT_CAST", raising=False)
+    f16 = ' forward_type: FLOAT16 backward_type: FLOAT16'
+    extra = f'''layer {{ name: "ipx" type: "InnerProduct" bottom: "ipm" top: "ipx"{f16}
+  inner_product_param {{ num_output: 12 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu3" type: "ReLU" bottom: "ipx" top: "ipx"{f16} }}
+layer {{ name: "ipy" type: "InnerProduct" bottom: "ipx" top: "ipy"{f16}
+  inner_product_param {{ num_output: 12 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu4" type: "ReLU" bottom: "ipy" top: "ipy"{f16} }}
+'''
+    text = NET.replace('layer { name: "ip2" type: "InnerProduct" bottom: "ipm"',
+                       extra + 'layer { name: "ip2" type: "InnerProduct" bottom: "ipy"')
+    net = Net(text, phase=caffe_pb2.TRAIN, config=RunConfig(precision="bf16"))
+    plan = MemoryPlan(net, reduced_storage=True)
+    assert plan.one_cast == []
+    names = sorted(b.names[0] for b in plan.weight_copies)
+    assert names == sorted(f"{n} ({d} weights)" for n in ("ip1", "ipm", "ipy")
+                           for d in ("forward", "backward"))

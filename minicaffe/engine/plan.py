@@ -333,8 +333,10 @@ class MemoryPlan:
             if nbytes:
                 found.append((i, layer, s, nbytes, kept))
         # small nets: every copy cast by one launch at the start of the step, each live
-        # from there to its layer's last call (``one_cast``; engine/step.py launches it)
-        one = train and found and one_weight_cast(sum(f[3] for f in found))
+        # from there to its layer's last call (``one_cast``; engine/step.py launches it);
+        # one launch casts to one type (a net mixing bf16 and fp16 layers casts per layer)
+        one = train and found and len({f[2] for f in found}) == 1 and \
+            one_weight_cast(sum(f[3] for f in found))
         first = min(min(st) for st in steps.values()) if steps else 0
         out = []
         for i, layer, s, nbytes, kept in found:

@@ -6,7 +6,7 @@ InnerProduct a copy of the same shape.  Cast one launch per layer, LeNet's step 
 launches on four layers' weights; on a net whose whole step is a few hundred microseconds
 of short kernels the launches cost more than the bytes.  ``WeightCast`` casts them all in
 one launch instead, at the start of the step (engine/step.py), into copies the layers read
-(``Layer.cast_weights``): the same rounding as the per-layer casts (vec16's ``mc_st``:
+(``Layer.weights_cast_by``): the same rounding as the per-layer casts (vec16's ``mc_st``:
 bf16 to nearest even by bits, fp16 by the hardware's cvt.rn), hence the same bits.
 
 An entry is (src, dst, (k, c, rs)): ``dst`` (k, rs, c) = ``src`` (k, c, rs) transposed
